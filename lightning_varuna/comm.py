@@ -1,0 +1,183 @@
+"""Communication: the P x D process grid, point-to-point transfers with timeouts, and failure reports.
+
+Ranks are laid out replica-major: ``rank = replica * P + stage``. Pipeline neighbours therefore have
+adjacent ranks and share a node whenever P divides the processes per node (Varuna's rule: the chatty
+per-micro-batch p2p traffic stays on the node), while the replicas of a stage, which exchange gradients
+once per step, sit on different nodes.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["Topology", "P2P", "PipelineError", "report_failure"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HEADER = 10  # dtype code, ndim, up to 8 dims
+_ERROR_KEY = "lightning_varuna/error/"
+
+
+class PipelineError(RuntimeError):
+    """A pipeline peer failed, died or did not answer in time."""
+
+
+@dataclass
+class Topology:
+    """Where this rank sits in the P x D grid, and the process groups it talks over."""
+
+    world_size: int
+    rank: int
+    pipeline_size: int
+    device: torch.device
+    mesh: object = None
+    pipe_group: object = None
+    data_group: object = None
+    _shared_groups: dict = field(default_factory=dict)
+
+    @property
+    def data_size(self) -> int:
+        """D: the number of pipeline replicas."""
+        return self.world_size // self.pipeline_size
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank % self.pipeline_size
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica."""
+        return self.rank // self.pipeline_size
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first stage."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage."""
+        return self.stage == self.pipeline_size - 1
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """Global rank of ``stage`` in ``replica`` (default: this rank's replica)."""
+        return (self.replica if replica is None else replica) * self.pipeline_size + stage
+
+    @property
+    def pipe_src_rank(self) -> int:
+        """Global rank of this replica's last stage, which broadcasts losses and logged values."""
+        return self.rank_of(self.pipeline_size - 1)
+
+    @staticmethod
+    def check(world_size: int, pipeline_size: int) -> None:
+        """Raises a clear error if ``pipeline_size`` cannot divide the world."""
+        if pipeline_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_size}.")
+        if world_size % pipeline_size:
+            raise ValueError(
+                f"The world size ({world_size} processes) is not divisible by pipeline_parallel_size="
+                f"{pipeline_size}. Use a P that divides {world_size}, or change devices/num_nodes."
+            )
+
+    @classmethod
+    def create(cls, pipeline_size: int, device: torch.device) -> Topology:
+        """Builds the grid over the initialised default process group (a collective call on every rank)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        cls.check(world, pipeline_size)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            device.type, (world // pipeline_size, pipeline_size), mesh_dim_names=("data", "pipe")
+        )
+        return cls(
+            world_size=world,
+            rank=rank,
+            pipeline_size=pipeline_size,
+            device=device,
+            mesh=mesh,
+            pipe_group=mesh.get_group("pipe"),
+            data_group=mesh.get_group("data"),
+        )
+
+    def stages_group(self, stages: tuple[int, ...]) -> object:
+        """The group of every replica's copies of ``stages`` (all ranks must call this in the same order)."""
+        if stages not in self._shared_groups:
+            ranks = [self.rank_of(s, d) for d in range(self.data_size) for s in stages]
+            self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks))
+        return self._shared_groups[stages]
+
+
+def report_failure(error: BaseException) -> None:
+    """Leaves this rank's error in the job's store, so peers that lose contact can say what happened."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()
+        store.set(f"{_ERROR_KEY}{dist.get_rank()}", text[-2000:])
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
+        pass
+
+
+def _peer_failure(ranks: list[int]) -> str:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for rank in ranks:
+            key = f"{_ERROR_KEY}{rank}"
+            if store.check([key]):
+                return f" Rank {rank} failed first with: {store.get(key).decode()}"
+    except Exception:  # noqa: BLE001 - the store may be gone with rank 0
+        pass
+    return ""
+
+
+class P2P:
+    """Asynchronous sends and receives between pipeline neighbours, each wait bounded by a timeout."""
+
+    def __init__(self, topology: Topology, timeout: float) -> None:
+        self.topology = topology
+        self.timeout = timedelta(seconds=timeout)
+        self._header = torch.zeros(_HEADER, dtype=torch.int64, device=topology.device)
+
+    def isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
+        """Starts sending ``tensor`` to global rank ``dst``."""
+        return dist.isend(tensor, dst=dst, tag=tag)
+
+    def irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
+        """Starts receiving into ``tensor`` from global rank ``src``."""
+        return dist.irecv(tensor, src=src, tag=tag)
+
+    def wait(self, work: dist.Work, what: str, peer: int) -> None:
+        """Waits for ``work``; a dead or silent peer becomes a :class:`PipelineError` naming it."""
+        try:
+            if self.topology.device.type == "cpu":
+                work.wait(timeout=self.timeout)
+            else:
+                work.wait()
+        except Exception as err:  # noqa: BLE001 - re-raised with the peer's own error, when known
+            me = f"rank {self.topology.rank} (stage {self.topology.stage})"
+            raise PipelineError(
+                f"{me}: {what} from/to rank {peer} failed: {err}.{_peer_failure(list(range(self.topology.world_size)))}"
+            ) from err
+
+    def send_header(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
+        """Sends the shape and dtype of ``tensor`` ahead of a step's activations."""
+        if tensor.dim() > _HEADER - 2:
+            raise PipelineError(f"A cut point tensor has {tensor.dim()} dimensions; at most {_HEADER - 2} are supported.")
+        if tensor.dtype not in _DTYPES:
+            raise PipelineError(f"A cut point tensor has dtype {tensor.dtype}; supported: {_DTYPES}.")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = _DTYPES.index(tensor.dtype)
+        header[1] = tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        return self.isend(header.to(self.topology.device), dst, tag)
+
+    def recv_header(self, src: int, tag: int) -> tuple[torch.Size, torch.dtype]:
+        """Receives what :meth:`send_header` sent (blocking, bounded by the timeout)."""
+        self.wait(self.irecv(self._header, src, tag), "receiving an activation header", src)
+        values = self._header.tolist()
+        return torch.Size(values[2 : 2 + values[1]]), _DTYPES[values[0]]

@@ -1,0 +1,134 @@
+"""Cut points: the places where a model may be split into pipeline stages.
+
+A :class:`CutPoint` is an identity module until a pipeline forward is active. While one is, every cut point
+reports to the active :class:`ForwardHandler`, which may count it, hand back a received activation in place
+of the tensor, or end the stage's forward once its output is known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["CutPoint", "CutPointError", "install_cut_at", "ForwardHandler", "StageOutputReady"]
+
+
+class CutPointError(RuntimeError):
+    """A cut point was used in a way that cannot be split (wrong input, wrong order, called twice)."""
+
+
+class StageOutputReady(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """Ends a stage's forward at its last cut point.
+
+    It derives from ``BaseException`` so that ``except Exception`` blocks in user code let it through; only the
+    executor catches it, and no other exception is ever swallowed.
+    """
+
+
+class ForwardHandler(Protocol):
+    """What a cut point talks to while a pipeline forward runs."""
+
+    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
+        """Called by each cut point with its input; returns the tensor the model continues with."""
+        ...
+
+
+_handler: ForwardHandler | None = None
+
+
+def active_handler() -> ForwardHandler | None:
+    """The handler of the pipeline forward running now, if any."""
+    return _handler
+
+
+@contextlib.contextmanager
+def forward_handler(handler: ForwardHandler) -> Iterator[ForwardHandler]:
+    """Makes ``handler`` receive every cut point call inside the block."""
+    global _handler
+    previous, _handler = _handler, handler
+    try:
+        yield handler
+    finally:
+        _handler = previous
+
+
+class CutPoint(nn.Module):
+    """Marks a place where the model may be split into pipeline stages.
+
+    Call it on the one activation tensor that flows across the cut: ``x = self.cut(x)``. Outside a pipeline
+    (plain training, inference, export) it returns its input unchanged. A cut point must be called at most
+    once per forward, and cut points must be reached in the same order in every forward.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Returns ``x``, or what the running pipeline stage puts in its place."""
+        handler = _handler
+        if handler is None:
+            return x
+        if not isinstance(x, Tensor):
+            raise CutPointError(
+                f"A CutPoint was called on a {type(x).__name__}; it takes exactly one tensor. Move the cut point to"
+                " a place where a single activation tensor flows, or pack the values into one tensor."
+            )
+        return handler.on_cut(self, x)
+
+
+def install_cut_at(root: nn.Module, path: str) -> tuple[list[CutPoint], list[RemovableHandle]]:
+    """Puts a cut point after every child but the last of the container at ``path``.
+
+    The cut points run as forward hooks, so the model's code and parameter names stay as they are. Each child
+    must return a single tensor.
+
+    Args:
+        root: The module that owns the container (usually the LightningModule).
+        path: Dotted attribute path of an ``nn.ModuleList`` or ``nn.Sequential``, e.g. ``"model.blocks"``.
+
+    Returns:
+        The cut points, in order, and the hook handles that remove them.
+    """
+    try:
+        container = root.get_submodule(path)
+    except AttributeError as err:
+        raise CutPointError(
+            f"cut_at={path!r}: {type(root).__name__} has no submodule at that path ({err}). Give the dotted"
+            " path of the nn.ModuleList or nn.Sequential that holds the blocks, e.g. 'model.blocks'."
+        ) from None
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        raise CutPointError(
+            f"cut_at={path!r} names a {type(container).__name__}; it must be an nn.ModuleList or nn.Sequential"
+            " whose children run one after another."
+        )
+    children = list(container.children())
+    if len(children) < 2:
+        raise CutPointError(f"cut_at={path!r} has {len(children)} child module(s); at least 2 are needed to cut.")
+    cuts, handles = [], []
+    for index, child in enumerate(children[:-1]):
+        cut = CutPoint()
+        cut._varuna_name = f"{path}.{index}:output"  # type: ignore[assignment]
+
+        def hook(module: nn.Module, args: object, output: object, cut: CutPoint = cut, name: str = f"{path}.{index}"):
+            if not isinstance(output, Tensor):
+                raise CutPointError(
+                    f"cut_at: {name} returned a {type(output).__name__}; cut_at needs blocks that return one"
+                    " tensor. Place CutPoint() modules in your forward instead."
+                )
+            return cut(output)
+
+        handles.append(child.register_forward_hook(hook))
+        cuts.append(cut)
+    return cuts, handles
+
+
+def cut_point_name(cut: CutPoint, names: dict[int, str]) -> str:
+    """A readable name of a cut point for messages."""
+    return getattr(cut, "_varuna_name", None) or names.get(id(cut), "<unnamed CutPoint>")
+
+
+def zero_like_shape(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` that costs one element of memory (all strides zero)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)

@@ -1,0 +1,302 @@
+"""The pipeline engine: partition a model, run schedules on batches, sync gradients. No Lightning needed.
+
+Typical use, on every rank of an initialised process group::
+
+    engine = PipelineEngine(model, pipeline_parallel_size=2, num_microbatches=4)
+    engine.setup(batch, lambda mb: loss_fn(model(mb[0]), mb[1]))
+    optimizer = torch.optim.AdamW(engine.parameters())  # this stage's parameters only
+    for batch in loader:
+        result = engine.train_step(batch, lambda mb: loss_fn(model(mb[0]), mb[1]))
+        engine.sync_gradients()
+        optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_varuna.comm import P2P, Topology
+from lightning_varuna.cut import CutPoint, CutPointError, install_cut_at
+from lightning_varuna.executor import MemoryStats, StageExecutor
+from lightning_varuna.grad_sync import GradientSync
+from lightning_varuna.partition import Plan, PartitionError, make_plan, trace_step
+from lightning_varuna.schedules import SCHEDULES, Schedule, make_schedule
+from lightning_varuna.stage import apply_plan, remove_stand_ins
+
+__all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of"]
+
+log = logging.getLogger(__name__)
+
+
+def batch_size_of(batch: Any) -> int:
+    """The size of dimension 0 of the first tensor in ``batch``."""
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise ValueError("The batch holds no tensor with a batch dimension; it cannot be split into micro-batches.")
+
+
+def split_batch(batch: Any, chunks: int) -> list[Any]:
+    """Splits every tensor of ``batch`` along dimension 0 into ``chunks`` near-equal parts.
+
+    Other values (strings, numbers) are shared by all parts.
+    """
+    leaves, spec = tree_flatten(batch)
+    size = batch_size_of(batch)
+    parts = [
+        leaf.tensor_split(chunks) if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size else None
+        for leaf in leaves
+    ]
+    return [
+        tree_unflatten([p[k] if p is not None else leaf for p, leaf in zip(parts, leaves)], spec) for k in range(chunks)
+    ]
+
+
+def _first_samples(batch: Any, n: int) -> Any:
+    size = batch_size_of(batch)
+    leaves, spec = tree_flatten(batch)
+    return tree_unflatten(
+        [x[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x for x in leaves], spec
+    )
+
+
+@dataclass
+class StepResult:
+    """What a step returns on every rank."""
+
+    outputs: list[Any]
+    """The step function's output per micro-batch (last stage only; empty elsewhere)."""
+    sizes: list[int]
+    """The size of each micro-batch."""
+
+
+class PipelineEngine:
+    """Splits a model into pipeline stages and runs schedules over them.
+
+    Args:
+        module: The model, with ``CutPoint`` modules where it may be split (or see ``cut_at``). Every rank
+            holds the full model until :meth:`setup`, which keeps only this rank's stage.
+        pipeline_parallel_size: P, the number of stages. D = world size / P.
+        num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
+        microbatch_size: Alternatively, the size of each micro-batch.
+        schedule: ``"varuna"``, ``"1f1b"`` or ``"gpipe"``.
+        recompute: Non-last stages keep only their inputs during forwards and recompute before backward.
+        cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
+        partition: Balance stages by measured ``"time"`` or by ``"params"``.
+        p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
+        device: The device of this rank (default: CPU).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        pipeline_parallel_size: int,
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        schedule: str = "varuna",
+        recompute: bool = True,
+        cut_at: str | None = None,
+        partition: str = "time",
+        p2p_timeout: float = 300.0,
+        device: torch.device | None = None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}.")
+        if num_microbatches is not None and microbatch_size is not None:
+            raise ValueError("Give num_microbatches or microbatch_size, not both.")
+        for name, value in (("num_microbatches", num_microbatches), ("microbatch_size", microbatch_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        if partition not in ("time", "params"):
+            raise ValueError(f"partition={partition!r}: use 'time' or 'params'.")
+        self.module = module
+        self.pipeline_size = pipeline_parallel_size
+        self.num_microbatches = num_microbatches
+        self.microbatch_size = microbatch_size
+        self.schedule_name = schedule
+        self.recompute = recompute
+        self.cut_at = cut_at
+        self.partition = partition
+        self.p2p_timeout = p2p_timeout
+        self.device = device or torch.device("cpu")
+        self.topology: Topology | None = None
+        self.plan: Plan | None = None
+        self.executor: StageExecutor | None = None
+        self.grad_sync: GradientSync | None = None
+        self._cuts: list[CutPoint] = []
+        self._hooks: list[Any] = []
+        self._stand_ins: list[Any] = []
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
+
+    # -- setup --------------------------------------------------------------------------------------------
+    def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None) -> Plan:
+        """Dry-runs ``step`` on a slice of ``sample_batch``, partitions, and keeps only this rank's stage.
+
+        Every rank must call it (it is collective). Errors in the model are raised on every rank before any
+        rank waits on another.
+
+        Args:
+            sample_batch: A batch like the training batches (on this rank's device).
+            step: Runs the user's step on a (micro-)batch; the dry run calls it on 1 and 2 samples.
+            topology: The process grid (created from the default process group if not given).
+
+        Returns:
+            The plan (identical on every rank).
+        """
+        self.topology = topology or Topology.create(self.pipeline_size, self.device)
+        topo = self.topology
+        if self.cut_at is not None:
+            self._cuts, self._hooks = install_cut_at(self.module, self.cut_at)
+        names = {id(m): n for n, m in self.module.named_modules()}
+        cut_names = {id(c): getattr(c, "_varuna_name", names.get(id(c), "")) for c in self._cuts}
+        size = batch_size_of(sample_batch)
+        micro = max(1, size // self.microbatches_for(size))
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            trace, cut_modules = self._dry_run(sample_batch, step, micro, cut_names)
+        if topo.pipeline_size > 1 and not trace.cuts:
+            raise PartitionError(
+                f"pipeline_parallel_size={topo.pipeline_size} but the model has no CutPoint and no cut_at was"
+                " given. Add CutPoint() modules where the model may be split, or set cut_at='path.to.blocks'."
+            )
+        if topo.world_size > 1:
+            # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
+            seconds = [trace.segment_seconds]
+            dist.broadcast_object_list(seconds, src=0)
+            trace.segment_seconds = seconds[0]
+        self.plan = make_plan(trace, topo.pipeline_size, by=self.partition)
+        stage = self.plan.stages[topo.stage]
+        first_cut = stage.segments.start - 1 if topo.stage > 0 else None
+        last_cut = stage.segments.stop - 1 if not topo.is_last else None
+        self.executor = StageExecutor(topo, P2P(topo, self.p2p_timeout), cut_modules, first_cut, last_cut)
+        self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
+        self._batch_dims = (
+            trace.cuts[first_cut].batch_dim if first_cut is not None else None,
+            trace.cuts[last_cut].batch_dim if last_cut is not None else None,
+        )
+        self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.plan.tied)
+        return self.plan
+
+    def _dry_run(self, batch: Any, step: Callable[[Any], Any], micro: int, cut_names: dict[int, str]):
+        def step_on(n: int) -> Any:
+            return step(_first_samples(batch, n))
+
+        def timed() -> Any:
+            return step(_first_samples(batch, micro))
+
+        return trace_step(self.module, step_on, timed if self.partition == "time" else None, cut_names)
+
+    # -- sizes --------------------------------------------------------------------------------------------
+    def microbatches_for(self, batch_size: int, train: bool = True) -> int:
+        """How many micro-batches a batch of ``batch_size`` is split into."""
+        if self.microbatch_size is not None:
+            return max(1, math.ceil(batch_size / self.microbatch_size))
+        if self.num_microbatches is not None:
+            if batch_size < self.num_microbatches:
+                if train:
+                    raise ValueError(
+                        f"A batch of {batch_size} sample(s) cannot be split into num_microbatches="
+                        f"{self.num_microbatches}. Use a batch size >= {self.num_microbatches}, fewer"
+                        " micro-batches, or drop_last=True in the DataLoader."
+                    )
+                return batch_size
+            return self.num_microbatches
+        return max(1, min(2 * self.pipeline_size, batch_size))
+
+    def _schedule(self, m: int, train: bool) -> Schedule:
+        key = (m, train)
+        if key not in self._schedules:
+            self._schedules[key] = make_schedule(
+                self.schedule_name, self.pipeline_size, m, recompute=self.recompute and train, train=train
+            )
+        return self._schedules[key]
+
+    # -- steps --------------------------------------------------------------------------------------------
+    def train_step(
+        self, batch: Any, step: Callable[[Any], Any], loss_of: Callable[[Any], Tensor] | None = None,
+        loss_scale: float = 1.0,
+    ) -> StepResult:
+        """Runs forward and backward of every micro-batch of ``batch``; gradients add up in ``.grad``.
+
+        The loss of micro-batch ``k`` is weighted by its share of the batch (``size_k / batch``) times
+        ``loss_scale``, so the gradients equal those of the mean loss over the whole batch.
+        """
+        return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale)
+
+    def eval_step(self, batch: Any, step: Callable[[Any], Any]) -> StepResult:
+        """Runs forward only (validation, test, predict); outputs exist on the last stage."""
+        return self._run(batch, step, train=False)
+
+    def _run(self, batch: Any, step: Callable[[Any], Any], train: bool, loss_of: Any = None,
+             loss_scale: float = 1.0) -> StepResult:
+        if self.executor is None or self.topology is None:
+            raise RuntimeError("Call PipelineEngine.setup() before running steps.")
+        size = batch_size_of(batch)
+        m = self.microbatches_for(size, train)
+        micro = split_batch(batch, m)
+        sizes = [batch_size_of(mb) for mb in micro]
+        tasks = self._schedule(m, train)[self.topology.stage]
+        loss_of = loss_of or _default_loss
+        weights = [n / size * loss_scale for n in sizes]
+
+        def weighted_loss(output: Any, k: int) -> Tensor:
+            return loss_of(output) * weights[k]
+
+        outputs = self.executor.run(
+            tasks,
+            lambda k: step(micro[k]),
+            sizes,
+            self._batch_dims,
+            train=train,
+            recompute=self.recompute,
+            loss_of=weighted_loss,
+        )
+        return StepResult(outputs=outputs if self.topology.is_last else [], sizes=sizes)
+
+    # -- gradients ----------------------------------------------------------------------------------------
+    def sync_gradients(self) -> None:
+        """Averages gradients over replicas and sums tied copies (once per optimizer step)."""
+        assert self.grad_sync is not None
+        self.grad_sync.sync()
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's parameters."""
+        return list(self.module.parameters())
+
+    @property
+    def stats(self) -> MemoryStats:
+        """Memory counters of this stage."""
+        assert self.executor is not None
+        return self.executor.stats
+
+    def teardown(self) -> None:
+        """Removes cut_at hooks and stand-ins (freed parameters stay freed)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        remove_stand_ins(self._stand_ins)
+        self._stand_ins = []
+
+
+def _default_loss(output: Any) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    raise CutPointError(
+        f"The step returned a {type(output).__name__}; for training it must return the loss tensor or a dict"
+        " with a 'loss' tensor."
+    )
+
+
+def describe(plan: Plan) -> Sequence[str]:
+    """Lines describing a plan (for logs)."""
+    return plan.table().splitlines()

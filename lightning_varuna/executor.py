@@ -1,0 +1,308 @@
+"""The runtime executor: runs one stage's task list of any schedule over torch.distributed p2p.
+
+Receives are posted ahead (all of a step's activations once their shape is known, each gradient as soon as
+the forward that it answers has been sent); sends are asynchronous and only waited for at the end of the
+step. Before a recompute whose gradient has not arrived yet, the next forward runs instead if its input is
+there (Varuna's opportunistic rule): only forward/recompute order changes, so message order holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_varuna.comm import P2P, PipelineError, Topology
+from lightning_varuna.cut import CutPoint, CutPointError, StageOutputReady, forward_handler
+from lightning_varuna.schedules import Kind, Task
+
+__all__ = ["StageExecutor", "MemoryStats", "StepFunction"]
+
+StepFunction = Callable[[int], Any]
+"""Runs the user's step on micro-batch ``k`` and returns its output (on the last stage: the loss)."""
+
+_HEADER_TAG = 0
+
+
+def _tag(kind: str, k: int) -> int:
+    return 1 + 2 * k + (kind == "grad")
+
+
+@dataclass
+class MemoryStats:
+    """Counters of what a stage holds, to check the memory promises of a schedule."""
+
+    live_graphs: int = 0
+    peak_live_graphs: int = 0
+    stash_bytes: int = 0
+    peak_stash_bytes: int = 0
+
+    def graph(self, delta: int) -> None:
+        """Counts an autograd graph kept (+1) or released (-1)."""
+        self.live_graphs += delta
+        self.peak_live_graphs = max(self.peak_live_graphs, self.live_graphs)
+
+    def stash(self, delta: int) -> None:
+        """Counts bytes of stashed stage inputs kept (+) or released (-)."""
+        self.stash_bytes += delta
+        self.peak_stash_bytes = max(self.peak_stash_bytes, self.stash_bytes)
+
+
+class _StageForward:
+    """The cut point handler of one forward of one stage."""
+
+    def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None, received: Tensor | None):
+        self.cuts = cuts
+        self.first = first
+        self.last = last
+        self.received = received
+        self.segment = 0
+        self.output: Tensor | None = None
+
+    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
+        index = self.segment
+        if index >= len(self.cuts) or self.cuts[index] is not cut:
+            raise CutPointError(
+                f"Cut point #{index} of this forward is not the one the dry run saw there. Cut points must be"
+                " reached in the same order in every forward (and each at most once)."
+            )
+        self.segment = index + 1
+        if index == self.first:
+            return self.received  # type: ignore[return-value]
+        if index == self.last:
+            self.output = x
+            raise StageOutputReady
+        return x
+
+
+class StageExecutor:
+    """Runs the tasks of one stage for one step.
+
+    Args:
+        topology: Where this rank sits.
+        p2p: The transport.
+        cuts: The cut points in execution order.
+        recompute: Whether non-last stages run forwards without autograd and recompute before backward.
+    """
+
+    def __init__(self, topology: Topology, p2p: P2P, cuts: Sequence[CutPoint], first_cut: int | None,
+                 last_cut: int | None) -> None:
+        self.topology = topology
+        self.p2p = p2p
+        self.cuts = cuts
+        self.first_cut = first_cut
+        self.last_cut = last_cut
+        self.stats = MemoryStats()
+        self.current: _StageForward | None = None
+        self.opportunistic_moves = 0
+        self._pool: dict[tuple[str, int], Tensor] = {}
+
+    # -- state visible to stand-ins -------------------------------------------------------------------------
+    def segment(self) -> int:
+        """The segment the running forward is in (the stage's first segment when none is running)."""
+        if self.current is None:
+            return 0 if self.first_cut is None else self.first_cut + 1
+        return self.current.segment
+
+    # -- buffers ------------------------------------------------------------------------------------------
+    def _buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """A receive buffer, reused across steps while its shape stays the same."""
+        buffer = self._pool.get((kind, k))
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype, device=self.topology.device)
+            self._pool[(kind, k)] = buffer
+        return buffer
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def run(
+        self,
+        tasks: Sequence[Task],
+        step: StepFunction,
+        sizes: Sequence[int],
+        batch_dims: tuple[int | None, int | None],
+        train: bool,
+        recompute: bool,
+        loss_of: Callable[[Any, int], Tensor] | None = None,
+    ) -> list[Any]:
+        """Runs ``tasks`` and returns, on the last stage, each micro-batch's step output (detached).
+
+        Args:
+            tasks: This stage's task list.
+            step: Runs the user's step on micro-batch ``k``.
+            sizes: The batch size of each micro-batch (the same on every stage).
+            batch_dims: Which dimension of the received and of the sent activation scales with the batch.
+            train: Whether backward tasks run.
+            recompute: Whether forwards of a non-last stage run without autograd (train only).
+            loss_of: On the last stage, turns step output ``k`` into the scalar to differentiate (already
+                weighted).
+        """
+        topo = self.topology
+        m = len(sizes)
+        prev_rank = topo.rank_of(topo.stage - 1) if not topo.is_first else None
+        next_rank = topo.rank_of(topo.stage + 1) if not topo.is_last else None
+        no_grad_forward = (not train) or (recompute and not topo.is_last)
+
+        inputs: list[Tensor | None] = [None] * m
+        input_works: list[dist.Work | None] = [None] * m
+        outputs: list[Any] = [None] * m
+        grads: list[Tensor | None] = [None] * m
+        grad_works: list[dist.Work | None] = [None] * m
+        rng: list[Any] = [None] * m
+        sends: list[tuple[dist.Work, Tensor, int]] = []
+        results: list[Any] = [None] * m
+        input_shape: list[torch.Size] | None = None
+
+        def post_input_receives() -> None:
+            nonlocal input_shape
+            shape, dtype = self.p2p.recv_header(prev_rank, _HEADER_TAG)
+            shapes = [_resize(shape, batch_dims[0], sizes[0], n) for n in sizes]
+            for k in range(m):
+                inputs[k] = self._buffer("act", k, shapes[k], dtype)
+                input_works[k] = self.p2p.irecv(inputs[k], prev_rank, _tag("act", k))
+            input_shape = shapes
+
+        def input_ready(k: int) -> bool:
+            if prev_rank is None:
+                return True
+            if input_shape is None:
+                return False
+            return input_works[k].is_completed()  # type: ignore[union-attr]
+
+        def forward(k: int, with_grad: bool) -> Any:
+            received = None
+            if prev_rank is not None:
+                if input_shape is None:
+                    post_input_receives()
+                work = input_works[k]
+                if work is not None:
+                    self.p2p.wait(work, f"receiving the activation of micro-batch {k}", prev_rank)
+                    input_works[k] = None
+                received = inputs[k]
+                received.requires_grad_(with_grad)  # type: ignore[union-attr]
+            handler = _StageForward(self.cuts, self.first_cut, self.last_cut, received)
+            self.current = handler
+            try:
+                with forward_handler(handler), torch.set_grad_enabled(with_grad):
+                    try:
+                        out = step(k)
+                    except StageOutputReady:
+                        out = handler.output
+                    else:
+                        if next_rank is not None:
+                            raise CutPointError(
+                                f"Stage {topo.stage}'s forward finished without reaching cut point"
+                                f" #{self.last_cut}, where the stage ends. Cut points must run in every forward."
+                            )
+            finally:
+                self.current = None
+            return out
+
+        def send_output(k: int, out: Tensor) -> None:
+            out = out.detach().contiguous() if not out.is_contiguous() else out.detach()
+            if k == 0:
+                sends.append((self.p2p.send_header(out, next_rank, _HEADER_TAG), out, next_rank))
+            sends.append((self.p2p.isend(out, next_rank, _tag("act", k)), out, next_rank))
+
+        def run_forward(k: int) -> None:
+            if train and recompute and not topo.is_last:
+                rng[k] = _rng_state(topo.device)
+            out = forward(k, with_grad=not no_grad_forward)
+            if next_rank is not None:
+                if not isinstance(out, Tensor):
+                    raise CutPointError("A stage output must be a tensor.")
+                send_output(k, out)
+                if train:
+                    buffer = self._buffer("grad", k, out.shape, out.dtype)
+                    grads[k] = buffer
+                    grad_works[k] = self.p2p.irecv(buffer, next_rank, _tag("grad", k))
+            if train and not no_grad_forward:
+                outputs[k] = out
+                self.stats.graph(+1)
+            if prev_rank is not None and train and recompute and next_rank is not None:
+                self.stats.stash(inputs[k].numel() * inputs[k].element_size())  # type: ignore[union-attr]
+            if next_rank is None:
+                results[k] = out
+            if not train and prev_rank is not None:
+                inputs[k] = None
+
+        def run_recompute(k: int) -> None:
+            with torch.random.fork_rng(devices=_rng_devices(topo.device)):
+                _set_rng_state(topo.device, rng[k])
+                outputs[k] = forward(k, with_grad=True)
+            rng[k] = None
+            self.stats.graph(+1)
+
+        def run_backward(k: int) -> None:
+            if next_rank is None:
+                torch.autograd.backward(loss_of(results[k], k))  # type: ignore[misc]
+            else:
+                work = grad_works[k]
+                if work is not None:
+                    self.p2p.wait(work, f"receiving the gradient of micro-batch {k}", next_rank)
+                    grad_works[k] = None
+                torch.autograd.backward(outputs[k], grad_tensors=grads[k])
+            outputs[k] = None
+            self.stats.graph(-1)
+            if prev_rank is not None:
+                received = inputs[k]
+                grad = received.grad if received.grad is not None else torch.zeros_like(received)  # type: ignore[union-attr]
+                received.grad = None  # type: ignore[union-attr]
+                sends.append((self.p2p.isend(grad, prev_rank, _tag("grad", k)), grad, prev_rank))
+                if recompute and next_rank is not None:
+                    self.stats.stash(-(received.numel() * received.element_size()))  # type: ignore[union-attr]
+                inputs[k] = None
+
+        pending = list(tasks)
+        try:
+            while pending:
+                task = pending.pop(0)
+                if task.kind is Kind.R and grad_works[task.microbatch] is not None and not grad_works[
+                    task.microbatch
+                ].is_completed():
+                    early = next((i for i, t in enumerate(pending) if t.kind is Kind.F), None)
+                    if early is not None and input_ready(pending[early].microbatch):
+                        pending.insert(0, task)
+                        task = pending.pop(early + 1)
+                        self.opportunistic_moves += 1
+                if task.kind is Kind.F:
+                    run_forward(task.microbatch)
+                elif task.kind is Kind.R:
+                    run_recompute(task.microbatch)
+                else:
+                    run_backward(task.microbatch)
+            for work, _, peer in sends:
+                self.p2p.wait(work, "sending", peer)
+        finally:
+            self.current = None
+        if next_rank is None:
+            return [r.detach() if isinstance(r, Tensor) else r for r in results]
+        return results
+
+
+def _resize(shape: torch.Size, dim: int | None, reference: int, size: int) -> torch.Size:
+    if dim is None or size == reference:
+        return shape
+    if shape[dim] % reference:
+        raise PipelineError(f"Activation shape {tuple(shape)} does not scale with micro-batch size {reference}.")
+    dims = list(shape)
+    dims[dim] = shape[dim] // reference * size
+    return torch.Size(dims)
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -1,0 +1,378 @@
+"""Partitioning: a dry run finds the segments between cut points, and segments are grouped into stages.
+
+The dry run runs the user's whole step on a tiny batch and observes, without guessing:
+
+- the cut points in execution order, and the shape of the tensor at each one (with batch 1 and 2, to learn
+  which dimension scales with the batch);
+- which parameters each segment uses (a ``TorchFunctionMode`` sees every parameter passed to a torch
+  function), so a parameter used on two stages (a tied embedding and head) is found automatically;
+- which module calls start and end inside one segment (those can be replaced by stand-ins on other stages);
+- values that depend on parameters and flow from one segment to a later one without passing through a cut
+  point (a skip connection across a cut), which cannot be split there.
+
+The result is a :class:`Trace`; :func:`make_plan` groups its segments into stages balanced by cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from lightning_varuna.cut import CutPoint, CutPointError, forward_handler
+
+__all__ = ["Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "balance", "make_plan", "PartitionError"]
+
+
+class PartitionError(ValueError):
+    """The model cannot be split as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class CutInfo:
+    """What flows through one cut point."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    batch_dim: int | None
+
+
+@dataclass
+class Trace:
+    """What the dry run saw. Picklable, so one rank's trace can be shared with all."""
+
+    cuts: list[CutInfo]
+    param_segments: dict[str, set[int]]
+    param_numel: dict[str, int]
+    module_segments: dict[str, set[int]]
+    crossings: dict[tuple[int, int], str] = field(default_factory=dict)
+    segment_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def num_segments(self) -> int:
+        """Number of segments: one more than the number of cut points."""
+        return len(self.cuts) + 1
+
+
+class _Tracer:
+    """Counts cut points during a dry run and records everything :class:`Trace` holds."""
+
+    def __init__(self, module: nn.Module, cut_names: dict[int, str]) -> None:
+        self.cut_names = cut_names
+        self.segment = 0
+        self.cut_order: list[CutPoint] = []
+        self.cut_tensors: list[Tensor] = []
+        self.module_names = {id(m): name for name, m in module.named_modules()}
+        self.param_names = {id(p): name for name, p in module.named_parameters()}
+        self.param_segments: dict[str, set[int]] = {}
+        self.module_segments: dict[str, set[int]] = {}
+        self.spanning: set[str] = set()
+        self.crossings: dict[tuple[int, int], str] = {}
+        self._stack: list[tuple[str, int]] = []
+        self.paused = False
+        self._origin = WeakTensorKeyDictionary()
+
+    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
+        if any(seen is cut for seen in self.cut_order):
+            raise CutPointError(
+                f"{self._name(cut)} was called twice in one forward. Each CutPoint marks one place; create one"
+                " CutPoint per place (e.g. an nn.ModuleList of them)."
+            )
+        self.cut_order.append(cut)
+        self.paused = True
+        try:
+            self.cut_tensors.append(x.detach())
+            out = x.view_as(x)
+        finally:
+            self.paused = False
+        self.segment += 1
+        self._origin[out] = self.segment
+        return out
+
+    def _name(self, cut: CutPoint) -> str:
+        return getattr(cut, "_varuna_name", None) or self.module_names.get(id(cut), "a CutPoint")
+
+    def pre_hook(self, module: nn.Module, args: object) -> None:
+        name = self.module_names.get(id(module))
+        if name is not None:
+            self._stack.append((name, self.segment))
+
+    def post_hook(self, module: nn.Module, args: object, output: object) -> None:
+        name = self.module_names.get(id(module))
+        if name is None or not self._stack:
+            return
+        _, start = self._stack.pop()
+        if start == self.segment:
+            self.module_segments.setdefault(name, set()).add(start)
+        else:
+            self.spanning.add(name)
+
+    def on_torch_function(self, args: tuple, kwargs: dict) -> bool:
+        """Records parameter use and crossings; returns whether the op's result depends on parameters."""
+        depends = False
+        if self.paused:
+            return False
+        for value in tree_leaves((args, kwargs)):
+            if not isinstance(value, Tensor):
+                continue
+            name = self.param_names.get(id(value)) if isinstance(value, nn.Parameter) else None
+            if name is not None:
+                self.param_segments.setdefault(name, set()).add(self.segment)
+                depends = True
+                continue
+            origin = self._origin.get(value)
+            if origin is not None:
+                depends = True
+                if origin != self.segment:
+                    self.crossings.setdefault((origin, self.segment), f"{tuple(value.shape)} {value.dtype}")
+        return depends
+
+    def mark_outputs(self, out: object) -> None:
+        for value in tree_leaves(out):
+            if isinstance(value, Tensor):
+                self._origin[value] = self.segment
+
+
+class _TraceMode(TorchFunctionMode):
+    def __init__(self, tracer: _Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
+        kwargs = kwargs or {}
+        depends = self.tracer.on_torch_function(args, kwargs)
+        out = func(*args, **kwargs)
+        if depends:
+            self.tracer.mark_outputs(out)
+        return out
+
+
+class _Timer:
+    """Times segments of a forward by the moments cut points are reached."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
+        self.marks.append(time.perf_counter())
+        return x
+
+
+def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[int, str]) -> _Tracer:
+    tracer = _Tracer(module, cut_names)
+    pre = nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook)
+    post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
+    try:
+        with forward_handler(tracer), _TraceMode(tracer):
+            step()
+    finally:
+        pre.remove()
+        post.remove()
+    return tracer
+
+
+def _batch_dim(small: Tensor, large: Tensor, name: str) -> int | None:
+    if small.dim() != large.dim():
+        raise PartitionError(f"The tensor at {name} changes rank with the batch size; a cut needs a fixed rank.")
+    differing = [d for d in range(small.dim()) if small.shape[d] != large.shape[d]]
+    if not differing:
+        return None
+    if len(differing) > 1 or large.shape[differing[0]] != 2 * small.shape[differing[0]]:
+        raise PartitionError(
+            f"The tensor at {name} has shape {tuple(small.shape)} for batch 1 and {tuple(large.shape)} for batch 2;"
+            " exactly one dimension may scale with the batch."
+        )
+    return differing[0]
+
+
+def trace_step(
+    module: nn.Module,
+    step_on: Callable[[int], object],
+    timed_step: Callable[[], object] | None = None,
+    cut_names: dict[int, str] | None = None,
+) -> tuple[Trace, list[CutPoint]]:
+    """Dry-runs a step and records cut points, parameter use, module calls and segment times.
+
+    Args:
+        module: The full model (every parameter present).
+        step_on: Runs the user's step on the first ``n`` samples of a batch, for ``n`` in (1, 2).
+        timed_step: Runs the step on a realistic micro-batch without autograd, to time the segments. If not
+            given, segment costs are left empty and parameter counts are used to balance.
+        cut_names: Readable names of cut points that are not submodules of ``module``.
+
+    Returns:
+        The trace and the cut point modules in execution order. Raises :class:`CutPointError` or
+        :class:`PartitionError` for models that cannot be cut.
+    """
+    cut_names = cut_names or {}
+    one = _run_traced(module, lambda: step_on(1), cut_names)
+    two = _run_traced(module, lambda: step_on(2), cut_names)
+    if [id(c) for c in one.cut_order] != [id(c) for c in two.cut_order]:
+        raise CutPointError(
+            "Cut points were reached in a different order in two forwards. Cut points must run in the same order"
+            " every time; keep data-dependent control flow inside a segment."
+        )
+    cuts = []
+    for cut, small, large in zip(one.cut_order, one.cut_tensors, two.cut_tensors):
+        name = one._name(cut)
+        if not small.is_floating_point():
+            raise CutPointError(f"{name} got a {small.dtype} tensor; a cut point needs a floating-point activation.")
+        cuts.append(CutInfo(name, tuple(large.shape), large.dtype, _batch_dim(small, large, name)))
+    seconds: list[float] = []
+    if timed_step is not None and cuts:
+        timer = _Timer()
+        with forward_handler(timer), torch.no_grad():
+            start = time.perf_counter()
+            timed_step()
+            end = time.perf_counter()
+        marks = [start, *timer.marks, end]
+        seconds = [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
+    numel = {name: p.numel() for name, p in module.named_parameters()}
+    trace = Trace(
+        cuts=cuts,
+        param_segments=two.param_segments,
+        param_numel=numel,
+        module_segments={k: v for k, v in two.module_segments.items() if k not in two.spanning},
+        crossings=two.crossings,
+        segment_seconds=seconds,
+    )
+    return trace, list(one.cut_order)
+
+
+def balance(costs: list[float], num_stages: int) -> list[range]:
+    """Splits segments into ``num_stages`` contiguous, non-empty groups minimising the largest group cost.
+
+    Ties are broken towards earlier stages taking fewer segments, since they also hold more stashed
+    activations under pipeline schedules.
+
+    Args:
+        costs: Cost of each segment, in order.
+        num_stages: Number of groups; at most ``len(costs)``.
+
+    Returns:
+        One ``range`` of segment indices per stage.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise PartitionError(f"Cannot split {n} segment(s) into {num_stages} stage(s).")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest possible maximum cost when the last k stages hold segments i..n-1
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[n] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][n] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(n - k, -1, -1):
+            for j in range(i + 1, n - k + 2):
+                value = max(prefix[j] - prefix[i], best[k - 1][j])
+                if value < best[k][i] - 1e-12 * max(1.0, value):
+                    best[k][i], cut[k][i] = value, j
+    ranges, start = [], 0
+    for k in range(num_stages, 0, -1):
+        end = cut[k][start]
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One stage of a plan."""
+
+    segments: range
+    params: tuple[str, ...]
+    param_numel: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the model is split: stages, the parameters of each, and the parameters shared across stages."""
+
+    stages: tuple[StageInfo, ...]
+    tied: tuple[tuple[str, tuple[int, ...]], ...]
+    trace: Trace
+
+    def stage_of_segment(self, segment: int) -> int:
+        """The stage that runs ``segment``."""
+        return next(s for s, info in enumerate(self.stages) if segment in info.segments)
+
+    def table(self, bytes_per_element: int = 4) -> str:
+        """A printable table: stage, segments, parameters, bytes and estimated forward time."""
+        rows = [("stage", "segments", "parameters", "param MB", "est. fwd ms")]
+        for s, info in enumerate(self.stages):
+            seg = f"{info.segments.start}-{info.segments.stop - 1}"
+            mb = info.param_numel * bytes_per_element / 2**20
+            rows.append((str(s), seg, f"{info.param_numel:,}", f"{mb:.2f}", f"{info.seconds * 1e3:.2f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+        if self.tied:
+            lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
+        return "\n".join(lines)
+
+
+def make_plan(trace: Trace, num_stages: int, by: str = "time") -> Plan:
+    """Groups the traced segments into ``num_stages`` stages.
+
+    Args:
+        trace: The dry run's trace.
+        num_stages: P, any number from 1 to the number of segments.
+        by: ``"time"`` balances measured forward time (falls back to parameters if untimed), ``"params"``
+            balances parameter counts.
+
+    Returns:
+        The plan. Raises :class:`PartitionError` if it cannot be made.
+    """
+    n = trace.num_segments
+    if num_stages > n:
+        raise PartitionError(
+            f"pipeline_parallel_size={num_stages} but the model has {n} segment(s) ({len(trace.cuts)} cut"
+            f" point(s)). Use pipeline_parallel_size <= {n}, or add CutPoint()s / set cut_at."
+        )
+    param_cost = [0.0] * n
+    for name, segments in trace.param_segments.items():
+        for seg in segments:
+            param_cost[seg] += trace.param_numel[name] / len(segments)
+    if by == "time" and len(trace.segment_seconds) == n and sum(trace.segment_seconds) > 0:
+        costs = list(trace.segment_seconds)
+    elif by in ("time", "params"):
+        costs = param_cost
+    else:
+        raise PartitionError(f"partition={by!r}: use 'time' or 'params'.")
+    ranges = balance(costs, num_stages)
+    stage_of = {seg: s for s, r in enumerate(ranges) for seg in r}
+    for (src, dst), what in sorted(trace.crossings.items()):
+        if stage_of[src] != stage_of[dst]:
+            raise PartitionError(
+                f"A tensor ({what}) computed from parameters in segment {src} is used in segment {dst} without"
+                f" passing through a CutPoint, and those segments fall on stages {stage_of[src]} and"
+                f" {stage_of[dst]}. Route it through the cut point, or remove the cut points between them."
+            )
+    stage_params: list[list[str]] = [[] for _ in ranges]
+    tied = []
+    for name in trace.param_numel:
+        stages = sorted({stage_of[seg] for seg in trace.param_segments.get(name, {0})})
+        for s in stages:
+            stage_params[s].append(name)
+        if len(stages) > 1:
+            tied.append((name, tuple(stages)))
+    seconds = trace.segment_seconds if len(trace.segment_seconds) == n else [0.0] * n
+    stages = tuple(
+        StageInfo(
+            segments=r,
+            params=tuple(stage_params[s]),
+            param_numel=sum(trace.param_numel[p] for p in stage_params[s]),
+            seconds=sum(seconds[i] for i in r),
+        )
+        for s, r in enumerate(ranges)
+    )
+    return Plan(stages=stages, tied=tuple(tied), trace=trace)

@@ -1,0 +1,141 @@
+"""Turning the full model into one stage: other stages' parameters are freed and their modules stood in for.
+
+Every rank runs the user's whole Python step ("predicated execution"). On a stage that does not own them:
+
+- a parameter becomes a non-persistent buffer of the same shape and dtype with all strides zero (one
+  element of memory), so code such as ``x + self.pos[:, :T]`` keeps working;
+- a module whose calls all start and end inside segments of earlier stages is replaced by a stand-in that
+  works out its output shapes on the meta device (cached per input signature) and returns zero-stride
+  tensors of those shapes. User code never sees ``None`` and needs no changes.
+
+At the stage's first cut point the received activation replaces the tensor, and at its last one the forward
+is cut short, so modules of later stages never run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_varuna.cut import zero_like_shape
+from lightning_varuna.partition import Plan
+
+__all__ = ["StandIn", "apply_plan", "free_parameter"]
+
+
+def free_parameter(root: nn.Module, name: str) -> None:
+    """Replaces parameter ``name`` (everywhere it is registered) by a zero-stride, non-persistent buffer."""
+    target = root.get_parameter(name)
+    placeholder = zero_like_shape(target.shape, target.dtype, target.device)
+    for module in root.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is target:
+                del module._parameters[attr]
+                module.register_buffer(attr, placeholder, persistent=False)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple | None:
+    leaves, spec = tree_flatten((args, kwargs))
+    key: list[Any] = [spec]
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            key.append((tuple(leaf.shape), leaf.dtype))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                return None
+            key.append(leaf)
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
+
+
+class StandIn:
+    """Replaces a module's ``forward``: runs it for real in owned segments, by shape only elsewhere."""
+
+    def __init__(self, module: nn.Module, owned: range, segment: Callable[[], int], device: torch.device):
+        self.module = module
+        self.forward = module.forward
+        self.owned = owned
+        self.segment = segment
+        self.device = device
+        self._cache: dict[tuple, tuple[list, Any]] = {}
+        self._tracing = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._tracing or self.segment() in self.owned:
+            return self.forward(*args, **kwargs)
+        key = _signature(args, kwargs)
+        entry = self._cache.get(key) if key is not None else None
+        if entry is None:
+            entry = self._shapes(args, kwargs)
+            if key is not None and len(self._cache) < 64:
+                self._cache[key] = entry
+        specs, tree = entry
+        leaves = [zero_like_shape(s, d, self.device) if isinstance(s, tuple) else s for s, d in specs]
+        return tree_unflatten(leaves, tree)
+
+    def _shapes(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+        def to_meta(value: Any) -> Any:
+            return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
+
+        state = {name: to_meta(t) for name, t in self.module.state_dict(keep_vars=True).items()}
+        state.update({name: to_meta(t) for name, t in self.module.named_buffers()})
+        self._tracing = True
+        try:
+            out = torch.func.functional_call(self.module, state, tree_map(to_meta, args), tree_map(to_meta, kwargs))
+        finally:
+            self._tracing = False
+        leaves, tree = tree_flatten(out)
+        specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
+        return specs, tree
+
+
+def _outermost(names: set[str]) -> list[str]:
+    return [n for n in sorted(names) if not any(n.startswith(other + ".") for other in names if other != n)]
+
+
+def apply_plan(
+    root: nn.Module, plan: Plan, stage: int, segment: Callable[[], int], device: torch.device
+) -> list[StandIn]:
+    """Makes ``root`` hold only stage ``stage``'s parameters and stand-ins for earlier stages' modules.
+
+    Args:
+        root: The full model (the LightningModule).
+        plan: The partition plan (identical on every rank).
+        stage: This rank's stage.
+        segment: Returns the segment the running forward is in.
+        device: Device of the stand-ins' outputs.
+
+    Returns:
+        The stand-ins installed.
+    """
+    owned = plan.stages[stage].segments
+    keep = set(plan.stages[stage].params)
+    for name, _ in list(root.named_parameters()):
+        if name not in keep:
+            free_parameter(root, name)
+    candidates = {
+        name for name, segments in plan.trace.module_segments.items() if name and min(segments) < owned.start
+    }
+    stand_ins = []
+    for name in _outermost(candidates):
+        module = root.get_submodule(name)
+        stand_in = StandIn(module, owned, segment, device)
+        module.forward = stand_in  # type: ignore[method-assign]
+        stand_ins.append(stand_in)
+    return stand_ins
+
+
+def remove_stand_ins(stand_ins: list[StandIn]) -> None:
+    """Gives the modules their own ``forward`` back."""
+    for stand_in in stand_ins:
+        if stand_in.module.__dict__.get("forward") is stand_in:
+            del stand_in.module.__dict__["forward"]

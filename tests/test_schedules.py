@@ -1,0 +1,217 @@
+from __future__ import annotations
+
+import pytest
+
+from lightning_varuna.schedules import (
+    SCHEDULES,
+    Kind,
+    Schedule,
+    ScheduleError,
+    Task,
+    make_schedule,
+    validate_schedule,
+)
+
+
+def tasks(text: str) -> tuple[Task, ...]:
+    """Parse ``"F0 F1 R0 B0"`` (commas allowed) into tasks."""
+    return tuple(Task(Kind(word[0]), int(word[1:])) for word in text.replace(",", " ").split())
+
+
+def interleave(*kinds: str, microbatches: range) -> str:
+    """``interleave("R", "B", microbatches=range(2))`` -> ``"R0 B0 R1 B1"``."""
+    return " ".join(f"{kind}{k}" for k in microbatches for kind in kinds)
+
+
+def forwards(microbatches: range) -> str:
+    return interleave("F", microbatches=microbatches)
+
+
+# --- varuna ---------------------------------------------------------------------------------------------
+
+VARUNA_P4_M8 = (
+    # Stage 0: F0..F7 then R0 B0 R1 B1 ... R7 B7 (VARUNA.md).
+    tasks(forwards(range(8)) + " " + interleave("R", "B", microbatches=range(8))),
+    # Stage 1: not given in VARUNA.md; this is what the rules produce.
+    tasks("F0 F1 F2 F3 F4 F5, R0 B0 R1 B1 R2 B2, F6 F7, R3 B3 R4 B4 R5 B5 R6 B6 R7 B7"),
+    # Stage 2 (VARUNA.md).
+    tasks("F0 F1 F2, R0 B0 R1 B1 R2 B2, F3 F4 F5, R3 B3 R4 B4 R5 B5, F6 F7, R6 B6 R7 B7"),
+    # Stage 3, the last: F0 B0 F1 B1 ... F7 B7 (VARUNA.md).
+    tasks(interleave("F", "B", microbatches=range(8))),
+)
+
+
+def test_varuna_reproduces_paper_example() -> None:
+    schedule = make_schedule("varuna", 4, 8, recompute=True)
+    assert schedule[0] == VARUNA_P4_M8[0]
+    assert schedule[2] == VARUNA_P4_M8[2]
+    assert schedule[3] == VARUNA_P4_M8[3]
+
+
+def test_varuna_stage_one_for_p4_m8() -> None:
+    assert make_schedule("varuna", 4, 8, recompute=True)[1] == VARUNA_P4_M8[1]
+
+
+def test_varuna_without_recompute_p4_m8() -> None:
+    schedule = make_schedule("varuna", 4, 8, recompute=False)
+    assert schedule == (
+        tasks(forwards(range(8)) + " " + interleave("B", microbatches=range(8))),
+        tasks("F0 F1 F2 F3 F4 F5 F6 B0 F7 B1 B2 B3 B4 B5 B6 B7"),
+        tasks("F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"),
+        tasks(interleave("F", "B", microbatches=range(8))),
+    )
+
+
+def test_single_stage_is_forward_backward_alternating() -> None:
+    expected = (tasks(interleave("F", "B", microbatches=range(3))),)
+    assert make_schedule("varuna", 1, 3, recompute=True) == expected
+    assert make_schedule("1f1b", 1, 3, recompute=True) == expected
+    assert make_schedule("gpipe", 1, 3, recompute=True) == (tasks("F0 F1 F2 B0 B1 B2"),)
+
+
+# --- 1F1B -----------------------------------------------------------------------------------------------
+
+
+def test_1f1b_p4_m8_without_recompute() -> None:
+    assert make_schedule("1f1b", 4, 8, recompute=False) == (
+        tasks("F0 F1 F2, F3 B0 F4 B1 F5 B2 F6 B3 F7 B4, B5 B6 B7"),
+        tasks("F0 F1, F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5, B6 B7"),
+        tasks("F0, F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6, B7"),
+        tasks("F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"),
+    )
+
+
+def test_1f1b_p4_m8_with_recompute() -> None:
+    assert make_schedule("1f1b", 4, 8, recompute=True) == (
+        tasks("F0 F1 F2, F3 R0 B0 F4 R1 B1 F5 R2 B2 F6 R3 B3 F7 R4 B4, R5 B5 R6 B6 R7 B7"),
+        tasks("F0 F1, F2 R0 B0 F3 R1 B1 F4 R2 B2 F5 R3 B3 F6 R4 B4 F7 R5 B5, R6 B6 R7 B7"),
+        tasks("F0, F1 R0 B0 F2 R1 B1 F3 R2 B2 F4 R3 B3 F5 R4 B4 F6 R5 B5 F7 R6 B6, R7 B7"),
+        tasks("F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"),
+    )
+
+
+def test_1f1b_fewer_microbatches_than_stages() -> None:
+    assert make_schedule("1f1b", 4, 2, recompute=True) == (
+        tasks("F0 F1 R0 B0 R1 B1"),
+        tasks("F0 F1 R0 B0 R1 B1"),
+        tasks("F0, F1 R0 B0, R1 B1"),
+        tasks("F0 B0 F1 B1"),
+    )
+
+
+# --- GPipe ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gpipe_shape(recompute: bool) -> None:
+    schedule = make_schedule("gpipe", 3, 5, recompute=recompute)
+    for stage, stage_tasks in enumerate(schedule):
+        kinds = ("R", "B") if recompute and stage < 2 else ("B",)
+        assert stage_tasks == tasks(forwards(range(5)) + " " + interleave(*kinds, microbatches=range(5)))
+
+
+# --- all schedules and sizes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_size_validates(name: str) -> None:
+    for num_stages in range(1, 7):
+        for num_microbatches in range(1, 14):
+            for recompute in (False, True):
+                schedule = make_schedule(name, num_stages, num_microbatches, recompute)
+                assert len(schedule) == num_stages
+                last = schedule[-1]
+                assert not any(task.kind is Kind.R for task in last)
+                has_r = any(task.kind is Kind.R for stage in schedule for task in stage)
+                assert has_r == (recompute and num_stages > 1)
+                evaluation = make_schedule(name, num_stages, num_microbatches, recompute, train=False)
+                assert evaluation == (tasks(forwards(range(num_microbatches))),) * num_stages
+                validate_schedule(evaluation, num_microbatches, recompute, train=False)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_fewer_microbatches_than_stages(name: str) -> None:
+    schedule = make_schedule(name, 6, 2, recompute=True)
+    validate_schedule(schedule, 2, recompute=True)
+    assert all(len(stage) == 6 for stage in schedule[:-1])
+    assert len(schedule[-1]) == 4
+
+
+# --- bad arguments --------------------------------------------------------------------------------------
+
+
+def test_bad_name_and_sizes() -> None:
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
+        make_schedule("zb", 4, 8, recompute=False)
+    with pytest.raises(ScheduleError, match="num_stages"):
+        make_schedule("1f1b", 0, 8, recompute=False)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        make_schedule("varuna", 2, 0, recompute=False)
+
+
+# --- invalid schedules ----------------------------------------------------------------------------------
+
+
+def replace_stage(schedule: Schedule, stage: int, new: tuple[Task, ...]) -> Schedule:
+    return schedule[:stage] + (new,) + schedule[stage + 1 :]
+
+
+def test_rejects_swapped_backward_order() -> None:
+    schedule = make_schedule("1f1b", 2, 3, recompute=False)
+    bad = replace_stage(schedule, 0, tasks("F0 F1 B1 F2 B0 B2"))
+    with pytest.raises(ScheduleError, match=r"stage 0: backwards .* B0 comes after B1"):
+        validate_schedule(bad, 3, recompute=False)
+
+
+def test_rejects_swapped_forward_order() -> None:
+    schedule = make_schedule("gpipe", 2, 2, recompute=False)
+    bad = replace_stage(schedule, 1, tasks("F1 F0 B0 B1"))
+    with pytest.raises(ScheduleError, match=r"stage 1: forwards .* F0 comes after F1"):
+        validate_schedule(bad, 2, recompute=False)
+
+
+def test_rejects_missing_recompute() -> None:
+    schedule = make_schedule("varuna", 3, 2, recompute=True)
+    bad = replace_stage(schedule, 1, tuple(t for t in schedule[1] if t != Task(Kind.R, 1)))
+    with pytest.raises(ScheduleError, match="stage 1: missing task R1"):
+        validate_schedule(bad, 2, recompute=True)
+
+
+def test_rejects_recompute_where_not_allowed() -> None:
+    with_r = make_schedule("gpipe", 2, 2, recompute=True)
+    with pytest.raises(ScheduleError, match="stage 0: unexpected task R0 .recompute is off"):
+        validate_schedule(with_r, 2, recompute=False)
+    on_last = replace_stage(with_r, 1, tasks("F0 F1 R0 B0 B1"))
+    with pytest.raises(ScheduleError, match="stage 1: unexpected task R0 .the last stage never recomputes"):
+        validate_schedule(on_last, 2, recompute=True)
+
+
+def test_rejects_recompute_out_of_place() -> None:
+    schedule = make_schedule("gpipe", 2, 2, recompute=True)
+    after_backward = replace_stage(schedule, 0, tasks("F0 F1 B0 R0 R1 B1"))
+    with pytest.raises(ScheduleError, match="stage 0: R0 must come before B0"):
+        validate_schedule(after_backward, 2, recompute=True)
+    before_forward = replace_stage(schedule, 0, tasks("F0 R1 F1 R0 B0 B1"))
+    with pytest.raises(ScheduleError, match="stage 0: R1 must come after F1"):
+        validate_schedule(before_forward, 2, recompute=True)
+
+
+def test_rejects_missing_duplicate_and_foreign_tasks() -> None:
+    schedule = make_schedule("1f1b", 2, 2, recompute=False)
+    with pytest.raises(ScheduleError, match="stage 1: missing task B1"):
+        validate_schedule(replace_stage(schedule, 1, tasks("F0 B0 F1")), 2, recompute=False)
+    with pytest.raises(ScheduleError, match="stage 1: task F0 appears more than once"):
+        validate_schedule(replace_stage(schedule, 1, tasks("F0 F0 B0 F1 B1")), 2, recompute=False)
+    with pytest.raises(ScheduleError, match="stage 1: unexpected task F2"):
+        validate_schedule(replace_stage(schedule, 1, tasks("F0 B0 F1 B1 F2")), 2, recompute=False)
+    with pytest.raises(ScheduleError, match="stage 0: unexpected task B0 .a forward-only"):
+        validate_schedule(schedule, 2, recompute=False, train=False)
+    with pytest.raises(ScheduleError, match="at least one stage"):
+        validate_schedule((), 2, recompute=False)
+
+
+def test_rejects_deadlock() -> None:
+    # Stage 0 waits for the gradient of micro-batch 0 before sending F1, which stage 1 needs before B0.
+    deadlocked = (tasks("F0 B0 F1 B1"), tasks("F0 F1 B0 B1"))
+    with pytest.raises(ScheduleError, match=r"deadlock.*stage 0 at B0, stage 1 at F1"):
+        validate_schedule(deadlocked, 2, recompute=False)

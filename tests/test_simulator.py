@@ -1,0 +1,144 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_varuna.schedules import SCHEDULES, Kind, ScheduleError, Task, make_schedule, validate_schedule
+from lightning_varuna.simulator import Jitter, SimResult, StageCosts, ideal_bubble, simulate
+
+UNIT = StageCosts(forward=1.0, backward=2.0)
+
+
+def unit_costs(num_stages: int) -> list[StageCosts]:
+    return [UNIT] * num_stages
+
+
+def seeded_jitter(seed: int, scale: float) -> Jitter:
+    """Uniform [0, scale) delay that depends only on the message, not on the order of the calls."""
+
+    def jitter(src: int, dst: int, kind: Kind, microbatch: int) -> float:
+        return random.Random(f"{seed}/{src}/{dst}/{kind.value}/{microbatch}").uniform(0.0, scale)
+
+    return jitter
+
+
+def subsequence(order: tuple[Task, ...], kind: Kind) -> list[int]:
+    return [task.microbatch for task in order if task.kind is kind]
+
+
+def test_ideal_bubble() -> None:
+    assert ideal_bubble(4, 8) == pytest.approx(3 / 11)
+    assert ideal_bubble(1, 5) == 0.0
+    with pytest.raises(ValueError):
+        ideal_bubble(0, 5)
+
+
+def test_stage_costs_recompute_defaults_to_forward() -> None:
+    assert StageCosts(1.5, 3.0).cost(Kind.R) == 1.5
+    assert StageCosts(1.5, 3.0, recompute=0.5).cost(Kind.R) == 0.5
+    assert StageCosts(1.5, 3.0).cost(Kind.B) == 3.0
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_1f1b_and_gpipe_bubble_is_ideal_p4_m8(name: str) -> None:
+    result = simulate(make_schedule(name, 4, 8, recompute=False), unit_costs(4))
+    assert result.makespan == 33.0
+    assert result.busy == (24.0,) * 4
+    assert result.bubble == pytest.approx(3 / 11)
+    assert result.bubble == pytest.approx(ideal_bubble(4, 8))
+    assert result.idle_fraction == pytest.approx((9 / 33,) * 4)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_bubble_without_recompute_is_ideal_for_all_sizes(name: str) -> None:
+    for num_stages in range(1, 6):
+        for num_microbatches in range(1, 9):
+            schedule = make_schedule(name, num_stages, num_microbatches, recompute=False)
+            result = simulate(schedule, unit_costs(num_stages))
+            assert result.bubble == pytest.approx(ideal_bubble(num_stages, num_microbatches))
+
+
+def test_bubbles_with_recompute_p4_m8() -> None:
+    # R costs 1 and counts as busy work: non-last stages do 32 units, the last stage 24.
+    results = {name: simulate(make_schedule(name, 4, 8, recompute=True), unit_costs(4)) for name in SCHEDULES}
+    assert results["varuna"].busy == (32.0, 32.0, 32.0, 24.0)
+    assert results["varuna"].makespan == 39.0
+    assert results["varuna"].bubble == pytest.approx(3 / 13)  # ~0.231
+    assert results["1f1b"].makespan == 39.0
+    assert results["gpipe"].makespan == 40.0
+    assert results["gpipe"].bubble == pytest.approx(0.25)
+
+
+def test_in_order_execution_follows_the_schedule() -> None:
+    schedule = make_schedule("varuna", 4, 8, recompute=True)
+    result = simulate(schedule, unit_costs(4), comm=0.3, jitter=seeded_jitter(0, 2.0))
+    assert result.order == schedule
+    for times in result.start_times:
+        assert list(times) == sorted(times)
+
+
+def test_forward_only_makespan() -> None:
+    result = simulate(make_schedule("varuna", 3, 5, recompute=True, train=False), unit_costs(3))
+    assert result.makespan == 5 + 3 - 1
+
+
+def test_uneven_stages_and_comm() -> None:
+    costs = [UNIT, StageCosts(3.0, 6.0), UNIT]
+    result = simulate(make_schedule("1f1b", 3, 4, recompute=False), costs, comm=0.5)
+    assert result.busy == (12.0, 36.0, 12.0)
+    # The slow stage waits for F0 (1 + 0.5), works 36, then B3 reaches stage 0 (0.5 + 2).
+    assert result.makespan >= 1.5 + 36.0 + 2.5
+    assert result.makespan == 41.0
+    assert result.idle_fraction[1] < result.idle_fraction[0]
+
+
+def test_opportunistic_never_worse_under_jitter_and_sometimes_better() -> None:
+    schedule = make_schedule("varuna", 4, 8, recompute=True)
+    gains = []
+    for seed in range(20):
+        plain = simulate(schedule, unit_costs(4), comm=0.2, jitter=seeded_jitter(seed, 2.0))
+        eager = simulate(
+            schedule, unit_costs(4), comm=0.2, jitter=seeded_jitter(seed, 2.0), opportunistic=True
+        )
+        assert eager.makespan <= plain.makespan + 1e-9, seed
+        gains.append(plain.makespan - eager.makespan)
+    assert max(gains) > 1e-6
+
+
+def test_opportunistic_without_jitter_is_no_worse() -> None:
+    schedule = make_schedule("varuna", 4, 8, recompute=True)
+    plain = simulate(schedule, unit_costs(4))
+    eager = simulate(schedule, unit_costs(4), opportunistic=True)
+    assert eager.makespan <= plain.makespan
+
+
+def assert_message_order_kept(result: SimResult, num_microbatches: int) -> None:
+    for order in result.order:
+        assert subsequence(order, Kind.F) == list(range(num_microbatches))
+        assert subsequence(order, Kind.B) == list(range(num_microbatches))
+
+
+def test_opportunistic_keeps_forward_and_backward_order() -> None:
+    schedule = make_schedule("varuna", 4, 8, recompute=True)
+    moved = False
+    for seed in range(10):
+        result = simulate(
+            schedule, unit_costs(4), comm=0.2, jitter=seeded_jitter(seed, 2.0), opportunistic=True
+        )
+        assert_message_order_kept(result, 8)
+        validate_schedule(result.order, 8, recompute=True)
+        moved = moved or result.order != schedule
+    assert moved
+
+
+def test_cost_count_mismatch_and_deadlock() -> None:
+    schedule = make_schedule("1f1b", 2, 2, recompute=False)
+    with pytest.raises(ValueError, match="one StageCosts per stage"):
+        simulate(schedule, unit_costs(3))
+    deadlocked = (
+        (Task(Kind.F, 0), Task(Kind.B, 0), Task(Kind.F, 1), Task(Kind.B, 1)),
+        (Task(Kind.F, 0), Task(Kind.F, 1), Task(Kind.B, 0), Task(Kind.B, 1)),
+    )
+    with pytest.raises(ScheduleError, match="deadlock.*stage 0 at B0, stage 1 at F1"):
+        simulate(deadlocked, unit_costs(2))
