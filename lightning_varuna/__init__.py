@@ -7,3 +7,9 @@ from lightning_varuna.partition import PartitionError
 
 __all__ = ["CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError", "VarunaStrategy"]
 __version__ = "0.1.0"
+
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from lightning_varuna.strategy import VarunaStrategy  # noqa: E402
+
+VarunaStrategy.register_strategies(StrategyRegistry)

@@ -55,7 +55,10 @@ class MemoryStats:
 class _StageForward:
     """The cut point handler of one forward of one stage."""
 
-    def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None, received: Tensor | None):
+    def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None, received: Tensor | None,
+                 microbatch: int, recomputing: bool):
+        self.microbatch = microbatch
+        self.recomputing = recomputing
         self.cuts = cuts
         self.first = first
         self.last = last
@@ -172,7 +175,7 @@ class StageExecutor:
                 return False
             return input_works[k].is_completed()  # type: ignore[union-attr]
 
-        def forward(k: int, with_grad: bool) -> Any:
+        def forward(k: int, with_grad: bool, recomputing: bool = False) -> Any:
             received = None
             if prev_rank is not None:
                 if input_shape is None:
@@ -183,7 +186,7 @@ class StageExecutor:
                     input_works[k] = None
                 received = inputs[k]
                 received.requires_grad_(with_grad)  # type: ignore[union-attr]
-            handler = _StageForward(self.cuts, self.first_cut, self.last_cut, received)
+            handler = _StageForward(self.cuts, self.first_cut, self.last_cut, received, k, recomputing)
             self.current = handler
             try:
                 with forward_handler(handler), torch.set_grad_enabled(with_grad):
@@ -232,7 +235,7 @@ class StageExecutor:
         def run_recompute(k: int) -> None:
             with torch.random.fork_rng(devices=_rng_devices(topo.device)):
                 _set_rng_state(topo.device, rng[k])
-                outputs[k] = forward(k, with_grad=True)
+                outputs[k] = forward(k, with_grad=True, recomputing=True)
             rng[k] = None
             self.stats.graph(+1)
 

@@ -1,0 +1,150 @@
+"""Logging across stages: what the last stage logs reaches every rank, as the plain run would log it.
+
+During a pipelined step ``LightningModule.log`` is intercepted. Afterwards the last stage reduces what each
+micro-batch logged to one value per key (the mean weighted by micro-batch size: the whole batch's value)
+and broadcasts the keys and values over the pipeline group. Every rank then logs exactly the same keys, so
+``ModelCheckpoint``/``EarlyStopping`` collectives and ``sync_dist=True`` line up across ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchmetrics import Metric
+
+__all__ = ["LogCapture", "LoggedStep"]
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+@dataclass
+class LogCapture:
+    """Collects ``self.log`` calls made while micro-batches run."""
+
+    module: LightningModule
+    records: list[tuple[int, str, Any, dict[str, Any]]] = field(default_factory=list)
+    microbatch: int = 0
+
+    @contextlib.contextmanager
+    def capturing(self, discard: bool = False) -> Iterator[LogCapture]:
+        """Replaces ``module.log`` inside the block (``discard``: drop the calls, e.g. during recompute)."""
+
+        def log(*args: Any, **kwargs: Any) -> None:
+            if discard:
+                return
+            bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)
+            arguments = dict(bound.arguments)
+            arguments.pop("self")
+            name, value = arguments.pop("name"), arguments.pop("value")
+            self.records.append((self.microbatch, name, value, arguments))
+
+        self.module.log = log  # type: ignore[method-assign]
+        try:
+            yield self
+        finally:
+            del self.module.log
+
+
+@dataclass
+class LoggedStep:
+    """One step's logged keys (shared) and values, reduced over micro-batches."""
+
+    meta: tuple = ()
+    values: Tensor | None = None
+
+
+def reduce_records(
+    module: LightningModule, records: Sequence[tuple[int, str, Any, dict[str, Any]]], sizes: Sequence[int],
+    device: torch.device,
+) -> tuple[tuple, list[Tensor]]:
+    """Reduces per-micro-batch log records to one entry per key: ``(meta, values)``.
+
+    A metric object is logged as itself (it accumulates its own state); numbers are averaged weighted by
+    the micro-batch sizes they were logged for; an explicit ``batch_size`` is summed over micro-batches.
+    """
+    names = {id(m): n for n, m in module.named_modules()}
+    order: list[str] = []
+    grouped: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
+    for k, name, value, kwargs in records:
+        if name not in grouped:
+            order.append(name)
+            grouped[name] = []
+        grouped[name].append((k, value, kwargs))
+    meta, values = [], []
+    for name in order:
+        entries = grouped[name]
+        kwargs = dict(entries[-1][2])
+        if "batch_size" in kwargs and kwargs["batch_size"] is not None:
+            kwargs["batch_size"] = sum(e[2].get("batch_size") or 0 for e in entries)
+        frozen = tuple(sorted((k, v) for k, v in kwargs.items() if _is_plain(v)))
+        value = entries[-1][1]
+        if isinstance(value, Metric):
+            meta.append((name, names.get(id(value)), frozen))
+            continue
+        weights = [sizes[k] for k, _, _ in entries]
+        total = float(sum(weights))
+        parts = [torch.as_tensor(v, dtype=torch.float64, device=device).detach() * (w / total)
+                 for (_, v, _), w in zip(entries, weights)]
+        meta.append((name, None, frozen))
+        values.append(torch.stack(parts).sum() if len(parts) > 1 else parts[0])
+    return tuple(meta), values
+
+
+def _is_plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+class LogBroadcaster:
+    """Shares the last stage's reduced logs (and the step loss) with the other stages of its pipeline."""
+
+    def __init__(self, group: Any, src: int, is_src: bool, device: torch.device) -> None:
+        self.group = group
+        self.src = src
+        self.is_src = is_src
+        self.device = device
+        self._meta: tuple | None = None
+
+    def share(self, meta: tuple, values: list[Tensor]) -> tuple[tuple, Tensor]:
+        """Returns ``(meta, values)`` as the last stage has them (collective over the pipeline group)."""
+        if self.is_src:
+            changed = meta != self._meta
+            flat = torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0, device=self.device, dtype=torch.float64)
+            header = torch.tensor([int(changed), flat.numel()], dtype=torch.int64, device=self.device)
+            dist.broadcast(header, self.src, group=self.group)
+            if changed:
+                dist.broadcast_object_list([meta], self.src, group=self.group)
+                self._meta = meta
+            if flat.numel():
+                dist.broadcast(flat, self.src, group=self.group)
+            return meta, flat
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, self.src, group=self.group)
+        changed, n = header.tolist()
+        if changed:
+            box = [None]
+            dist.broadcast_object_list(box, self.src, group=self.group)
+            self._meta = box[0]
+        flat = torch.zeros(n, dtype=torch.float64, device=self.device)
+        if n:
+            dist.broadcast(flat, self.src, group=self.group)
+        return self._meta or (), flat
+
+
+def replay(module: LightningModule, meta: tuple, flat: Tensor, skip: int = 0) -> None:
+    """Logs ``meta``/``flat`` through the real ``LightningModule.log`` (``skip`` leading values are not logs)."""
+    index = skip
+    for name, metric_path, frozen in meta:
+        kwargs = dict(frozen)
+        if metric_path is not None:
+            LightningModule.log(module, name, module.get_submodule(metric_path), **kwargs)
+            continue
+        LightningModule.log(module, name, flat[index].float(), **kwargs)
+        index += 1

@@ -1,0 +1,511 @@
+"""The Lightning strategy: thin glue between Lightning's loops and the :class:`PipelineEngine`.
+
+How a training step maps onto Lightning's automatic optimization (``training_step -> zero_grad ->
+backward`` inside ``optimizer.step(closure)``):
+
+- ``training_step`` runs the whole schedule (every micro-batch's forward and backward, the user's own
+  ``training_step`` called once per micro-batch), moves the gradients aside, shares the last stage's logged
+  values and loss with every stage, and returns the loss;
+- ``zero_grad`` then finds no gradients to clear, and ``backward`` puts them back (adding, for gradient
+  accumulation) instead of differentiating;
+- the optimizer closure is wrapped so gradients are synced across replicas and tied copies once per
+  optimizer step, before Lightning clips them (with a norm taken over the whole pipeline).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_varuna.comm import Topology, report_failure
+from lightning_varuna.engine import PipelineEngine, batch_size_of
+from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
+
+__all__ = ["VarunaStrategy"]
+
+log = logging.getLogger(__name__)
+
+_STEP_HOOKS = {
+    TrainerFn.FITTING: "training_step",
+    TrainerFn.VALIDATING: "validation_step",
+    TrainerFn.TESTING: "test_step",
+    TrainerFn.PREDICTING: "predict_step",
+}
+
+
+class VarunaStrategy(ParallelStrategy):
+    """Pipeline-parallel training of any LightningModule, Varuna style, with data parallelism across pipelines.
+
+    The model is split at its ``CutPoint`` modules (or between the children of ``cut_at``) into P stages,
+    one per process; ``world_size / P`` pipeline replicas train on different data. Each batch is split into
+    micro-batches that flow through the stages under the chosen schedule.
+
+    Args:
+        pipeline_parallel_size: P, the number of pipeline stages. ``"auto"`` picks the largest P that
+            divides the world size, is at most the number of processes per node (pipelines stay inside a
+            node) and at most the number of segments of the model.
+        num_microbatches: Micro-batches per batch. The default is ``2 * P``, or fewer for small batches.
+        microbatch_size: Size of each micro-batch, instead of ``num_microbatches``.
+        schedule: ``"varuna"`` (recompute-aware, tolerant of late messages), ``"1f1b"`` or ``"gpipe"``.
+        recompute: Non-last stages keep only their input during forwards and rerun the forward with
+            autograd just before backward (activation memory of one micro-batch per stage).
+        cut_at: Dotted path (from the LightningModule) of an ``nn.ModuleList``/``nn.Sequential`` whose
+            children are cut apart, for models without ``CutPoint`` modules, e.g. ``"model.blocks"``.
+        partition: Balance stages by measured forward ``"time"`` (dry run) or by ``"params"``.
+        p2p_timeout: Seconds a stage waits for a neighbour before it ends the job with an error.
+        accelerator: The accelerator (set by the Trainer).
+        parallel_devices: The devices of this node (set by the Trainer).
+        cluster_environment: The cluster environment (set by the Trainer).
+        checkpoint_io: Checkpoint I/O plugin.
+        precision_plugin: Precision plugin (set by the Trainer).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        timeout: Timeout of collective operations of the process group.
+    """
+
+    strategy_name = "varuna"
+    is_distributed = True
+
+    def __init__(
+        self,
+        pipeline_parallel_size: int | Literal["auto"] = "auto",
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        schedule: Literal["varuna", "1f1b", "gpipe"] = "varuna",
+        recompute: bool = True,
+        cut_at: str | None = None,
+        partition: Literal["time", "params"] = "time",
+        p2p_timeout: float = 300.0,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if pipeline_parallel_size != "auto" and (not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1):
+            raise ValueError(f"pipeline_parallel_size must be a positive int or 'auto', got {pipeline_parallel_size!r}.")
+        # validates the remaining arguments now, before any process starts
+        PipelineEngine(torch.nn.Module(), 1, num_microbatches, microbatch_size, schedule, recompute, cut_at, partition)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.num_microbatches = num_microbatches
+        self.microbatch_size = microbatch_size
+        self.schedule = schedule
+        self.recompute = recompute
+        self.cut_at = cut_at
+        self.partition = partition
+        self.p2p_timeout = p2p_timeout
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self.engine: PipelineEngine | None = None
+        self.topology: Topology | None = None
+        self._broadcaster: LogBroadcaster | None = None
+        self._pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
+        self._original_clip: Callable | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers ``"varuna"`` (once)."""
+        if "varuna" not in strategy_registry:
+            strategy_registry.register("varuna", cls, description="Varuna-style pipeline parallelism")
+
+    # -- processes ----------------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The process group backend in use."""
+        return self._process_group_backend
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every stage of a replica reads the same batches; replicas read different ones, as under DDP."""
+        if self.topology is None:
+            size = self._resolved_pipeline_size()
+            return {"num_replicas": self.world_size // size, "rank": self.global_rank // size}
+        return {"num_replicas": self.topology.data_size, "rank": self.topology.replica}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints are loaded after the model has been partitioned."""
+        return True
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _resolved_pipeline_size(self) -> int:
+        return self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else self.world_size
+
+    def setup_environment(self) -> None:
+        """Checks the P x D shape, then starts the process group."""
+        super().setup_environment()
+        world = self.num_nodes * self.num_processes
+        if isinstance(self.pipeline_parallel_size, int):
+            Topology.check(world, self.pipeline_parallel_size)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    def set_world_ranks(self) -> None:
+        """Sets global rank and world size from node rank, local rank and processes per node."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    # -- setup --------------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer) -> None:
+        """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
+        assert self.accelerator is not None and self.model is not None
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                "VarunaStrategy supports automatic optimization only: the pipeline schedule runs forward and"
+                " backward itself. Remove `self.automatic_optimization = False` (and manual_backward) from the"
+                " LightningModule."
+            )
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._setup_pipeline(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._patch_clipping()
+
+    def _setup_pipeline(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        if self.engine is not None:
+            return
+        hook = _STEP_HOOKS.get(trainer.state.fn)  # type: ignore[arg-type]
+        if hook is None:
+            raise MisconfigurationException(f"VarunaStrategy cannot run trainer.{trainer.state.fn}.")
+        sample = self._sample_batch(trainer)
+        size = self._pipeline_size_for(sample, hook)
+        self.engine = PipelineEngine(
+            module,
+            size,
+            num_microbatches=self.num_microbatches,
+            microbatch_size=self.microbatch_size,
+            schedule=self.schedule,
+            recompute=self.recompute,
+            cut_at=self.cut_at,
+            partition=self.partition,
+            p2p_timeout=self.p2p_timeout,
+            device=self.root_device,
+        )
+        step = getattr(module, hook)
+        capture = LogCapture(module)
+
+        def dry_step(batch: Any) -> Any:
+            with capture.capturing(), self.precision_plugin.train_step_context():
+                return step(batch, 0)
+
+        plan = self.engine.setup(sample, dry_step)
+        self.topology = self.engine.topology
+        topo = self.topology
+        assert topo is not None
+        self._broadcaster = LogBroadcaster(topo.pipe_group, topo.pipe_src_rank, topo.is_last, self.root_device)
+        rank_zero_info(
+            f"VarunaStrategy: {topo.pipeline_size} stage(s) x {topo.data_size} replica(s), schedule"
+            f" {self.schedule!r}, recompute={self.recompute}\n{plan.table()}"
+        )
+
+    def _pipeline_size_for(self, sample: Any, hook: str) -> int:
+        if isinstance(self.pipeline_parallel_size, int):
+            return self.pipeline_parallel_size
+        # "auto": count segments with a quick forward, then the largest fitting divisor of the world size
+        from lightning_varuna.cut import forward_handler
+
+        count = [0]
+
+        class _Count:
+            def on_cut(self, cut: Any, x: Tensor) -> Tensor:
+                count[0] += 1
+                return x
+
+        engine = PipelineEngine(torch.nn.Module(), 1, cut_at=self.cut_at)
+        hooks = []
+        if self.cut_at is not None:
+            from lightning_varuna.cut import install_cut_at
+
+            _, hooks = install_cut_at(self.lightning_module, self.cut_at)
+        del engine
+        capture = LogCapture(self.lightning_module)
+        try:
+            with torch.random.fork_rng(), forward_handler(_Count()), torch.no_grad(), capture.capturing():
+                from lightning_varuna.engine import _first_samples
+
+                getattr(self.lightning_module, hook)(_first_samples(sample, 1), 0)
+        finally:
+            for h in hooks:
+                h.remove()
+        limit = min(count[0] + 1, self.num_processes or 1, self.world_size)
+        return max(p for p in range(1, limit + 1) if self.world_size % p == 0)
+
+    def _sample_batch(self, trainer: Trainer) -> Any:
+        loop = {
+            TrainerFn.FITTING: trainer.fit_loop,
+            TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop,
+            TrainerFn.PREDICTING: trainer.predict_loop,
+        }[trainer.state.fn]  # type: ignore[index]
+        with torch.random.fork_rng():
+            loaders = loop._data_source.dataloader()
+            while isinstance(loaders, (list, tuple, dict)):
+                loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
+            try:
+                batch = next(iter(loaders))
+            except StopIteration:
+                raise MisconfigurationException(
+                    "VarunaStrategy needs one batch from the dataloader for its dry run, but it is empty."
+                ) from None
+        return self.batch_to_device(batch, self.root_device)
+
+    def model_to_device(self) -> None:
+        """Moves the model to this process's device."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- steps --------------------------------------------------------------------------------------------
+    def _run_step(self, hook: str, train: bool, args: tuple, kwargs: dict) -> Any:
+        assert self.engine is not None and self.topology is not None and self._broadcaster is not None
+        module = self.lightning_module
+        batch, rest = args[0], args[1:]
+        step = getattr(module, hook)
+        capture = LogCapture(module)
+        context = self.precision_plugin.train_step_context if train else self.precision_plugin.val_step_context
+        if hook == "test_step":
+            context = self.precision_plugin.test_step_context
+        elif hook == "predict_step":
+            context = self.precision_plugin.predict_step_context
+        executor = self.engine.executor
+        assert executor is not None
+
+        def run_one(microbatch: Any) -> Any:
+            current = executor.current
+            capture.microbatch = current.microbatch if current is not None else 0
+            with capture.capturing(discard=current is not None and current.recomputing), context():
+                return step(microbatch, *rest, **kwargs)
+
+        try:
+            if train:
+                scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+                result = self.engine.train_step(batch, run_one, loss_scale=scale)
+            else:
+                result = self.engine.eval_step(batch, run_one)
+        except BaseException as err:
+            report_failure(err)
+            raise
+        meta, values = reduce_records(module, capture.records, result.sizes, self.root_device)
+        loss = None
+        if train and self.topology.is_last:
+            from lightning_varuna.engine import _default_loss
+
+            size = sum(result.sizes)
+            loss = torch.stack([_default_loss(o).detach().float() * (n / size)
+                                for o, n in zip(result.outputs, result.sizes)]).sum()
+            values = [loss, *values]
+        if self.topology.pipeline_size > 1:
+            meta, flat = self._broadcaster.share(meta, values)
+        else:
+            flat = torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0)
+        replay(module, meta, flat, skip=1 if train else 0)
+        if train:
+            return flat[0].float()
+        return self._merge_outputs(hook, result.outputs, result.sizes)
+
+    def _merge_outputs(self, hook: str, outputs: list[Any], sizes: list[int]) -> Any:
+        assert self.topology is not None
+        merged = _concat(outputs, sum(sizes)) if outputs else None
+        if hook == "predict_step" and self.topology.pipeline_size > 1:
+            box = [merged]
+            dist.broadcast_object_list(box, self.topology.pipe_src_rank, group=self.topology.pipe_group)
+            merged = box[0]
+            if merged is not None:
+                merged = _to_device(merged, self.root_device)
+        return merged
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs every micro-batch through the pipeline; returns the batch's loss (on every rank).
+
+        The new gradients are kept aside until :meth:`backward`; gradients already present (from the last
+        step, not yet zeroed, or accumulated) are left in place for Lightning's ``zero_grad`` to handle.
+        """
+        params = list(self.lightning_module.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        loss = self._run_step("training_step", True, args, kwargs)
+        self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, grad in zip(params, earlier):
+            p.grad = grad
+        return loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs every micro-batch forward through the pipeline."""
+        return self._run_step("validation_step", False, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs every micro-batch forward through the pipeline."""
+        return self._run_step("test_step", False, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs every micro-batch forward; the whole batch's predictions are returned on every stage."""
+        return self._run_step("predict_step", False, args, kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Puts back the gradients the schedule computed (the schedule already ran backward)."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, grad in self._pending_grads:
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+        self._pending_grads = []
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Steps the optimizer after syncing gradients across replicas and tied copies."""
+        engine = self.engine
+        assert engine is not None
+
+        def closure_then_sync() -> Any:
+            result = closure()
+            engine.sync_gradients()
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def _patch_clipping(self) -> None:
+        precision = self.precision_plugin
+        if self._original_clip is not None:
+            return
+        self._original_clip = precision.clip_grad_by_norm
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
+            strategy.clip_grad_norm_(optimizer, float(clip_val))
+
+        precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    def global_grad_norm(self) -> Tensor:
+        """The L2 norm of the whole model's gradient (all stages, tied parameters once)."""
+        assert self.engine is not None and self.engine.grad_sync is not None and self.topology is not None
+        total = self.engine.grad_sync.local_norm_sq()
+        if self.topology.pipeline_size > 1:
+            dist.all_reduce(total, group=self.topology.pipe_group)
+        return total.sqrt()
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Scales all gradients so the global norm is at most ``max_norm``; returns the norm before."""
+        norm = self.global_grad_norm()
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return norm
+
+    # -- collectives Lightning needs ----------------------------------------------------------------------
+    def barrier(self, name: str | None = None) -> None:
+        """Waits for every process."""
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Sends ``obj`` from ``src`` to every process."""
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduces a tensor over all processes (mean by default)."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        """Gives the model its own forwards back and releases the process resources."""
+        if self._original_clip is not None:
+            del self.precision_plugin.clip_grad_by_norm
+            self._original_clip = None
+        if self.engine is not None:
+            self.engine.teardown()
+        super().teardown()
+
+
+def _concat(outputs: list[Any], total: int) -> Any:
+    if len(outputs) == 1:
+        return outputs[0]
+    leaves = [tree_flatten(o) for o in outputs]
+    spec = leaves[0][1]
+    merged = []
+    for parts in zip(*(flat for flat, _ in leaves)):
+        first = parts[0]
+        if isinstance(first, Tensor) and first.dim() > 0:
+            merged.append(torch.cat(parts))
+        else:
+            merged.append(list(parts))
+    return tree_unflatten(merged, spec)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([v.to(device) if isinstance(v, Tensor) else v for v in leaves], spec)

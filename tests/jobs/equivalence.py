@@ -1,0 +1,114 @@
+"""Trains TinyGPT under several strategy configurations (or the plain reference) and records losses and grads.
+
+Run under torchrun for the strategy (every configuration in one job), or as a plain script for the reference:
+
+    torchrun --nproc-per-node=4 tests/jobs/equivalence.py OUT CONFIG [CONFIG ...]
+    python tests/jobs/equivalence.py OUT reference[:BATCH]
+
+CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``, ``clip``, ``batch``,
+``precision``, ``dropout`` and ``accumulate``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import RandomTokens, TinyGPT  # noqa: E402
+
+import lightning_varuna  # noqa: E402, F401
+
+STEPS = 8
+
+
+class Recorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grads: dict[str, list[float]] = {}
+        self.grad_norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grad_norms.append(
+            {n: float(p.grad.norm()) for n, p in pl_module.named_parameters() if p.grad is not None}
+        )
+        if trainer.global_step == 0:
+            for name, p in pl_module.named_parameters():
+                if p.grad is not None:
+                    self.grads[name] = p.grad.detach().flatten().tolist()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def parse(spec: str) -> tuple[str, dict]:
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = value
+    return name, options
+
+
+def value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def run(out: Path, spec: str) -> None:
+    name, raw = parse(spec)
+    options = {k: value(v) for k, v in raw.items()}
+    batch = options.pop("batch", 16)
+    tie = options.pop("tie", False)
+    clip = options.pop("clip", None)
+    precision = options.pop("precision", "32-true")
+    dropout = options.pop("dropout", 0.0)
+    accumulate = options.pop("accumulate", 1)
+    cut_points = options.get("cut_at") is None
+    torch.manual_seed(0)
+    model = TinyGPT(tie_weights=tie, use_cut_points=cut_points, dropout=dropout)
+    dataset = RandomTokens(n=batch * STEPS * accumulate, seed=1)
+    reference = name == "reference"
+    # Lightning shuffles training data with DistributedSampler(seed=0) under any distributed strategy; the
+    # reference reads the same permutation in one process, so its batch k is the union of the replicas' k-th
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
+    loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1 if reference else int(os.environ["WORLD_SIZE"]),
+        strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
+        max_steps=STEPS,
+        precision=precision,
+        gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+        use_distributed_sampler=not reference,
+    )
+    trainer.fit(model, loader)
+    rank = trainer.global_rank
+    result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms}
+    (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    directory = Path(sys.argv[1])
+    directory.mkdir(parents=True, exist_ok=True)
+    for spec in sys.argv[2:]:
+        run(directory, spec)
