@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_varuna.cut import zero_like_shape
@@ -67,10 +68,9 @@ class StandIn:
         self.segment = segment
         self.device = device
         self._cache: dict[tuple, tuple[list, Any]] = {}
-        self._tracing = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._tracing or self.segment() in self.owned:
+        if self.segment() in self.owned:
             return self.forward(*args, **kwargs)
         key = _signature(args, kwargs)
         entry = self._cache.get(key) if key is not None else None
@@ -88,11 +88,9 @@ class StandIn:
 
         state = {name: to_meta(t) for name, t in self.module.state_dict(keep_vars=True).items()}
         state.update({name: to_meta(t) for name, t in self.module.named_buffers()})
-        self._tracing = True
-        try:
-            out = torch.func.functional_call(self.module, state, tree_map(to_meta, args), tree_map(to_meta, kwargs))
-        finally:
-            self._tracing = False
+        # call the module's own forward (not __call__): its hooks, cut points included, belong to the real call
+        with _reparametrize_module(self.module, state):
+            out = self.forward(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         leaves, tree = tree_flatten(out)
         specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
         return specs, tree

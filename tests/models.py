@@ -89,6 +89,7 @@ class TinyGPT(pl.LightningModule):
         use_cut_points: Put a ``CutPoint`` after every block (``n_layer`` cut points, ``n_layer + 1``
             segments). Without them the model cannot be split.
         lr: AdamW learning rate.
+        sync_dist: Log losses with ``sync_dist=True`` (mean over data-parallel replicas).
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class TinyGPT(pl.LightningModule):
         tie_weights: bool = False,
         use_cut_points: bool = True,
         lr: float = 1e-3,
+        sync_dist: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -135,19 +137,19 @@ class TinyGPT(pl.LightningModule):
         idx, targets = batch
         logits = self(idx)
         loss = self._loss(logits, targets)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=self.hparams.sync_dist)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         idx, targets = batch
         logits = self(idx)
-        self.log("val_loss", self._loss(logits, targets), prog_bar=True)
+        self.log("val_loss", self._loss(logits, targets), prog_bar=True, sync_dist=self.hparams.sync_dist)
         self.val_acc.update(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         self.log("val_acc", self.val_acc, on_epoch=True)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         idx, targets = batch
-        self.log("test_loss", self._loss(self(idx), targets))
+        self.log("test_loss", self._loss(self(idx), targets), sync_dist=self.hparams.sync_dist)
 
     def predict_step(self, batch: Tensor | tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         idx = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -76,9 +76,9 @@ def run(out: Path, spec: str) -> None:
     accumulate = options.pop("accumulate", 1)
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
-    model = TinyGPT(tie_weights=tie, use_cut_points=cut_points, dropout=dropout)
-    dataset = RandomTokens(n=batch * STEPS * accumulate, seed=1)
-    reference = name == "reference"
+    model = TinyGPT(tie_weights=tie, use_cut_points=cut_points, dropout=dropout, sync_dist=True)
+    dataset = RandomTokens(n=16 * STEPS * accumulate, seed=1)  # the same data whatever the replica count
+    reference = name.startswith("reference")
     # Lightning shuffles training data with DistributedSampler(seed=0) under any distributed strategy; the
     # reference reads the same permutation in one process, so its batch k is the union of the replicas' k-th
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
