@@ -222,21 +222,23 @@ class PipelineEngine:
     # -- steps --------------------------------------------------------------------------------------------
     def train_step(
         self, batch: Any, step: Callable[[Any], Any], loss_of: Callable[[Any], Tensor] | None = None,
-        loss_scale: float = 1.0,
+        loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
     ) -> StepResult:
         """Runs forward and backward of every micro-batch of ``batch``; gradients add up in ``.grad``.
 
         The loss of micro-batch ``k`` is weighted by its share of the batch (``size_k / batch``) times
-        ``loss_scale``, so the gradients equal those of the mean loss over the whole batch.
+        ``loss_scale``, so the gradients equal those of the mean loss over the whole batch. ``loss_transform``
+        is applied to each weighted loss before backward (e.g. an fp16 ``GradScaler.scale``).
         """
-        return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale)
+        return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale,
+                         loss_transform=loss_transform)
 
     def eval_step(self, batch: Any, step: Callable[[Any], Any]) -> StepResult:
         """Runs forward only (validation, test, predict); outputs exist on the last stage."""
         return self._run(batch, step, train=False)
 
     def _run(self, batch: Any, step: Callable[[Any], Any], train: bool, loss_of: Any = None,
-             loss_scale: float = 1.0) -> StepResult:
+             loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None) -> StepResult:
         if self.executor is None or self.topology is None:
             raise RuntimeError("Call PipelineEngine.setup() before running steps.")
         size = batch_size_of(batch)
@@ -248,7 +250,8 @@ class PipelineEngine:
         weights = [n / size * loss_scale for n in sizes]
 
         def weighted_loss(output: Any, k: int) -> Tensor:
-            return loss_of(output) * weights[k]
+            loss = loss_of(output) * weights[k]
+            return loss_transform(loss) if loss_transform is not None else loss
 
         outputs = self.executor.run(
             tasks,

@@ -15,6 +15,8 @@ backward`` inside ``optimizer.step(closure)``):
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -43,6 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_varuna import checkpoint
 from lightning_varuna.comm import Topology, report_failure
 from lightning_varuna.engine import PipelineEngine, batch_size_of
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
@@ -226,6 +229,7 @@ class VarunaStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._patch_clipping()
+        self._patch_unscale()
 
     def _setup_pipeline(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -345,7 +349,7 @@ class VarunaStrategy(ParallelStrategy):
         try:
             if train:
                 scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-                result = self.engine.train_step(batch, run_one, loss_scale=scale)
+                result = self.engine.train_step(batch, run_one, loss_scale=scale, loss_transform=self._scale_loss)
             else:
                 result = self.engine.eval_step(batch, run_one)
         except BaseException as err:
@@ -368,6 +372,11 @@ class VarunaStrategy(ParallelStrategy):
         if train:
             return flat[0].float()
         return self._merge_outputs(hook, result.outputs, result.sizes)
+
+    def _scale_loss(self, loss: Tensor) -> Tensor:
+        # fp16: only the last stage scales; the gradients reaching earlier stages are already scaled
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
 
     def _merge_outputs(self, hook: str, outputs: list[Any], sizes: list[int]) -> Any:
         assert self.topology is not None
@@ -444,6 +453,25 @@ class VarunaStrategy(ParallelStrategy):
 
         precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    def _patch_unscale(self) -> None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or "unscale_" in vars(scaler):
+            return
+        original = scaler.unscale_
+
+        def unscale_(optimizer: Optimizer) -> None:
+            # every stage and replica must agree to skip (or take) the step, and update the scale alike
+            original(optimizer)
+            state = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            found = torch.zeros((), device=self.root_device)
+            for value in state.values():
+                found = torch.maximum(found, value.to(found.device))
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            for value in state.values():
+                value.copy_(found)
+
+        scaler.unscale_ = unscale_  # type: ignore[method-assign]
+
     def global_grad_norm(self) -> Tensor:
         """The L2 norm of the whole model's gradient (all stages, tied parameters once)."""
         assert self.engine is not None and self.engine.grad_sync is not None and self.topology is not None
@@ -460,6 +488,54 @@ class VarunaStrategy(ParallelStrategy):
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return norm
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """Optimizer state is loaded by the strategy itself, by parameter name."""
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This stage's weights, keyed by full-model name."""
+        return checkpoint.model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This stage's optimizer state, keyed by parameter name."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return checkpoint.optimizer_state(self.lightning_module, optimizer)
+
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Writes a sharded checkpoint directory at ``filepath`` (collective; atomic)."""
+        if storage_options is not None:
+            raise TypeError("VarunaStrategy.save_checkpoint does not take storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        shards = {"state_dict": checkpoint_dict.pop("state_dict")}
+        for i, state in enumerate(checkpoint_dict.pop("optimizer_states", [])):
+            shards[f"optimizer_{i}"] = state
+        checkpoint.save(path, shards, checkpoint_dict, self.global_rank)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Deletes a checkpoint (on rank 0)."""
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads this stage's share of a sharded (or plain single-file) checkpoint, whatever P x D wrote it."""
+        assert self.engine is not None and self.engine.plan is not None
+        path = self.broadcast(str(checkpoint_path))
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        names = list(self.engine.plan.trace.param_numel)
+        return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing to do: :meth:`load_checkpoint` has loaded the optimizer state."""
 
     # -- collectives Lightning needs ----------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins import MixedPrecision
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -74,9 +75,14 @@ def run(out: Path, spec: str) -> None:
     precision = options.pop("precision", "32-true")
     dropout = options.pop("dropout", 0.0)
     accumulate = options.pop("accumulate", 1)
+    inject_inf_at = options.pop("inf", None)
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
     model = TinyGPT(tie_weights=tie, use_cut_points=cut_points, dropout=dropout, sync_dist=True)
+    if inject_inf_at is not None:
+        # an overflow in one stage's gradients only (blocks.0 sits on stage 0): every stage must skip the step
+        weight = model.blocks[0].mlp[0].weight
+        weight.register_hook(lambda g: g * float("inf") if model.trainer.global_step == inject_inf_at else g)
     dataset = RandomTokens(n=16 * STEPS * accumulate, seed=1)  # the same data whatever the replica count
     reference = name.startswith("reference")
     # Lightning shuffles training data with DistributedSampler(seed=0) under any distributed strategy; the
@@ -89,7 +95,9 @@ def run(out: Path, spec: str) -> None:
         devices=1 if reference else int(os.environ["WORLD_SIZE"]),
         strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
         max_steps=STEPS,
-        precision=precision,
+        precision=None if precision == "16-mixed" else precision,
+        # fp16 with a loss scaler on CPU (Lightning makes one by default only on GPU)
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if precision == "16-mixed" else None,
         gradient_clip_val=clip,
         accumulate_grad_batches=accumulate,
         logger=False,
@@ -103,6 +111,9 @@ def run(out: Path, spec: str) -> None:
     trainer.fit(model, loader)
     rank = trainer.global_rank
     result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms}
+    result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    result["scale"] = float(scaler.get_scale()) if scaler is not None else None
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
 
 
