@@ -53,9 +53,15 @@ def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.state_dict())
 
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name."""
-    return get_optimizer_state_dict(module, optimizer)
+    """The optimizer's state, flat and keyed by parameter name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``).
+
+    Flat per-parameter keys are what makes it reshardable: any rank can load any parameter's entries.
+    """
+    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
 
 
 def save(path: str | Path, shards: dict[str, Any], metadata: dict[str, Any], rank: int) -> None:
@@ -124,7 +130,7 @@ def load(
     except Exception as err:  # noqa: BLE001 - re-raised with what to do
         raise CheckpointError(f"Could not load {path} into this model: {err}") from err
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"])
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=_FLAT)
     metadata = torch.load(path / META, weights_only=weights_only, map_location="cpu")
     return metadata
 

@@ -76,6 +76,11 @@ def run(out: Path, spec: str) -> None:
     dropout = options.pop("dropout", 0.0)
     accumulate = options.pop("accumulate", 1)
     inject_inf_at = options.pop("inf", None)
+    steps = options.pop("steps", STEPS)
+    epochs = options.pop("epochs", None)
+    epoch_steps = options.pop("epoch_steps", STEPS)
+    save = options.pop("save", None)
+    resume = options.pop("resume", None)
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
     model = TinyGPT(tie_weights=tie, use_cut_points=cut_points, dropout=dropout, sync_dist=True)
@@ -83,7 +88,7 @@ def run(out: Path, spec: str) -> None:
         # an overflow in one stage's gradients only (blocks.0 sits on stage 0): every stage must skip the step
         weight = model.blocks[0].mlp[0].weight
         weight.register_hook(lambda g: g * float("inf") if model.trainer.global_step == inject_inf_at else g)
-    dataset = RandomTokens(n=16 * STEPS * accumulate, seed=1)  # the same data whatever the replica count
+    dataset = RandomTokens(n=16 * epoch_steps * accumulate, seed=1)  # the same data whatever the replica count
     reference = name.startswith("reference")
     # Lightning shuffles training data with DistributedSampler(seed=0) under any distributed strategy; the
     # reference reads the same permutation in one process, so its batch k is the union of the replicas' k-th
@@ -94,7 +99,8 @@ def run(out: Path, spec: str) -> None:
         accelerator="cpu",
         devices=1 if reference else int(os.environ["WORLD_SIZE"]),
         strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
-        max_steps=STEPS,
+        max_steps=-1 if epochs else steps,
+        max_epochs=epochs,
         precision=None if precision == "16-mixed" else precision,
         # fp16 with a loss scaler on CPU (Lightning makes one by default only on GPU)
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if precision == "16-mixed" else None,
@@ -108,7 +114,9 @@ def run(out: Path, spec: str) -> None:
         callbacks=[recorder],
         use_distributed_sampler=not reference,
     )
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
     rank = trainer.global_rank
     result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms}
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
