@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Topology", "P2P", "PipelineError", "report_failure"]
+__all__ = ["Topology", "P2P", "PipelineError", "report_failure", "peer_error"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HEADER = 10  # dtype code, ndim, up to 8 dims
@@ -38,6 +38,8 @@ class Topology:
     mesh: object = None
     pipe_group: object = None
     data_group: object = None
+    timeout: timedelta | None = None
+    """Timeout of collectives in the pipeline, data and shared-parameter groups (None: torch's default)."""
     _shared_groups: dict = field(default_factory=dict)
 
     @property
@@ -86,14 +88,29 @@ class Topology:
             )
 
     @classmethod
-    def create(cls, pipeline_size: int, device: torch.device) -> Topology:
-        """Builds the grid over the initialised default process group (a collective call on every rank)."""
+    def create(
+        cls, pipeline_size: int, device: torch.device, timeout: float | timedelta | None = None
+    ) -> Topology:
+        """Builds the grid over the initialised default process group (a collective call on every rank).
+
+        ``timeout`` (seconds) bounds every collective of the groups made here. Without it a hung peer can
+        hold the others in a gradient all-reduce or log broadcast for torch's default (30 minutes): subgroups
+        do not inherit the default process group's timeout.
+        """
         world, rank = dist.get_world_size(), dist.get_rank()
         cls.check(world, pipeline_size)
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = init_device_mesh(
-            device.type, (world // pipeline_size, pipeline_size), mesh_dim_names=("data", "pipe")
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        data_size = world // pipeline_size
+        layout = torch.arange(world).view(data_size, pipeline_size)
+        # every rank creates every group, in the same order
+        pipes = [dist.new_group(row.tolist(), timeout=timeout) for row in layout]
+        datas = [dist.new_group(col.tolist(), timeout=timeout) for col in layout.t()]
+        pipe_group, data_group = pipes[rank // pipeline_size], datas[rank % pipeline_size]
+        mesh = DeviceMesh.from_group(
+            [data_group, pipe_group], device.type, mesh=layout, mesh_dim_names=("data", "pipe")
         )
         return cls(
             world_size=world,
@@ -101,38 +118,67 @@ class Topology:
             pipeline_size=pipeline_size,
             device=device,
             mesh=mesh,
-            pipe_group=mesh.get_group("pipe"),
-            data_group=mesh.get_group("data"),
+            pipe_group=pipe_group,
+            data_group=data_group,
+            timeout=timeout,
         )
 
     def stages_group(self, stages: tuple[int, ...]) -> object:
         """The group of every replica's copies of ``stages`` (all ranks must call this in the same order)."""
         if stages not in self._shared_groups:
             ranks = [self.rank_of(s, d) for d in range(self.data_size) for s in stages]
-            self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks))
+            self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
         return self._shared_groups[stages]
 
 
 def report_failure(error: BaseException) -> None:
-    """Leaves this rank's error in the job's store, so peers that lose contact can say what happened."""
+    """Leaves this rank's error in the job's store, so peers that lose contact can say what happened.
+
+    Besides one key per rank, the first error reported in the job is kept (first writer wins), separately
+    for errors of the user's code or model (the cause) and for :class:`PipelineError` (a rank that lost a
+    peer), so that peers quote the cause rather than another rank's report of it.
+    """
     try:
         store = dist.distributed_c10d._get_default_store()
-        text = "".join(traceback.format_exception_only(type(error), error)).strip()
-        store.set(f"{_ERROR_KEY}{dist.get_rank()}", text[-2000:])
+        rank = dist.get_rank()
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
+        store.set(f"{_ERROR_KEY}{rank}", text)
+        kind = "peer" if isinstance(error, PipelineError) else "cause"
+        store.compare_set(f"{_ERROR_KEY}first-{kind}", "", f"Rank {rank} failed first with: {text}")
     except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
         pass
 
 
-def _peer_failure(ranks: list[int]) -> str:
+def _peer_failure() -> str:
     try:
         store = dist.distributed_c10d._get_default_store()
-        for rank in ranks:
-            key = f"{_ERROR_KEY}{rank}"
+        for kind in ("cause", "peer"):
+            key = f"{_ERROR_KEY}first-{kind}"
             if store.check([key]):
-                return f" Rank {rank} failed first with: {store.get(key).decode()}"
+                return f" {store.get(key).decode()}"
     except Exception:  # noqa: BLE001 - the store may be gone with rank 0
         pass
     return ""
+
+
+def peer_error(
+    topology: Topology, what: str, err: BaseException, timeout: timedelta | None = None
+) -> PipelineError:
+    """The :class:`PipelineError` for a failed wait on peers: this rank, ``what`` it waited for, the cause.
+
+    For any wait on other ranks (p2p, or a collective such as a gradient all-reduce or log broadcast)::
+
+        except Exception as err:
+            raise peer_error(topo, "averaging gradients over ranks [1, 3]", err) from err
+
+    It quotes the first failure reported in the job, when there is one.
+    """
+    me = f"rank {topology.rank} (stage {topology.stage})"
+    timeout = timeout or topology.timeout
+    hint = ""
+    if timeout is not None and ("timed out" in str(err).lower() or "timeout" in str(err).lower()):
+        hint = f" (no answer within p2p_timeout={timeout.total_seconds():g}s: the peer is hung or far behind)"
+    return PipelineError(f"{me}: {what} failed{hint}: {err}.{_peer_failure()}")
 
 
 class P2P:
@@ -145,11 +191,17 @@ class P2P:
 
     def isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
         """Starts sending ``tensor`` to global rank ``dst``."""
-        return dist.isend(tensor, dst=dst, tag=tag)
+        try:
+            return dist.isend(tensor, dst=dst, tag=tag)
+        except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here, not in wait
+            raise self._error(f"sending to rank {dst}", err) from err
 
     def irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
         """Starts receiving into ``tensor`` from global rank ``src``."""
-        return dist.irecv(tensor, src=src, tag=tag)
+        try:
+            return dist.irecv(tensor, src=src, tag=tag)
+        except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here, not in wait
+            raise self._error(f"receiving from rank {src}", err) from err
 
     def wait(self, work: dist.Work, what: str, peer: int) -> None:
         """Waits for ``work``; a dead or silent peer becomes a :class:`PipelineError` naming it."""
@@ -159,10 +211,10 @@ class P2P:
             else:
                 work.wait()
         except Exception as err:  # noqa: BLE001 - re-raised with the peer's own error, when known
-            me = f"rank {self.topology.rank} (stage {self.topology.stage})"
-            raise PipelineError(
-                f"{me}: {what} from/to rank {peer} failed: {err}.{_peer_failure(list(range(self.topology.world_size)))}"
-            ) from err
+            raise self._error(f"{what} from/to rank {peer}", err) from err
+
+    def _error(self, what: str, err: Exception) -> PipelineError:
+        return peer_error(self.topology, what, err, self.timeout)
 
     def send_header(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
         """Sends the shape and dtype of ``tensor`` ahead of a step's activations."""

@@ -28,11 +28,11 @@ from lightning_varuna.comm import P2P, Topology
 from lightning_varuna.cut import CutPoint, CutPointError, install_cut_at
 from lightning_varuna.executor import MemoryStats, StageExecutor
 from lightning_varuna.grad_sync import GradientSync
-from lightning_varuna.partition import Plan, PartitionError, make_plan, trace_step
+from lightning_varuna.partition import Plan, check_pipeline_size, make_plan, trace_step
 from lightning_varuna.schedules import SCHEDULES, Schedule, make_schedule
 from lightning_varuna.stage import apply_plan, remove_stand_ins
 
-__all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of"]
+__all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "default_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def split_batch(batch: Any, chunks: int) -> list[Any]:
     ]
 
 
-def _first_samples(batch: Any, n: int) -> Any:
+def first_samples(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of every batch-sized tensor in ``batch``."""
     size = batch_size_of(batch)
     leaves, spec = tree_flatten(batch)
     return tree_unflatten(
@@ -114,10 +115,18 @@ class PipelineEngine:
         if num_microbatches is not None and microbatch_size is not None:
             raise ValueError("Give num_microbatches or microbatch_size, not both.")
         for name, value in (("num_microbatches", num_microbatches), ("microbatch_size", microbatch_size)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an int, got {value!r}.")
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if partition not in ("time", "params"):
             raise ValueError(f"partition={partition!r}: use 'time' or 'params'.")
+        if cut_at is not None and not isinstance(cut_at, str):
+            raise ValueError(
+                f"cut_at must be a dotted path string such as 'model.blocks', got {cut_at!r}."
+            )
+        if isinstance(p2p_timeout, bool) or not isinstance(p2p_timeout, (int, float)) or not p2p_timeout > 0:
+            raise ValueError(f"p2p_timeout must be a positive number of seconds, got {p2p_timeout!r}.")
         self.module = module
         self.pipeline_size = pipeline_parallel_size
         self.num_microbatches = num_microbatches
@@ -152,8 +161,8 @@ class PipelineEngine:
         Returns:
             The plan (identical on every rank).
         """
-        self.topology = topology or Topology.create(self.pipeline_size, self.device)
-        topo = self.topology
+        # everything that can be wrong with the model is checked before the first collective call
+        pipeline_size = topology.pipeline_size if topology is not None else self.pipeline_size
         if self.cut_at is not None:
             self._cuts, self._hooks = install_cut_at(self.module, self.cut_at)
         names = {id(m): n for n, m in self.module.named_modules()}
@@ -162,11 +171,11 @@ class PipelineEngine:
         micro = max(1, size // self.microbatches_for(size))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             trace, cut_modules = self._dry_run(sample_batch, step, micro, cut_names)
-        if topo.pipeline_size > 1 and not trace.cuts:
-            raise PartitionError(
-                f"pipeline_parallel_size={topo.pipeline_size} but the model has no CutPoint and no cut_at was"
-                " given. Add CutPoint() modules where the model may be split, or set cut_at='path.to.blocks'."
-            )
+        check_pipeline_size(trace, pipeline_size)
+        for cut, info in zip(cut_modules, trace.cuts, strict=True):
+            cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
+        self.topology = topology or Topology.create(self.pipeline_size, self.device, timeout=self.p2p_timeout)
+        topo = self.topology
         if topo.world_size > 1:
             # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
             seconds = [trace.segment_seconds]
@@ -187,10 +196,10 @@ class PipelineEngine:
 
     def _dry_run(self, batch: Any, step: Callable[[Any], Any], micro: int, cut_names: dict[int, str]):
         def step_on(n: int) -> Any:
-            return step(_first_samples(batch, n))
+            return step(first_samples(batch, n))
 
         def timed() -> Any:
-            return step(_first_samples(batch, micro))
+            return step(first_samples(batch, micro))
 
         return trace_step(self.module, step_on, timed if self.partition == "time" else None, cut_names)
 
@@ -246,7 +255,7 @@ class PipelineEngine:
         micro = split_batch(batch, m)
         sizes = [batch_size_of(mb) for mb in micro]
         tasks = self._schedule(m, train)[self.topology.stage]
-        loss_of = loss_of or _default_loss
+        loss_of = loss_of or default_loss
         weights = [n / size * loss_scale for n in sizes]
 
         def weighted_loss(output: Any, k: int) -> Tensor:
@@ -289,7 +298,7 @@ class PipelineEngine:
         self._stand_ins = []
 
 
-def _default_loss(output: Any) -> Tensor:
+def default_loss(output: Any) -> Tensor:
     if isinstance(output, Tensor):
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):

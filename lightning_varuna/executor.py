@@ -69,9 +69,15 @@ class _StageForward:
     def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
         index = self.segment
         if index >= len(self.cuts) or self.cuts[index] is not cut:
+            seen = getattr(cut, "_varuna_name", None) or "a cut point the dry run did not see"
+            expected = (
+                f"the dry run saw {getattr(self.cuts[index], '_varuna_name', None) or 'another one'} there"
+                if index < len(self.cuts) else f"the dry run saw only {len(self.cuts)} cut point(s)"
+            )
             raise CutPointError(
-                f"Cut point #{index} of this forward is not the one the dry run saw there. Cut points must be"
-                " reached in the same order in every forward (and each at most once)."
+                f"Cut point #{index} of this forward is {seen}, but {expected} (micro-batch {self.microbatch})."
+                " Cut points must be reached in the same order in every forward (and each at most once); keep"
+                " data-dependent control flow inside a segment."
             )
         self.segment = index + 1
         if index == self.first:

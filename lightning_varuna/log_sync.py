@@ -44,6 +44,9 @@ class LogCapture:
             arguments = dict(bound.arguments)
             arguments.pop("self")
             name, value = arguments.pop("name"), arguments.pop("value")
+            if isinstance(value, Metric):
+                # its step value is what its last forward returned: this micro-batch's, so keep it now
+                value = _MetricLog(value, _detached(getattr(value, "_forward_cache", None)))
             self.records.append((self.microbatch, name, value, arguments))
 
         self.module.log = log  # type: ignore[method-assign]
@@ -51,6 +54,18 @@ class LogCapture:
             yield self
         finally:
             del self.module.log
+
+
+@dataclass(frozen=True)
+class _MetricLog:
+    """A ``Metric`` logged for one micro-batch, with its step value (its ``_forward_cache``) at that time."""
+
+    metric: Metric
+    step_value: Any
+
+
+def _detached(value: Any) -> Any:
+    return value.detach() if isinstance(value, Tensor) else value
 
 
 @dataclass
@@ -67,8 +82,11 @@ def reduce_records(
 ) -> tuple[tuple, list[Tensor]]:
     """Reduces per-micro-batch log records to one entry per key: ``(meta, values)``.
 
-    A metric object is logged as itself (it accumulates its own state); numbers are averaged weighted by
-    the micro-batch sizes they were logged for; an explicit ``batch_size`` is summed over micro-batches.
+    A metric object is logged as itself (it accumulates its own state, which gives its epoch value); its
+    step value, what its ``forward`` returned for each micro-batch, and numbers are averaged weighted by the
+    micro-batch sizes they were logged for (the batch's value for means such as a micro-averaged accuracy);
+    an explicit ``batch_size`` is summed over micro-batches. ``meta`` holds ``(name, metric path or None,
+    log kwargs, whether a value follows in values)`` per key.
     """
     names = {id(m): n for n, m in module.named_modules()}
     order: list[str] = []
@@ -86,16 +104,24 @@ def reduce_records(
             kwargs["batch_size"] = sum(e[2].get("batch_size") or 0 for e in entries)
         frozen = tuple(sorted((k, v) for k, v in kwargs.items() if _is_plain(v)))
         value = entries[-1][1]
-        if isinstance(value, Metric):
-            meta.append((name, names.get(id(value)), frozen))
-            continue
         weights = [sizes[k] for k, _, _ in entries]
-        total = float(sum(weights))
-        parts = [torch.as_tensor(v, dtype=torch.float64, device=device).detach() * (w / total)
-                 for (_, v, _), w in zip(entries, weights)]
-        meta.append((name, None, frozen))
-        values.append(torch.stack(parts).sum() if len(parts) > 1 else parts[0])
+        if isinstance(value, _MetricLog):
+            steps = [e[1].step_value for e in entries]
+            scalar = all(isinstance(v, Tensor) and v.numel() == 1 for v in steps)
+            meta.append((name, names.get(id(value.metric)), frozen, scalar))
+            if scalar:
+                values.append(_weighted_mean([v.reshape(()) for v in steps], weights, device))
+            continue
+        meta.append((name, None, frozen, True))
+        values.append(_weighted_mean([v for _, v, _ in entries], weights, device))
     return tuple(meta), values
+
+
+def _weighted_mean(values: Sequence[Any], weights: Sequence[int], device: torch.device) -> Tensor:
+    total = float(sum(weights))
+    parts = [torch.as_tensor(v, dtype=torch.float64, device=device).detach() * (w / total)
+             for v, w in zip(values, weights, strict=True)]
+    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
 
 
 def _is_plain(value: Any) -> bool:
@@ -116,7 +142,8 @@ class LogBroadcaster:
         """Returns ``(meta, values)`` as the last stage has them (collective over the pipeline group)."""
         if self.is_src:
             changed = meta != self._meta
-            flat = torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0, device=self.device, dtype=torch.float64)
+            empty = torch.zeros(0, device=self.device, dtype=torch.float64)
+            flat = torch.stack([v.to(torch.float64) for v in values]) if values else empty
             header = torch.tensor([int(changed), flat.numel()], dtype=torch.int64, device=self.device)
             dist.broadcast(header, self.src, group=self.group)
             if changed:
@@ -139,12 +166,21 @@ class LogBroadcaster:
 
 
 def replay(module: LightningModule, meta: tuple, flat: Tensor, skip: int = 0) -> None:
-    """Logs ``meta``/``flat`` through the real ``LightningModule.log`` (``skip`` leading values are not logs)."""
+    """Logs ``meta``/``flat`` through the real ``LightningModule.log``.
+
+    The first ``skip`` values of ``flat`` are not logs (the step loss).
+    """
     index = skip
-    for name, metric_path, frozen in meta:
+    for name, metric_path, frozen, has_value in meta:
         kwargs = dict(frozen)
         if metric_path is not None:
-            LightningModule.log(module, name, module.get_submodule(metric_path), **kwargs)
+            metric = module.get_submodule(metric_path)
+            if has_value:
+                # Lightning's step value of a logged Metric is its `_forward_cache`: make it the batch's on
+                # every stage (not the last micro-batch's on the last stage and a stale one elsewhere)
+                metric._forward_cache = flat[index].float()
+                index += 1
+            LightningModule.log(module, name, metric, **kwargs)
             continue
         LightningModule.log(module, name, flat[index].float(), **kwargs)
         index += 1

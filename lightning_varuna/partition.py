@@ -27,7 +27,10 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_varuna.cut import CutPoint, CutPointError, forward_handler
 
-__all__ = ["Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "balance", "make_plan", "PartitionError"]
+__all__ = [
+    "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "balance", "make_plan", "check_pipeline_size",
+    "PartitionError",
+]
 
 
 class PartitionError(ValueError):
@@ -215,9 +218,12 @@ def trace_step(
     one = _run_traced(module, lambda: step_on(1), cut_names)
     two = _run_traced(module, lambda: step_on(2), cut_names)
     if [id(c) for c in one.cut_order] != [id(c) for c in two.cut_order]:
+        first = ", ".join(one._name(c) for c in one.cut_order)
+        second = ", ".join(two._name(c) for c in two.cut_order)
         raise CutPointError(
-            "Cut points were reached in a different order in two forwards. Cut points must run in the same order"
-            " every time; keep data-dependent control flow inside a segment."
+            f"Cut points were reached in a different order in two forwards: [{first}] with a batch of 1, then"
+            f" [{second}] with a batch of 2. Cut points must run in the same order every time; keep"
+            " data-dependent control flow inside a segment."
         )
     cuts = []
     for cut, small, large in zip(one.cut_order, one.cut_tensors, two.cut_tensors):
@@ -320,6 +326,21 @@ class Plan:
         return "\n".join(lines)
 
 
+def check_pipeline_size(trace: Trace, num_stages: int) -> None:
+    """Raises a :class:`PartitionError` saying what to change if ``trace`` cannot be cut into ``num_stages``."""
+    n = trace.num_segments
+    if num_stages > 1 and not trace.cuts:
+        raise PartitionError(
+            f"pipeline_parallel_size={num_stages} but the model has no CutPoint and no cut_at was given. Add"
+            " CutPoint() modules where the model may be split, or set cut_at='path.to.blocks'."
+        )
+    if num_stages > n:
+        raise PartitionError(
+            f"pipeline_parallel_size={num_stages} but the model has {n} segment(s) ({len(trace.cuts)} cut"
+            f" point(s)). Use pipeline_parallel_size <= {n}, or add CutPoint()s / set cut_at."
+        )
+
+
 def make_plan(trace: Trace, num_stages: int, by: str = "time") -> Plan:
     """Groups the traced segments into ``num_stages`` stages.
 
@@ -333,11 +354,7 @@ def make_plan(trace: Trace, num_stages: int, by: str = "time") -> Plan:
         The plan. Raises :class:`PartitionError` if it cannot be made.
     """
     n = trace.num_segments
-    if num_stages > n:
-        raise PartitionError(
-            f"pipeline_parallel_size={num_stages} but the model has {n} segment(s) ({len(trace.cuts)} cut"
-            f" point(s)). Use pipeline_parallel_size <= {n}, or add CutPoint()s / set cut_at."
-        )
+    check_pipeline_size(trace, num_stages)
     param_cost = [0.0] * n
     for name, segments in trace.param_segments.items():
         for seg in segments:

@@ -14,10 +14,12 @@ backward`` inside ``optimizer.step(closure)``):
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import shutil
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -43,11 +45,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_varuna import checkpoint
 from lightning_varuna.comm import Topology, report_failure
-from lightning_varuna.engine import PipelineEngine, batch_size_of
+from lightning_varuna.cut import forward_handler, install_cut_at
+from lightning_varuna.engine import PipelineEngine, batch_size_of, default_loss, first_samples
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
 
 __all__ = ["VarunaStrategy"]
@@ -256,7 +260,7 @@ class VarunaStrategy(ParallelStrategy):
         capture = LogCapture(module)
 
         def dry_step(batch: Any) -> Any:
-            with capture.capturing(), self.precision_plugin.train_step_context():
+            with capture.capturing(), _metric_states_kept(module), self.precision_plugin.train_step_context():
                 return step(batch, 0)
 
         plan = self.engine.setup(sample, dry_step)
@@ -272,33 +276,19 @@ class VarunaStrategy(ParallelStrategy):
     def _pipeline_size_for(self, sample: Any, hook: str) -> int:
         if isinstance(self.pipeline_parallel_size, int):
             return self.pipeline_parallel_size
-        # "auto": count segments with a quick forward, then the largest fitting divisor of the world size
-        from lightning_varuna.cut import forward_handler
-
-        count = [0]
-
-        class _Count:
-            def on_cut(self, cut: Any, x: Tensor) -> Tensor:
-                count[0] += 1
-                return x
-
-        engine = PipelineEngine(torch.nn.Module(), 1, cut_at=self.cut_at)
-        hooks = []
-        if self.cut_at is not None:
-            from lightning_varuna.cut import install_cut_at
-
-            _, hooks = install_cut_at(self.lightning_module, self.cut_at)
-        del engine
-        capture = LogCapture(self.lightning_module)
+        # "auto": count the cut points in one forward, then take the largest fitting divisor of the world size
+        module = self.lightning_module
+        counter = _CutCounter()
+        hooks = install_cut_at(module, self.cut_at)[1] if self.cut_at is not None else []
+        capture = LogCapture(module)
         try:
-            with torch.random.fork_rng(), forward_handler(_Count()), torch.no_grad(), capture.capturing():
-                from lightning_varuna.engine import _first_samples
-
-                getattr(self.lightning_module, hook)(_first_samples(sample, 1), 0)
+            with torch.random.fork_rng(), forward_handler(counter), torch.no_grad(), capture.capturing(), \
+                    _metric_states_kept(module):
+                getattr(module, hook)(first_samples(sample, 1), 0)
         finally:
-            for h in hooks:
-                h.remove()
-        limit = min(count[0] + 1, self.num_processes or 1, self.world_size)
+            for handle in hooks:
+                handle.remove()
+        limit = min(counter.count + 1, self.num_processes or 1, self.world_size)
         return max(p for p in range(1, limit + 1) if self.world_size % p == 0)
 
     def _sample_batch(self, trainer: Trainer) -> Any:
@@ -358,10 +348,8 @@ class VarunaStrategy(ParallelStrategy):
         meta, values = reduce_records(module, capture.records, result.sizes, self.root_device)
         loss = None
         if train and self.topology.is_last:
-            from lightning_varuna.engine import _default_loss
-
             size = sum(result.sizes)
-            loss = torch.stack([_default_loss(o).detach().float() * (n / size)
+            loss = torch.stack([default_loss(o).detach().float() * (n / size)
                                 for o, n in zip(result.outputs, result.sizes)]).sum()
             values = [loss, *values]
         if self.topology.pipeline_size > 1:
@@ -562,9 +550,35 @@ class VarunaStrategy(ParallelStrategy):
         if self._original_clip is not None:
             del self.precision_plugin.clip_grad_by_norm
             self._original_clip = None
-        if self.engine is not None:
-            self.engine.teardown()
+        # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
+        # later validate/test/predict calls
         super().teardown()
+
+
+class _CutCounter:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_cut(self, cut: Any, x: Tensor) -> Tensor:
+        self.count += 1
+        return x
+
+
+@contextlib.contextmanager
+def _metric_states_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Undoes what the dry run's step does to torchmetrics states."""
+    saved = []
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            state = {name: copy.copy(getattr(metric, name)) for name in metric._defaults}
+            saved.append((metric, state, metric._update_count, metric._computed))
+    try:
+        yield
+    finally:
+        for metric, state, count, computed in saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed = count, computed
 
 
 def _concat(outputs: list[Any], total: int) -> Any:

@@ -34,5 +34,8 @@ def python(script: str, *args: str, timeout: float = 300) -> subprocess.Complete
 def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
     if result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited with {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} exited with {result.returncode}:\n"
+            f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
     return result

@@ -1,0 +1,211 @@
+"""Lightning features under the strategy behave as in the plain single-process Lightning run.
+
+One torchrun job (4 gloo processes) runs every scenario of ``jobs/lightning_features.py``; one plain process
+runs the references. Covered: validation with the sanity check, gradient accumulation, ModelCheckpoint,
+EarlyStopping and the progress bar during fit; trainer.validate/test/predict on the fitted model; dropout
+with and without recompute; the memory counters and the parameters each stage holds; sequence lengths that
+change between steps; the LR scheduler and what ``trainer.callback_metrics`` holds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import python, torchrun
+from models import TinyGPT
+
+from lightning_varuna.log_sync import LogCapture, reduce_records
+
+REFERENCES = {
+    "reference-fit": "kind=fit",
+    "reference-steps": "kind=steps",
+    "reference-varlen": "kind=steps,varlen=true",
+}
+# name -> job spec (batch is per replica: P=2 x D=2 reads 8 + 8 where the reference reads 16)
+# (micro-batches of 3: unequal sizes 6/5/5 and 3/3/2, so per-micro-batch logs must be weighted by size)
+P4 = "pipeline_parallel_size=4,num_microbatches=4"
+CONFIGS = {
+    "fit-p2d2": "kind=fit,pipeline_parallel_size=2,num_microbatches=3,batch=8",
+    "fit-p4": "kind=fit,pipeline_parallel_size=4,num_microbatches=3",
+    # the same stages in both (a "time" partition may differ between runs, and so would the dropout masks)
+    "dropout-recompute": f"kind=steps,{P4},dropout=0.1,partition=params",
+    "dropout-norecompute": f"kind=steps,{P4},dropout=0.1,partition=params,recompute=false",
+    "gpipe-norecompute": f"kind=steps,{P4},schedule=gpipe,recompute=false",
+    "varlen-p4": f"kind=steps,{P4},varlen=true",
+}
+FITS = ["fit-p2d2", "fit-p4"]
+RECOMPUTE = ["fit-p2d2", "fit-p4", "dropout-recompute", "varlen-p4"]
+WORLD = 4
+TOLERANCE = 5e-4
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lightning_features")
+    python("lightning_features.py", str(out), *(f"{n}:{s}" for n, s in REFERENCES.items()), timeout=120)
+    torchrun("lightning_features.py", str(out), *(f"{n}:{s}" for n, s in CONFIGS.items()), timeout=300)
+    return out
+
+
+def _load(results: Path, name: str, rank: int = 0) -> dict:
+    return json.loads((results / f"{name}.rank{rank}.json").read_text())
+
+
+def _ranks(results: Path, name: str) -> list[dict]:
+    return [_load(results, name, rank) for rank in range(WORLD)]
+
+
+def _close(got: list[float], want: list[float], what: str, tolerance: float = TOLERANCE) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} values, the plain run has {len(want)}"
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert abs(a - b) < tolerance, f"{what} at step {step}: {a} != {b} (plain run)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FITS)
+def test_fit_with_validation_checkpoint_and_accumulation_matches_plain_run(results: Path, name: str) -> None:
+    reference = _load(results, "reference-fit")
+    assert len(reference["losses"]) == 8 and len(reference["val"]) == 2
+    for rank, run in enumerate(_ranks(results, name)):
+        _close(run["losses"], reference["losses"], f"rank {rank} train_loss")
+        assert len(run["val"]) == len(reference["val"])
+        for epoch, (got, want) in enumerate(zip(run["val"], reference["val"], strict=True)):
+            assert set(got) == set(want), f"rank {rank} epoch {epoch}: logged {sorted(got)}"
+            for key in ("val_loss", "val_acc"):
+                assert abs(got[key] - want[key]) < TOLERANCE, f"rank {rank} epoch {epoch}: {got} != {want}"
+        best, want_best = run["best_score"], reference["best_score"]
+        assert abs(best - want_best) < TOLERANCE, f"rank {rank}: best_model_score {best} != {want_best}"
+    assert _load(results, name, 0)["best_exists"], "rank 0 wrote the best checkpoint"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*FITS, "varlen-p4"])
+def test_lr_schedule_and_callback_metrics_hold_the_batch_values(results: Path, name: str) -> None:
+    # first_token is logged once per micro-batch with a different value each time: the callback metric must be
+    # the whole batch's mean (micro-batches of unequal size weighted by size), as the plain run logs it
+    reference = _load(results, "reference-varlen" if name == "varlen-p4" else "reference-fit")
+    runs = _ranks(results, name)
+    for rank, run in enumerate(runs):
+        _close(run["first_token"], reference["first_token"], f"rank {rank} callback_metrics['first_token']")
+        assert run["lrs"] == reference["lrs"], f"rank {rank}: lr {run['lrs']} != {reference['lrs']}"
+    assert len(set(reference["lrs"])) > 1, "the scheduler changed the learning rate during the run"
+    # train_acc: a torchmetrics metric called on each (micro-)batch and logged; its step value is the batch's
+    # accuracy, unsynced (as under DDP every replica shows its own): every stage of a replica shows the
+    # replica's, and the replicas' mean is the plain run's (equal shares)
+    pipeline_size = runs[0]["pipeline_size"]
+    replicas = [runs[r * pipeline_size]["train_acc"] for r in range(WORLD // pipeline_size)]
+    for rank, run in enumerate(runs):
+        own = replicas[rank // pipeline_size]
+        _close(run["train_acc"], own, f"rank {rank} train_acc_step", tolerance=1e-6)
+    mean = [sum(values) / len(values) for values in zip(*replicas, strict=True)]
+    _close(mean, reference["train_acc"], "train_acc_step (mean over replicas)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FITS)
+def test_metric_epoch_value_counts_only_the_training_batches(results: Path, name: str) -> None:
+    reference = [epoch["train_acc_epoch"] for epoch in _load(results, "reference-fit")["val"]]
+    for rank, run in enumerate(_ranks(results, name)):
+        _close([epoch["train_acc_epoch"] for epoch in run["val"]], reference, f"rank {rank} train_acc_epoch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FITS)
+def test_validate_test_predict_on_fitted_model_match_plain_run(results: Path, name: str) -> None:
+    reference = _load(results, "reference-fit")
+    runs = _ranks(results, name)
+    pipeline_size = runs[0]["pipeline_size"]
+    data_size = WORLD // pipeline_size
+    for rank, run in enumerate(runs):
+        for fn in ("validate", "test"):
+            (got,), (want,) = run[fn], reference[fn]
+            assert set(got) == set(want), f"rank {rank} trainer.{fn}: {sorted(got)} != {sorted(want)}"
+            for key in want:
+                assert abs(got[key] - want[key]) < TOLERANCE, f"rank {rank} trainer.{fn}: {got} != {want}"
+    # predict: each rank returns its replica's share (as under DDP), equal to the plain run's predictions
+    plain = {tuple(inputs): outputs for inputs, outputs in reference["predictions"]}
+    samples = [inputs for inputs, _ in reference["predictions"]]
+    for rank, run in enumerate(runs):
+        replica = rank // pipeline_size
+        assert run["num_predictions"] == len(run["predictions"]) == len(samples) // data_size
+        assert [inputs for inputs, _ in run["predictions"]] == samples[replica::data_size], (
+            f"rank {rank} predicted other samples than replica {replica}'s share"
+        )
+        for i, (inputs, outputs) in enumerate(run["predictions"]):
+            assert outputs == plain[tuple(inputs)], f"rank {rank}: prediction {i} differs from the plain run"
+
+
+@pytest.mark.slow
+def test_dropout_same_losses_with_and_without_recompute(results: Path) -> None:
+    with_recompute, without = _ranks(results, "dropout-recompute"), _ranks(results, "dropout-norecompute")
+    assert with_recompute[0]["plan_segments"] == without[0]["plan_segments"], "the same stages in both"
+    for rank, (a, b) in enumerate(zip(with_recompute, without, strict=True)):
+        _close(a["losses"], b["losses"], f"rank {rank} loss with recompute vs without", tolerance=1e-6)
+    # dropout did act: the losses are not those of the same run without dropout
+    no_dropout = _load(results, "reference-steps")["losses"]
+    assert max(abs(a - b) for a, b in zip(with_recompute[0]["losses"], no_dropout, strict=True)) > TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECOMPUTE)
+def test_memory_counters_with_recompute(results: Path, name: str) -> None:
+    for run in _ranks(results, name):
+        stage, last = run["stage"], run["pipeline_size"] - 1
+        if stage == last:
+            continue
+        assert run["stats"]["peak_live_graphs"] <= 1, f"stage {stage}: {run['stats']}"
+        if stage > 0:
+            assert run["stats"]["peak_stash_bytes"] > 0, f"stage {stage} stashed no inputs: {run['stats']}"
+
+
+@pytest.mark.slow
+def test_memory_counters_gpipe_without_recompute(results: Path) -> None:
+    runs = _ranks(results, "gpipe-norecompute")
+    first = next(run for run in runs if run["stage"] == 0)
+    assert first["stats"]["peak_live_graphs"] == first["num_microbatches"] == 4
+    reference = _load(results, "reference-steps")
+    for rank, run in enumerate(runs):
+        _close(run["losses"], reference["losses"], f"rank {rank} loss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_each_rank_holds_only_its_stage_parameters(results: Path, name: str) -> None:
+    runs = _ranks(results, name)
+    for run in runs:
+        numels = {k: run[k] for k in ("local_numel", "plan_numel", "full_numel")}
+        assert run["local_numel"] == run["plan_numel"] < run["full_numel"], f"stage {run['stage']}: {numels}"
+    assert sum(runs[0]["plan_numels"]) == runs[0]["full_numel"], "no parameter is shared, none is lost"
+    assert sorted({run["stage"] for run in runs}) == list(range(runs[0]["pipeline_size"]))
+
+
+@pytest.mark.slow
+def test_variable_sequence_length_matches_plain_run(results: Path) -> None:
+    reference = _load(results, "reference-varlen")
+    assert len(set(reference["lengths"])) > 1, f"the lengths did not vary: {reference['lengths']}"
+    for rank, run in enumerate(_ranks(results, "varlen-p4")):
+        assert run["lengths"] == reference["lengths"]
+        _close(run["losses"], reference["losses"], f"rank {rank} loss")
+
+
+def test_logged_values_reduce_to_the_batch_values() -> None:
+    # in-process: what the last stage makes of per-micro-batch logs (a number; a Metric called on each)
+    module = TinyGPT(n_layer=1)
+    capture = LogCapture(module)
+    microbatches = [
+        (torch.tensor([0, 1, 2]), torch.tensor([0, 0, 0])),
+        (torch.tensor([5]), torch.tensor([5])),
+    ]
+    for k, (preds, target) in enumerate(microbatches):
+        capture.microbatch = k
+        with capture.capturing():
+            module.val_acc(preds, target)
+            module.log("acc", module.val_acc)
+            module.log("k", float(k), prog_bar=True)
+    meta, values = reduce_records(module, capture.records, [3, 1], torch.device("cpu"))
+    assert meta == (("acc", "val_acc", (), True), ("k", None, (("prog_bar", True),), True))
+    assert [float(v) for v in values] == [pytest.approx(2 / 4), pytest.approx(1 / 4)]
+    assert float(module.val_acc.compute()) == pytest.approx(2 / 4), "the state holds both micro-batches"
