@@ -1,8 +1,8 @@
 """lightning-varuna: Varuna-style pipeline parallelism for PyTorch Lightning."""
 
+from lightning_varuna.comm import PipelineError
 from lightning_varuna.cut import CutPoint, CutPointError
 from lightning_varuna.engine import PipelineEngine
-from lightning_varuna.comm import PipelineError
 from lightning_varuna.partition import PartitionError
 
 __all__ = ["CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError", "VarunaStrategy"]

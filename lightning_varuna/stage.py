@@ -70,6 +70,7 @@ class StandIn:
         self._cache: dict[tuple, tuple[list, Any]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's output: real in an owned segment, zero-stride tensors of the right shapes elsewhere."""
         if self.segment() in self.owned:
             return self.forward(*args, **kwargs)
         key = _signature(args, kwargs)

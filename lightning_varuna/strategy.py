@@ -18,9 +18,9 @@ import contextlib
 import copy
 import logging
 import shutil
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -33,10 +33,10 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.accelerators import Accelerator
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -45,13 +45,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
-from torchmetrics import Metric
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torchmetrics import Metric
 
 from lightning_varuna import checkpoint
 from lightning_varuna.comm import Topology, report_failure
 from lightning_varuna.cut import forward_handler, install_cut_at
-from lightning_varuna.engine import PipelineEngine, batch_size_of, default_loss, first_samples
+from lightning_varuna.engine import PipelineEngine, default_loss, first_samples
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
 
 __all__ = ["VarunaStrategy"]
@@ -123,8 +123,12 @@ class VarunaStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if pipeline_parallel_size != "auto" and (not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1):
-            raise ValueError(f"pipeline_parallel_size must be a positive int or 'auto', got {pipeline_parallel_size!r}.")
+        if pipeline_parallel_size != "auto" and (
+            not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1
+        ):
+            raise ValueError(
+                f"pipeline_parallel_size must be a positive int or 'auto', got {pipeline_parallel_size!r}."
+            )
         # validates the remaining arguments now, before any process starts
         PipelineEngine(torch.nn.Module(), 1, num_microbatches, microbatch_size, schedule, recompute, cut_at, partition)
         self.pipeline_parallel_size = pipeline_parallel_size

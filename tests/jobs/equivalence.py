@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins import MixedPrecision
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -103,7 +103,9 @@ def run(out: Path, spec: str) -> None:
         max_epochs=epochs,
         precision=None if precision == "16-mixed" else precision,
         # fp16 with a loss scaler on CPU (Lightning makes one by default only on GPU)
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if precision == "16-mixed" else None,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+        if precision == "16-mixed"
+        else None,
         gradient_clip_val=clip,
         accumulate_grad_batches=accumulate,
         logger=False,
