@@ -26,7 +26,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -35,7 +34,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -49,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import Metric
 
 from lightning_varuna import checkpoint
-from lightning_varuna.comm import Topology, report_failure
+from lightning_varuna.comm import PipelineError, Topology, peer_error, report_failure
 from lightning_varuna.cut import forward_handler, install_cut_at
 from lightning_varuna.engine import PipelineEngine, default_loss, first_samples
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
@@ -92,7 +91,9 @@ class VarunaStrategy(ParallelStrategy):
         checkpoint_io: Checkpoint I/O plugin.
         precision_plugin: Precision plugin (set by the Trainer).
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
-        timeout: Timeout of collective operations of the process group.
+        timeout: Timeout of collective operations of the default process group (Lightning's barriers,
+            ``sync_dist``, checkpoint collectives). Default: ``p2p_timeout``, so no wait on a dead or hung
+            peer lasts longer than that.
     """
 
     strategy_name = "varuna"
@@ -114,7 +115,7 @@ class VarunaStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -130,7 +131,10 @@ class VarunaStrategy(ParallelStrategy):
                 f"pipeline_parallel_size must be a positive int or 'auto', got {pipeline_parallel_size!r}."
             )
         # validates the remaining arguments now, before any process starts
-        PipelineEngine(torch.nn.Module(), 1, num_microbatches, microbatch_size, schedule, recompute, cut_at, partition)
+        PipelineEngine(
+            torch.nn.Module(), 1, num_microbatches, microbatch_size, schedule, recompute, cut_at, partition,
+            p2p_timeout,
+        )
         self.pipeline_parallel_size = pipeline_parallel_size
         self.num_microbatches = num_microbatches
         self.microbatch_size = microbatch_size
@@ -140,7 +144,7 @@ class VarunaStrategy(ParallelStrategy):
         self.partition = partition
         self.p2p_timeout = p2p_timeout
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         self.num_nodes = 1
         self.engine: PipelineEngine | None = None
         self.topology: Topology | None = None
@@ -186,6 +190,9 @@ class VarunaStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if isinstance(self.pipeline_parallel_size, int):
+            # before any process is started
+            Topology.check(self.num_nodes * self.num_processes, self.pipeline_parallel_size)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -217,16 +224,19 @@ class VarunaStrategy(ParallelStrategy):
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     # -- setup --------------------------------------------------------------------------------------------
-    def setup(self, trainer: Trainer) -> None:
-        """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
-        assert self.accelerator is not None and self.model is not None
-        module = self.lightning_module
-        if not module.automatic_optimization:
+    def connect(self, model: Any) -> None:
+        """Takes the model; rejects manual optimization before any process group starts."""
+        if isinstance(model, LightningModule) and not model.automatic_optimization:
             raise MisconfigurationException(
                 "VarunaStrategy supports automatic optimization only: the pipeline schedule runs forward and"
                 " backward itself. Remove `self.automatic_optimization = False` (and manual_backward) from the"
                 " LightningModule."
             )
+        super().connect(model)
+
+    def setup(self, trainer: Trainer) -> None:
+        """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
+        assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -357,7 +367,9 @@ class VarunaStrategy(ParallelStrategy):
                                 for o, n in zip(result.outputs, result.sizes)]).sum()
             values = [loss, *values]
         if self.topology.pipeline_size > 1:
-            meta, flat = self._broadcaster.share(meta, values)
+            meta, flat = self._waiting_on_peers(
+                "sharing the last stage's logged values", lambda: self._broadcaster.share(meta, values)
+            )
         else:
             flat = torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0)
         replay(module, meta, flat, skip=1 if train else 0)
@@ -428,7 +440,7 @@ class VarunaStrategy(ParallelStrategy):
 
         def closure_then_sync() -> Any:
             result = closure()
-            engine.sync_gradients()
+            self._waiting_on_peers("syncing gradients", engine.sync_gradients)
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -469,8 +481,19 @@ class VarunaStrategy(ParallelStrategy):
         assert self.engine is not None and self.engine.grad_sync is not None and self.topology is not None
         total = self.engine.grad_sync.local_norm_sq()
         if self.topology.pipeline_size > 1:
-            dist.all_reduce(total, group=self.topology.pipe_group)
+            self._waiting_on_peers(
+                "summing the gradient norm over stages", lambda: dist.all_reduce(total, group=self.topology.pipe_group)
+            )
         return total.sqrt()
+
+    def _waiting_on_peers(self, what: str, wait: Callable[[], Any]) -> Any:
+        assert self.topology is not None
+        try:
+            return wait()
+        except PipelineError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a collective that failed because of a peer
+            raise peer_error(self.topology, what, err) from err
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Scales all gradients so the global norm is at most ``max_norm``; returns the norm before."""
@@ -548,6 +571,11 @@ class VarunaStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Leaves the error where the other ranks can quote it when they lose contact with this one."""
+        if _distributed_is_initialized():
+            report_failure(exception)
 
     def teardown(self) -> None:
         """Gives the model its own forwards back and releases the process resources."""

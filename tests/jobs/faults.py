@@ -1,0 +1,192 @@
+"""Fault injection: runs TinyGPT under VarunaStrategy with one rank failing, hanging or dying mid-step.
+
+    python tests/jobs/faults.py OUT SCENARIO [SCENARIO ...]
+    python tests/jobs/faults.py indivisible        # Trainer(devices=3) with P=2, Lightning's own launcher
+
+For each scenario the parent (which imports torch and Lightning once) forks one child per rank, as an
+external launcher would start them, with each rank's output in ``OUT/<scenario>.rank<r>.log``. Unlike
+torchrun, the parent does not end the job when a rank fails, so what is measured is how fast the surviving
+ranks end on their own. A rank injected to hang is killed by the parent once every other rank has ended; at
+the scenario's deadline any rank still running is killed too, and counts as hung. ``OUT/<scenario>.json``
+holds, per rank, the exit code, the seconds from the fault to the exit, and whether the parent killed it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import RandomTokens, TinyGPT  # noqa: E402
+
+import lightning_varuna  # noqa: E402
+
+# name -> (processes, strategy options, fault, faulty rank, step of the fault, deadline in seconds)
+SCENARIOS = {
+    # a Python error in user code on a middle stage: in training_step, and in a hook outside the pipeline
+    "error": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 60}, "error", 2, 3, 40),
+    "hook-error": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 60}, "hook-error", 2, 3, 40),
+    # a peer that stops answering inside training_step: neighbours give up after p2p_timeout
+    "hang": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 5}, "hang", 2, 2, 40),
+    # the same with two replicas: the other replica's copy of the hung stage waits in the gradient all-reduce
+    "hang-dp": (4, {"pipeline_parallel_size": 2, "p2p_timeout": 5}, "hang", 1, 2, 40),
+    # stage 0 hangs in its last recompute, after its last message of the step: the other stages finish the
+    # step and wait for it in the log broadcast over the pipeline group (with P = world size, that group was
+    # the default one, whose timeout is VarunaStrategy's `timeout`, 30 minutes by default)
+    "hang-sync": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 5}, "hang-last", 0, 2, 30),
+    # peers that die without a word: rank 0 also hosts the job's store (SIGKILL), rank 1 calls os._exit(1)
+    "kill": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 60}, "kill", 0, 2, 40),
+    "exit": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 60}, "exit", 1, 2, 40),
+}
+FAULT_MARK = "VARUNA-FAULT-AT"
+HANG_SECONDS = 120
+
+
+class Faulty(TinyGPT):
+    """TinyGPT that misbehaves on one rank at one step (in the first micro-batch of that step)."""
+
+    def __init__(self, fault: str, rank: int, step: int) -> None:
+        super().__init__(n_layer=4, sync_dist=fault == "hang-last")
+        self.fault, self.fault_rank, self.fault_step = fault, rank, step
+
+    def _at_fault(self, batch_idx: int) -> bool:
+        here = self.trainer.global_rank == self.fault_rank and batch_idx == self.fault_step
+        if here:
+            print(f"{FAULT_MARK} {time.time():.3f}", flush=True)
+        return here
+
+    def training_step(self, batch, batch_idx: int):
+        if self.fault == "hang-last":  # the recompute of the last micro-batch, stage 0's last call of a step
+            executor = self.trainer.strategy.engine.executor  # None during the dry run
+            current = executor.current if executor is not None else None
+            last = current is not None and current.recomputing and current.microbatch == 1
+            if last and self._at_fault(batch_idx):
+                time.sleep(HANG_SECONDS)
+        elif self.fault != "hook-error" and self._at_fault(batch_idx):
+            if self.fault == "error":
+                raise RuntimeError(f"injected failure on rank {self.fault_rank} at step {batch_idx}")
+            if self.fault == "hang":
+                time.sleep(HANG_SECONDS)
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "exit":
+                os._exit(1)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.fault == "hook-error" and self._at_fault(batch_idx):
+            raise RuntimeError(f"injected failure on rank {self.fault_rank} after step {batch_idx}")
+
+
+def _trainer(devices: int, strategy: lightning_varuna.VarunaStrategy, steps: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def _rank_main(scenario: str, world: int, rank: int) -> None:
+    _, options, fault, fault_rank, step, _ = SCENARIOS[scenario]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Faulty(fault, fault_rank, step)
+    loader = DataLoader(RandomTokens(n=64, seed=1), batch_size=4)
+    strategy = lightning_varuna.VarunaStrategy(num_microbatches=2, **options)
+    _trainer(world, strategy, steps=step + 3).fit(model, loader)
+    print("VARUNA-FINISHED", flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_scenario(out: Path, scenario: str) -> None:
+    world, _, fault, fault_rank, _, deadline = SCENARIOS[scenario]
+    port = _free_port()
+    pids = {}
+    start = time.time()
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # the rank, as an external launcher would start it
+            code = 1
+            try:
+                log = os.open(out / f"{scenario}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
+                    LOCAL_RANK=str(rank), RANK=str(rank),
+                )
+                _rank_main(scenario, world, rank)
+                code = 0
+            except BaseException:  # noqa: BLE001 - print it as the interpreter would, then exit non-zero
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = rank
+    ends: dict[int, dict] = {}
+    while pids:
+        now = time.time()
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            code = os.waitstatus_to_exitcode(status)
+            ends[pids.pop(pid)] = {"returncode": code, "end": now, "killed": False}
+            continue
+        others_done = all(r == fault_rank for r in pids.values())
+        if now - start > deadline or (fault.startswith("hang") and others_done):
+            for pid, rank in list(pids.items()):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                ends[rank] = {"returncode": None, "end": now, "killed": True}
+                del pids[pid]
+        time.sleep(0.05)
+    fault_time = None
+    for line in (out / f"{scenario}.rank{fault_rank}.log").read_text(errors="replace").splitlines():
+        if line.startswith(FAULT_MARK):
+            fault_time = float(line.split()[1])
+    result = {"fault_rank": fault_rank, "fault_time": fault_time, "start": start, "ranks": {}}
+    for rank, info in sorted(ends.items()):
+        info["after_fault"] = None if fault_time is None else info["end"] - fault_time
+        result["ranks"][rank] = info
+    (out / f"{scenario}.json").write_text(json.dumps(result, indent=1))
+
+
+def indivisible() -> None:
+    """Three processes, P=2: Lightning's launcher starts ranks 1 and 2 by running this script again."""
+    torch.set_num_threads(1)
+    model = TinyGPT()
+    strategy = lightning_varuna.VarunaStrategy(pipeline_parallel_size=2)
+    _trainer(3, strategy, steps=1).fit(model, DataLoader(RandomTokens(n=16), batch_size=4))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "indivisible":
+        indivisible()
+    else:
+        directory = Path(sys.argv[1])
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in sys.argv[2:]:
+            run_scenario(directory, name)

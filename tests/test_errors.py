@@ -1,0 +1,391 @@
+"""Bad input gets a clear error that says what to change, raised before any process waits on another.
+
+Everything here runs in one process: the dry run (``trace_step``), planning (``make_plan``, ``balance``),
+``cut_at``, micro-batch sizes and argument validation need no process group, and ``PipelineEngine.setup`` is
+given a ``Topology`` by hand, so that a check made after a collective would fail here with "Default process
+group has not been initialized" instead of the expected message.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import RandomTokens, TinyGPT
+from torch import Tensor, nn
+
+from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy
+from lightning_varuna.comm import Topology
+from lightning_varuna.cut import install_cut_at
+from lightning_varuna.partition import balance, make_plan, trace_step
+
+CPU = torch.device("cpu")
+
+
+def topology(world_size: int, pipeline_size: int, rank: int = 0) -> Topology:
+    """A process grid without a process group: any collective call made by mistake fails loudly."""
+    return Topology(world_size=world_size, rank=rank, pipeline_size=pipeline_size, device=CPU)
+
+
+class Chain(nn.Module):
+    """``n`` linear layers with a cut point after each but the last; ``forward`` may be customised."""
+
+    def __init__(self, n: int = 3, width: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(n - 1))
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return x.pow(2).mean()
+
+
+def trace(model: nn.Module, width: int = 4):
+    batch = torch.randn(4, width)
+    return trace_step(model, lambda n: model(batch[:n]))
+
+
+def setup_engine(model: nn.Module, topo: Topology, batch_size: int = 4, **options) -> PipelineEngine:
+    engine = PipelineEngine(model, topo.pipeline_size, **options)
+    batch = torch.randn(batch_size, 4)
+    engine.setup(batch, lambda b: model(b), topology=topo)
+    return engine
+
+
+# -- arguments -------------------------------------------------------------------------------------------
+
+POSITIVE_P = "pipeline_parallel_size must be a positive int or 'auto'"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"pipeline_parallel_size": 0}, f"{POSITIVE_P}, got 0"),
+        ({"pipeline_parallel_size": "two"}, f"{POSITIVE_P}, got 'two'"),
+        ({"pipeline_parallel_size": 2.0}, f"{POSITIVE_P}, got 2.0"),
+        ({"num_microbatches": 0}, "num_microbatches must be >= 1, got 0"),
+        ({"microbatch_size": -2}, "microbatch_size must be >= 1, got -2"),
+        ({"num_microbatches": 2.5}, "num_microbatches must be an int"),
+        ({"num_microbatches": 4, "microbatch_size": 2}, "Give num_microbatches or microbatch_size, not both"),
+        ({"schedule": "zero-bubble"}, r"schedule='zero-bubble': choose one of"),
+        ({"partition": "flops"}, "partition='flops': use 'time' or 'params'"),
+        ({"cut_at": 3}, r"cut_at must be a dotted path string .* got 3"),
+    ],
+)
+def test_strategy_rejects_bad_arguments(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        VarunaStrategy(**options)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0])
+def test_engine_rejects_non_positive_p2p_timeout(timeout: float) -> None:
+    with pytest.raises(ValueError, match=f"p2p_timeout must be a positive number of seconds, got {timeout}"):
+        PipelineEngine(nn.Linear(1, 1), 1, p2p_timeout=timeout)
+
+
+def test_strategy_rejects_non_positive_p2p_timeout() -> None:
+    with pytest.raises(ValueError, match="p2p_timeout must be a positive number of seconds, got 0"):
+        VarunaStrategy(p2p_timeout=0)
+
+
+def test_world_size_not_divisible_by_pipeline_size() -> None:
+    message = r"world size \(3 processes\) is not divisible by pipeline_parallel_size=2\. Use a P that"
+    with pytest.raises(ValueError, match=message):
+        Topology.check(3, 2)
+    Topology.check(4, 2)
+
+
+# -- cut points in the dry run ------------------------------------------------------------------------------
+
+def test_pipeline_larger_than_number_of_segments() -> None:
+    result, _ = trace(Chain(2))  # one cut point, two segments
+    message = r"pipeline_parallel_size=3 but the model has 2 segment\(s\) \(1 cut point\(s\)\)\. Use"
+    with pytest.raises(PartitionError, match=message + r" pipeline_parallel_size <= 2"):
+        make_plan(result, 3)
+    assert len(make_plan(result, 2).stages) == 2
+
+
+def test_pipeline_larger_than_number_of_segments_raised_before_any_collective() -> None:
+    with pytest.raises(PartitionError, match=r"pipeline_parallel_size=4 but the model has 3 segment\(s\)"):
+        setup_engine(Chain(3), topology(4, 4))
+
+
+def test_no_cut_points_and_no_cut_at() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with pytest.raises(PartitionError, match=r"pipeline_parallel_size=2 but the model has no CutPoint and no"
+                       r" cut_at was given\. Add CutPoint\(\) modules .* or set cut_at="):
+        setup_engine(lambda_module(model), topology(2, 2))
+    setup_engine(lambda_module(model), topology(1, 1))  # one stage needs no cut point
+
+
+def lambda_module(inner: nn.Module) -> nn.Module:
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = inner
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.net(x).mean()
+
+    return Wrap()
+
+
+def test_cut_at_missing_path() -> None:
+    with pytest.raises(CutPointError, match=r"cut_at='model\.blocks': TinyGPT has no submodule at that path.*"
+                       r"Give the dotted path of the nn\.ModuleList or nn\.Sequential"):
+        install_cut_at(TinyGPT(n_layer=2), "model.blocks")
+    with pytest.raises(CutPointError, match=r"cut_at='blocks\.7'"):
+        install_cut_at(TinyGPT(n_layer=2), "blocks.7")
+
+
+def test_cut_at_not_a_container() -> None:
+    message = r"cut_at='ln_f' names a LayerNorm; it must be an nn\.ModuleList or nn\.Sequential"
+    with pytest.raises(CutPointError, match=message):
+        install_cut_at(TinyGPT(n_layer=2), "ln_f")
+    with pytest.raises(CutPointError, match=r"cut_at='pos': TinyGPT has no submodule"):
+        install_cut_at(TinyGPT(n_layer=2), "pos")  # a parameter, not a module
+    message = r"cut_at='blocks' has 1 child module\(s\); at least 2 are needed"
+    with pytest.raises(CutPointError, match=message):
+        install_cut_at(TinyGPT(n_layer=1), "blocks")
+
+
+def test_cut_at_raised_through_engine_before_any_collective() -> None:
+    model = TinyGPT(n_layer=2, use_cut_points=False)
+    engine = PipelineEngine(model, 2, cut_at="model.blocks")
+    idx, targets = RandomTokens(n=4)[0]
+    with pytest.raises(CutPointError, match="cut_at='model.blocks'"):
+        engine.setup((idx[None], targets[None]), lambda b: model.training_step(b, 0), topology=topology(2, 2))
+
+
+def test_cut_at_block_returning_a_tuple() -> None:
+    class TupleBlocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.LSTM(4, 4, batch_first=True) for _ in range(2))
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x, _ = block(x)
+            return x.mean()
+
+    model = TupleBlocks()
+    install_cut_at(model, "blocks")
+    message = r"cut_at: blocks\.0 returned a tuple; cut_at needs blocks that return one tensor\. Place"
+    with pytest.raises(CutPointError, match=message):
+        trace_step(model, lambda n: model(torch.randn(n, 3, 4)))
+
+
+def test_cut_point_called_twice() -> None:
+    class Twice(Chain):
+        def forward(self, x: Tensor) -> Tensor:
+            x = self.cuts[0](self.layers[0](x))
+            return self.cuts[0](self.layers[1](x)).mean()
+
+    message = r"cuts\.0 was called twice in one forward\. .*create one CutPoint per place"
+    with pytest.raises(CutPointError, match=message):
+        trace(Twice(2))
+
+
+def test_cut_point_on_non_tensor() -> None:
+    class OnTuple(Chain):
+        def forward(self, x: Tensor) -> Tensor:
+            a, b = self.cuts[0]((self.layers[0](x), x))
+            return (a + b).mean()
+
+    with pytest.raises(CutPointError, match=r"A CutPoint was called on a tuple; it takes exactly one tensor\."
+                       " Move the cut point"):
+        trace(OnTuple(2))
+
+
+def test_cut_point_on_integer_tensor() -> None:
+    class OnIndices(Chain):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.cuts[0](self.layers[0](x).argmax(-1)).float().mean()
+
+    with pytest.raises(CutPointError, match=r"cuts\.0 got a torch\.int64 tensor; a cut point needs a"
+                       " floating-point activation"):
+        trace(OnIndices(2))
+
+
+def test_cut_point_tensor_with_two_batch_dimensions() -> None:
+    class Outer(Chain):
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.layers[0](x)
+            return self.cuts[0](h[:, None] * h[None, :]).mean()
+
+    message = r"cuts\.0 has shape \(1, 1, 4\) for batch 1 and \(2, 2, 4\) for batch 2; exactly one dimension"
+    with pytest.raises(PartitionError, match=message + " may scale with the batch"):
+        trace(Outer(2))
+
+
+def test_cut_points_in_a_different_order_in_the_dry_run() -> None:
+    class Flips(Chain):
+        def forward(self, x: Tensor) -> Tensor:
+            order = [0, 1] if x.shape[0] == 1 else [1, 0]  # the dry run runs batch 1, then batch 2
+            x = self.cuts[order[0]](self.layers[0](x))
+            x = self.cuts[order[1]](self.layers[1](x))
+            return self.layers[2](x).mean()
+
+    with pytest.raises(CutPointError, match=r"different order in two forwards.*\[cuts\.0, cuts\.1\].*"
+                       r"\[cuts\.1, cuts\.0\]"):
+        trace(Flips(3))
+
+
+def test_cut_points_in_a_different_order_after_the_dry_run() -> None:
+    class FlipsLater(Chain):
+        flip_after = 1_000_000
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.calls += 1
+            order = [1, 0] if self.calls > self.flip_after else [0, 1]
+            x = self.cuts[order[0]](self.layers[0](x))
+            x = self.cuts[order[1]](self.layers[1](x))
+            return self.layers[2](x).mean()
+
+    model = FlipsLater(3)
+    engine = setup_engine(model, topology(1, 1), num_microbatches=2)
+    batch = torch.randn(4, 4)
+    for _ in range(2):
+        engine.train_step(batch, model)
+    model.flip_after = model.calls + 1  # step 3 flips in its second micro-batch
+    message = r"Cut point #0 of this forward is cuts\.1, but the dry run saw cuts\.0 there \(micro-batch 1\)"
+    with pytest.raises(CutPointError, match=message + r"\. Cut points must be reached in the same order"):
+        engine.train_step(batch, model)
+
+
+# -- batches and steps -------------------------------------------------------------------------------------
+
+def test_batch_smaller_than_num_microbatches() -> None:
+    engine = PipelineEngine(nn.Linear(4, 1), 2, num_microbatches=4)
+    with pytest.raises(ValueError, match=r"A batch of 3 sample\(s\) cannot be split into num_microbatches=4\."
+                       r" Use a batch size >= 4, fewer micro-batches, or drop_last=True"):
+        engine.microbatches_for(3)
+    assert engine.microbatches_for(3, train=False) == 3  # evaluation just uses smaller micro-batches
+    assert engine.microbatches_for(9) == 4
+
+
+def test_batch_smaller_than_num_microbatches_raised_in_setup_before_any_collective() -> None:
+    with pytest.raises(ValueError, match=r"A batch of 2 sample\(s\) cannot be split into num_microbatches=4"):
+        setup_engine(Chain(3), topology(2, 2), batch_size=2, num_microbatches=4)
+
+
+def test_step_that_returns_no_loss() -> None:
+    model = Chain(2)
+    engine = setup_engine(model, topology(1, 1), num_microbatches=2)
+    message = "The step returned a NoneType; for training it must return the loss"
+    with pytest.raises(CutPointError, match=message):
+        engine.train_step(torch.randn(4, 4), lambda b: None)
+
+
+def test_manual_optimization_is_rejected() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DataLoader
+
+    class Manual(TinyGPT):
+        def __init__(self) -> None:
+            super().__init__(n_layer=2)
+            self.automatic_optimization = False
+
+    # Lightning's launcher and process-group setup write MASTER_PORT etc.; keep them out of other tests
+    message = r"supports automatic optimization only.*Remove `self\.automatic_optimization = False`"
+    with mock.patch.dict(os.environ), pytest.raises(MisconfigurationException, match=message):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=VarunaStrategy(pipeline_parallel_size=1), max_steps=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        try:
+            trainer.fit(Manual(), DataLoader(RandomTokens(n=8), batch_size=4))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def test_manual_optimization_is_rejected_before_the_process_group_starts() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DataLoader
+
+    class Manual(TinyGPT):
+        def __init__(self) -> None:
+            super().__init__(n_layer=2)
+            self.automatic_optimization = False
+
+    started = []
+    with mock.patch.dict(os.environ), pytest.raises(MisconfigurationException):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=VarunaStrategy(pipeline_parallel_size=1), max_steps=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        try:
+            trainer.fit(Manual(), DataLoader(RandomTokens(n=8), batch_size=4))
+        finally:
+            started.append(dist.is_initialized())
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert started == [False]
+
+
+def test_world_size_not_divisible_is_rejected_by_the_trainer() -> None:
+    import lightning.pytorch as pl
+
+    with mock.patch.dict(os.environ), pytest.raises(ValueError, match="not divisible by pipeline_parallel_size=2"):
+        pl.Trainer(accelerator="cpu", devices=3, strategy=VarunaStrategy(pipeline_parallel_size=2), logger=False)
+
+
+# -- values that skip a cut point ------------------------------------------------------------------------
+
+class Skip(Chain):
+    """``h`` from segment 0 is added in segment 1 without passing through the cut point."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.layers[0](x)
+        y = self.layers[1](self.cuts[0](h)) + h
+        y = self.cuts[1](y)
+        return self.layers[2](y).pow(2).mean()
+
+
+def test_skip_connection_across_stages() -> None:
+    result, _ = trace(Skip(3))
+    assert set(result.crossings) == {(0, 1)}
+    message = (
+        r"A tensor \(\(2, 4\) torch\.float32\) computed from parameters in segment 0 is used in segment 1"
+        r" without passing through a CutPoint, and those segments fall on stages 0 and 1\. Route it through"
+        r" the cut point"
+    )
+    with pytest.raises(PartitionError, match=message):
+        make_plan(result, 3)
+    # segments 0 and 1 on one stage: the skip stays inside the stage and the plan is fine
+    result.segment_seconds = [1.0, 1.0, 3.0]
+    plan = make_plan(result, 2)
+    assert [list(s.segments) for s in plan.stages] == [[0, 1], [2]]
+
+
+def test_input_reused_after_a_cut_is_not_a_crossing() -> None:
+    class ReusesInput(Chain):
+        def forward(self, x: Tensor) -> Tensor:
+            # x comes from the batch, which every stage has
+            y = self.layers[1](self.cuts[0](self.layers[0](x))) + x
+            return y.mean()
+
+    result, _ = trace(ReusesInput(2))
+    assert result.crossings == {}
+    make_plan(result, 2)
+
+
+def test_balance_and_plan_arguments() -> None:
+    with pytest.raises(PartitionError, match=r"Cannot split 2 segment\(s\) into 3 stage\(s\)"):
+        balance([1.0, 2.0], 3)
+    with pytest.raises(PartitionError, match=r"Cannot split 2 segment\(s\) into 0 stage\(s\)"):
+        balance([1.0, 2.0], 0)
+    result, _ = trace(Chain(2))
+    with pytest.raises(PartitionError, match="partition='flops': use 'time' or 'params'"):
+        make_plan(result, 2, by="flops")
