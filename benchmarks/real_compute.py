@@ -1,0 +1,480 @@
+"""Framework overhead with REAL compute, P=2: VarunaStrategy in a Lightning Trainer vs a raw torch pipeline loop.
+
+Run (from the repository root; it starts its own ``torchrun`` jobs, 2 processes each, gloo, 1 thread each)::
+
+    python benchmarks/real_compute.py --out benchmarks/results/real_compute.json
+
+What is compared, on the example GPT (``examples/gpt/model.py``: n_layer 4, n_embd 64, n_head 4, block_size
+64, vocab 256, tied embedding/head, dropout 0), batch 8 per step, 4 micro-batches, the same random-token
+batches (seeded) from the same kind of ``DataLoader``, the same AdamW parameter groups and LR schedule:
+
+* ``ours-<schedule>[-rc]``: ``Trainer(strategy=VarunaStrategy(pipeline_parallel_size=2, num_microbatches=4,
+  schedule=..., recompute=..., partition="params")).fit(GPT, loader)``; no logger, progress bar, checkpointing
+  or model summary; the model's own ``training_step`` (with its ``self.log("train_loss", prog_bar=True)``).
+* ``torch-1f1b[-ckpt]``: ``torch.distributed.pipelining.PipelineStage`` for each half + ``Schedule1F1B``
+  (n_microbatches=4, scale_grads=True), then the sum of the two copies of the tied embedding gradient
+  (one ``all_reduce``: what any correct split of this model must do), ``AdamW.step``, ``LambdaLR.step``,
+  ``zero_grad``. No Lightning. ``-ckpt``: stage 0's forward in ``torch.utils.checkpoint`` (non-reentrant);
+  the last stage is never wrapped (it never needs to recompute; our engine does the same).
+
+Both use the same split: stage 0 = embeddings + blocks 0-1, stage 1 = blocks 2-3 + ln_f + tied head. This is
+the split VarunaStrategy picks with ``partition="params"`` (checked at run time: the plan is recorded in the
+JSON and the run fails if it differs).
+
+Timing: every rank stamps ``time.monotonic()`` (one clock for all processes of a host) at the end of every
+step (Lightning: ``on_train_batch_end``; raw loop: after ``zero_grad``). Step time k = latest end of step k
+over ranks - latest end of step k-1: the whole loop, data loading and framework bookkeeping included.
+samples/s = batch / median step time over the measured steps (after warm-up steps).
+
+Breakdown (median per step, per rank; ``--breakdown``, on by default, light ``perf_counter`` wrappers, a few
+microseconds per step): for ours ``engine.train_step`` (the schedule: every micro-batch's forward and
+backward and the p2p waits), the log/loss broadcast (``LogBroadcaster.share``), the rest of
+``VarunaStrategy.training_step`` (log reduction, gradients set aside), ``backward`` (gradients put back),
+``sync_gradients`` (tied copy sum), ``optimizer.step`` (AdamW) and what is left (Lightning's loop, data,
+hooks, ``zero_grad``, scheduler); for the raw loop the same buckets where they exist.
+
+Each repetition is one ``torchrun`` job that runs every configuration in turn (the order rotates from one
+repetition to the next, so slow phases of the shared machine's load do not always hit the same system).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ["ours-1f1b", "ours-varuna", "ours-1f1b-rc", "ours-varuna-rc"]
+# ours -> its raw peer (equal memory behaviour: recompute is compared with the checkpointed peer)
+PEER = {
+    "ours-1f1b": "torch-1f1b",
+    "ours-varuna": "torch-1f1b",
+    "ours-1f1b-rc": "torch-1f1b-ckpt",
+    "ours-varuna-rc": "torch-1f1b-ckpt",
+}
+CONFIG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, dropout=0.0)
+BATCH, MICROBATCHES, SPLIT = 8, 4, 2  # SPLIT: blocks on stage 0
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+class Timers:
+    """Per-step sums of named intervals (perf_counter), one dict per step."""
+
+    def __init__(self):
+        self.steps: list[dict[str, float]] = []
+        self.cur: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.cur[name] = self.cur.get(name, 0.0) + seconds
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        timers = self
+
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers.add(name, time.perf_counter() - t0)
+
+        setattr(obj, attr, wrapped)
+
+    def end_step(self) -> None:
+        self.steps.append(self.cur)
+        self.cur = {}
+
+    def medians(self, skip: int) -> dict[str, float]:
+        steps = self.steps[skip:]
+        names = sorted({n for s in steps for n in s})
+        return {n: _median([s.get(n, 0.0) for s in steps]) for n in names}
+
+
+def make_loader(num_batches: int):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (num_batches * BATCH, CONFIG["block_size"] + 1), generator=g)
+    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return DataLoader(data, batch_size=BATCH, shuffle=False, drop_last=True, num_workers=0)
+
+
+def build_gpt():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from model import GPT
+
+    torch.manual_seed(1234)
+    return GPT(**CONFIG)
+
+
+class RawPeer:
+    """The raw torch.distributed.pipelining loop (no Lightning) on this rank's half of the GPT."""
+
+    def __init__(self, name: str, steps: int, breakdown: bool):
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torch import nn
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        from torch.utils.checkpoint import checkpoint
+
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        ckpt = name.endswith("-ckpt")
+        gpt = build_gpt()
+
+        class First(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+                self.blocks = nn.ModuleList(gpt.blocks[:SPLIT])
+
+            def body(self, idx):
+                pos = torch.arange(idx.size(1), device=idx.device)
+                x = self.drop(self.wte(idx) + self.wpe(pos))
+                for block in self.blocks:
+                    x = block(x)
+                return x
+
+            def forward(self, idx):
+                return checkpoint(self.body, idx, use_reentrant=False) if ckpt else self.body(idx)
+
+        class Last(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList(gpt.blocks[SPLIT:])
+                self.ln_f, self.wte = gpt.ln_f, gpt.wte  # tied head: this rank's copy of wte.weight
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return F.linear(self.ln_f(x), self.wte.weight)
+
+        mod = First() if self.rank == 0 else Last()
+        mbs, T, C, V = BATCH // MICROBATCHES, CONFIG["block_size"], CONFIG["n_embd"], CONFIG["vocab_size"]
+        if self.rank == 0:
+            ex_in, ex_out = torch.zeros(mbs, T, dtype=torch.long), torch.zeros(mbs, T, C, requires_grad=True)
+        else:
+            ex_in, ex_out = torch.zeros(mbs, T, C, requires_grad=True), torch.zeros(mbs, T, V, requires_grad=True)
+        stage = PipelineStage(mod, self.rank, world, torch.device("cpu"), input_args=ex_in, output_args=ex_out)
+
+        def loss_fn(logits, target):
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+        self.sched = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn, scale_grads=True)
+        # the model's own optimizer and LR schedule (AdamW, decay on matrices only; LambdaLR), this stage's params
+        kept = {id(p) for p in mod.parameters()}
+        conf = gpt.configure_optimizers()
+        self.optimizer, self.scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in kept]
+        self.tied = gpt.wte.weight
+        self.timers = Timers()
+        self.breakdown = breakdown
+        self.it = iter(make_loader(steps + 2))
+
+    def step(self) -> None:
+        import torch.distributed as dist
+
+        idx, tgt = next(self.it)
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            self.sched.step(idx, return_outputs=False)
+        else:
+            self.sched.step(target=tgt, losses=[], return_outputs=False)
+        t1 = time.perf_counter()
+        dist.all_reduce(self.tied.grad)  # the two copies of the tied embedding: sum, as our GradientSync does
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        t3 = time.perf_counter()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.breakdown:
+            self.timers.add("schedule.step", t1 - t0)
+            self.timers.add("sync_gradients", t2 - t1)
+            self.timers.add("AdamW", t3 - t2)
+        self.timers.end_step()
+
+
+def run_pair(ours: str, peer: str, steps: int, warmup: int, breakdown: bool, profile: str | None = None) -> dict:
+    """Trainer.fit with VarunaStrategy; after each of its steps, one step of the raw peer (barriers around it).
+
+    Returns this rank's stamps: ours/peer step start and end (time.monotonic), and the breakdowns.
+    """
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_varuna import VarunaStrategy
+
+    schedule = ours.split("-")[1]
+    recompute = ours.endswith("-rc")
+    raw = RawPeer(peer, warmup + steps, breakdown)
+    profiles = None
+    if profile is not None:  # cProfile of the measured steps, ours and the peer apart (inflates Python-heavy code)
+        import cProfile
+
+        profiles = {"ours": cProfile.Profile(), "peer": cProfile.Profile()}
+    timers = Timers()
+    stamps = {"ours_start": [], "ours_end": [], "peer_start": [], "peer_end": []}
+    info: dict = {}
+
+    class Interleave(pl.Callback):
+        def on_train_start(self, trainer, module):
+            strategy = trainer.strategy
+            info["plan"] = [[st.segments[0], st.segments[-1]] for st in strategy.engine.plan.stages]
+            if breakdown:
+                timers.wrap(strategy, "training_step", "training_step")
+                timers.wrap(strategy.engine, "train_step", "engine.train_step")
+                timers.wrap(strategy._broadcaster, "share", "log_share")
+                timers.wrap(strategy, "backward", "backward")
+                timers.wrap(strategy.engine, "sync_gradients", "sync_gradients")
+                # Lightning runs the closure (training_step, zero_grad, backward, our sync) inside optimizer.step
+                timers.wrap(strategy.precision_plugin, "_wrap_closure", "closure")
+                for opt in strategy.optimizers:
+                    opt.register_step_pre_hook(lambda *a: info.__setitem__("t_opt", time.perf_counter()))
+                    opt.register_step_post_hook(
+                        lambda *a: timers.add("optimizer.step", time.perf_counter() - info["t_opt"]))
+            dist.barrier()
+            stamps["ours_start"].append(time.monotonic())
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            stamps["ours_end"].append(time.monotonic())
+            timers.end_step()
+            if profiles is not None:
+                profiles["ours"].disable()
+            dist.barrier()
+            stamps["peer_start"].append(time.monotonic())
+            if profiles is not None and batch_idx + 1 >= warmup:
+                profiles["peer"].enable()
+            raw.step()
+            if profiles is not None:
+                profiles["peer"].disable()
+            stamps["peer_end"].append(time.monotonic())
+            dist.barrier()
+            stamps["ours_start"].append(time.monotonic())
+            if profiles is not None and batch_idx + 1 >= warmup:
+                profiles["ours"].enable()
+
+    module = build_gpt()
+    strategy = VarunaStrategy(
+        pipeline_parallel_size=2, num_microbatches=MICROBATCHES, schedule=schedule, recompute=recompute,
+        partition="params",
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=warmup + steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Interleave()], num_sanity_val_steps=0,
+    )
+    trainer.fit(module, make_loader(warmup + steps + 2))
+    # the strategy's plan must be the split the raw peer uses: segments 0-1 (embeddings + blocks 0, 1) | 2-4
+    if info.get("plan") != [[0, SPLIT - 1], [SPLIT, CONFIG["n_layer"]]]:
+        raise RuntimeError(f"VarunaStrategy chose split {info.get('plan')}, the raw peer uses blocks 0-{SPLIT - 1}")
+    stamps["ours_start"] = stamps["ours_start"][: len(stamps["ours_end"])]
+    if profiles is not None:
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        for kind, prof in profiles.items():
+            prof.dump_stats(str(Path(profile) / f"{ours}_{kind}_rank{dist.get_rank()}.prof"))
+    return {"stamps": stamps, "plan": info["plan"], "ours_breakdown": timers.medians(warmup),
+            "peer_breakdown": raw.timers.medians(warmup)}
+
+
+def step_times(per_rank: list[dict], kind: str, warmup: int) -> list[float]:
+    """Step k lasts from the latest start over ranks (just after a barrier) to the latest end over ranks."""
+    starts = [r["stamps"][f"{kind}_start"] for r in per_rank]
+    ends = [r["stamps"][f"{kind}_end"] for r in per_rank]
+    n = min(len(x) for x in starts + ends)
+    return [max(e[k] for e in ends) - max(s[k] for s in starts) for k in range(warmup, n)]
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_varuna"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for ours in args.systems.split(","):
+        peer = PEER[ours]
+        t_start = time.monotonic()
+        mine = run_pair(ours, peer, args.steps, args.warmup, args.breakdown, args.profile)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            entry = {"peer_name": peer, "plan": mine["plan"], "wall_s": time.monotonic() - t_start}
+            for kind in ("ours", "peer"):
+                st = step_times(gathered, kind, args.warmup)
+                med = _median(st)
+                entry[kind] = {"step_s": st, "median_step_s": med, "samples_per_s": BATCH / med,
+                               "breakdown_per_rank": [g[f"{kind}_breakdown"] for g in gathered]}
+            entry["ratio"] = entry["ours"]["samples_per_s"] / entry["peer"]["samples_per_s"]
+            results[ours] = entry
+            print(f"  {ours:15s} {entry['ours']['samples_per_s']:7.1f} samples/s | {peer:15s}"
+                  f" {entry['peer']['samples_per_s']:7.1f} samples/s | ratio {entry['ratio']:.3f} | {entry['wall_s']:.1f} s",
+                  flush=True)
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def render(out: dict) -> str:
+    reps = out["repetitions"]
+    names = [n for n in SYSTEMS if all(n in r["results"] for r in reps)]
+    lines = [
+        "| ours (Lightning + VarunaStrategy) | samples/s per run | raw peer (same run, interleaved) | samples/s per"
+        " run | ratio ours / peer per run | ratio: median (min-max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        res = [r["results"][n] for r in reps]
+        ours = [x["ours"]["samples_per_s"] for x in res]
+        peer = [x["peer"]["samples_per_s"] for x in res]
+        ratios = [x["ratio"] for x in res]
+        lines.append(
+            f"| {n} | {' / '.join(f'{v:.0f}' for v in ours)} | {res[0]['peer_name']} | {' / '.join(f'{v:.0f}' for v in peer)}"
+            f" | {' / '.join(f'{v:.2f}' for v in ratios)} | **{statistics.median(ratios):.2f}**"
+            f" ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+BUCKETS = ["step", "schedule", "log_share", "training_step other", "backward", "sync_gradients",
+           "closure other", "AdamW", "rest"]
+
+
+def step_buckets(res: dict, rank: int) -> dict[str, float]:
+    """One run's per-step medians on one rank, in seconds, split into BUCKETS (see the module docstring)."""
+    bd = res["breakdown_per_rank"][rank]
+    d = {"step": res["median_step_s"]}
+    d["schedule"] = bd.get("engine.train_step", bd.get("schedule.step", 0.0))
+    for k in ("log_share", "backward", "sync_gradients", "AdamW"):
+        if k in bd:
+            d[k] = bd[k]
+    if "training_step" in bd:  # ours
+        d["training_step other"] = bd["training_step"] - d["schedule"] - d.get("log_share", 0.0)
+        d["closure other"] = bd["closure"] - bd["training_step"] - d.get("backward", 0.0) - d.get("sync_gradients", 0.0)
+        d["AdamW"] = bd["optimizer.step"] - bd["closure"]
+    d["rest"] = d["step"] - sum(v for k, v in d.items() if k != "step")
+    return d
+
+
+def render_breakdown(out: dict) -> str:
+    """Median over runs of each rank's per-step medians, in ms."""
+    reps = out["repetitions"]
+    names = [n for n in SYSTEMS if all(n in r["results"] for r in reps)]
+    lines = ["| system (pair) | rank | " + " | ".join(BUCKETS) + " |", "|---|---|" + "---:|" * len(BUCKETS)]
+    for n in names:
+        for kind in ("ours", "peer"):
+            label = n if kind == "ours" else f"{reps[0]['results'][n]['peer_name']} (with {n})"
+            for rank in range(2):
+                runs = [step_buckets(r["results"][n][kind], rank) for r in reps]
+                cells = []
+                for b in BUCKETS:
+                    vals = [d[b] for d in runs if b in d]
+                    cells.append(f"{statistics.median(vals) * 1e3:.2f}" if vals else "-")
+                lines.append(f"| {label} | {rank} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def driver(args) -> int:
+    systems = args.systems.split(",")
+    out = {
+        "command": "python benchmarks/real_compute.py " + " ".join(sys.argv[1:]),
+        "config": {**CONFIG, "batch": BATCH, "microbatches": MICROBATCHES, "split_blocks_stage0": SPLIT,
+                   "steps": args.steps, "warmup": args.warmup, "threads_per_process": 1, "backend": "gloo"},
+        "repetitions": [],
+        "loadavg_start": _loadavg(),
+    }
+    t0 = time.monotonic()
+    for rep in range(args.repeats):
+        order = systems[rep % len(systems):] + systems[: rep % len(systems)]
+        if rep % 2 == 1:
+            order = order[::-1]
+        with tempfile.TemporaryDirectory() as tmp:
+            res_path = Path(tmp) / "res.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   str(Path(__file__).resolve()), "--worker", "--worker-out", str(res_path),
+                   "--systems", ",".join(order), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            if args.profile:
+                cmd += ["--profile", str(Path(args.profile).resolve())]
+            if not args.breakdown:
+                cmd.append("--no-breakdown")
+            print(f"run {rep + 1}/{args.repeats} (load {_loadavg()}): {','.join(order)}", flush=True)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            rs = time.monotonic()
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            for line in proc.stdout.splitlines():
+                if line.startswith("  ours"):  # the worker's result lines (Lightning's banners are dropped)
+                    print(line, flush=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
+                print(f"run {rep + 1} failed with exit code {proc.returncode}", file=sys.stderr)
+                return proc.returncode
+            results = json.loads(res_path.read_text())
+        out["repetitions"].append({"order": order, "results": results, "wall_s": time.monotonic() - rs,
+                                   "loadavg_end": _loadavg()})
+    out["loadavg_end"] = _loadavg()
+    out["wall_s"] = time.monotonic() - t0
+    out["table_md"] = render(out)
+    if args.breakdown:
+        out["breakdown_md"] = render_breakdown(out)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    print()
+    print(f"load average start {out['loadavg_start']}, end {out['loadavg_end']}; wall {out['wall_s']:.0f} s")
+    print(out["table_md"])
+    if args.breakdown:
+        print()
+        print("per-step breakdown, ms (median over runs of each rank's median):")
+        print(out["breakdown_md"])
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="JSON result file")
+    p.add_argument("--repeats", type=int, default=3, help="torchrun jobs (each runs every system)")
+    p.add_argument("--steps", type=int, default=60, help="measured steps per system")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps per system")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also write cProfile stats of the measured steps per system, kind and rank to DIR"
+                   " (slows Python-heavy code; use for attribution, not for the ratios)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    return worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The main example runs as documented: LightningCLI, Lightning's own launcher, 4 CPU processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from launch import ROOT, _env
+
+SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+         "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "examples/gpt/train.py", *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    assert result.returncode == 0, f"{' '.join(command)}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["config.yaml", "config_registered.yaml"])
+def test_example_trains_on_four_processes(config: str) -> None:
+    result = _cli("fit", "--config", f"examples/gpt/{config}", *SHORT)
+    output = result.stdout + result.stderr
+    assert "VarunaStrategy:" in output and "replica(s)" in output
+    assert "`Trainer.fit` stopped: `max_steps=4` reached." in output
+
+
+def test_strategy_arguments_are_documented_for_the_cli() -> None:
+    result = _cli("fit", "--trainer.strategy.help", "lightning_varuna.VarunaStrategy", timeout=120)
+    for argument in ("pipeline_parallel_size", "num_microbatches", "schedule", "recompute", "cut_at"):
+        assert f"--trainer.strategy.{argument}" in result.stdout
+    assert "Micro-batches per batch" in result.stdout
