@@ -219,7 +219,9 @@ class P2P:
     def send_header(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
         """Sends the shape and dtype of ``tensor`` ahead of a step's activations."""
         if tensor.dim() > _HEADER - 2:
-            raise PipelineError(f"A cut point tensor has {tensor.dim()} dimensions; at most {_HEADER - 2} are supported.")
+            raise PipelineError(
+                f"A cut point tensor has {tensor.dim()} dimensions; at most {_HEADER - 2} are supported."
+            )
         if tensor.dtype not in _DTYPES:
             raise PipelineError(f"A cut point tensor has dtype {tensor.dtype}; supported: {_DTYPES}.")
         header = torch.zeros(_HEADER, dtype=torch.int64)

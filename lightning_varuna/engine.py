@@ -299,6 +299,7 @@ class PipelineEngine:
 
 
 def default_loss(output: Any) -> Tensor:
+    """The loss in a step's output: the tensor itself, or ``output["loss"]``."""
     if isinstance(output, Tensor):
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):

@@ -56,29 +56,45 @@ class GradientSync:
         plain = [p for n, p in params.items() if n not in self.tied_names and p.requires_grad]
         self.buckets = _buckets(plain, bucket_bytes)
         self._flat: list[Tensor | None] = [None] * len(self.buckets)
+        self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter]]] = []
 
     def sync(self) -> None:
         """Averages over replicas and sums tied copies; call once per optimizer step, on every rank."""
-        works = []
+        self.start()
+        self.finish()
+
+    def start(self) -> None:
+        """Starts the reductions of the current gradients (asynchronous); :meth:`finish` completes them.
+
+        Called as soon as a stage's last backward of the step is done, the reductions run while the other
+        stages finish their schedules and Lightning does its bookkeeping.
+        """
+        if self._pending:
+            raise RuntimeError("GradientSync.start() called twice without finish().")
         d = self.topology.data_size
         if d > 1:
             for i, bucket in enumerate(self.buckets):
                 flat = self._flatten(i, bucket)
                 flat.div_(d)
-                works.append((dist.all_reduce(flat, group=self.topology.data_group, async_op=True), i, bucket))
-        tied_works = []
+                work = dist.all_reduce(flat, group=self.topology.data_group, async_op=True)
+                self._pending.append((work, flat, bucket))
         for group, tied in self.tied_groups:
-            if not tied:
-                continue
-            flat = torch.cat([_grad(p).reshape(-1) for p in tied])
-            flat.div_(d)
-            tied_works.append((dist.all_reduce(flat, group=group, async_op=True), flat, tied))
-        for work, i, bucket in works:
+            if tied:
+                flat = torch.cat([_grad(p).reshape(-1) for p in tied])
+                flat.div_(d)
+                self._pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, tied))
+
+    def finish(self) -> None:
+        """Waits for the reductions :meth:`start` began and writes the results into the gradients."""
+        pending, self._pending = self._pending, []
+        for work, flat, params in pending:
             work.wait()
-            _unflatten(self._flat[i], bucket)  # type: ignore[arg-type]
-        for work, flat, tied in tied_works:
-            work.wait()
-            _unflatten(flat, tied)
+            _unflatten(flat, params)
+
+    @property
+    def started(self) -> bool:
+        """Whether reductions are in flight."""
+        return bool(self._pending)
 
     def local_norm_sq(self, norm_type: float = 2.0) -> Tensor:
         """This stage's share of the squared global norm (a tied parameter counted on its first stage)."""

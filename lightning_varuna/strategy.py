@@ -396,17 +396,28 @@ class VarunaStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch through the pipeline; returns the batch's loss (on every rank).
 
-        The new gradients are kept aside until :meth:`backward`; gradients already present (from the last
-        step, not yet zeroed, or accumulated) are left in place for Lightning's ``zero_grad`` to handle.
+        The new gradients are handed to Lightning in :meth:`backward`. On the batch that ends an
+        accumulation window, the data-parallel and tied-copy reductions start as soon as this stage's
+        schedule is done, and the optimizer closure only waits for them.
         """
+        trainer = self.lightning_module.trainer
         params = list(self.lightning_module.parameters())
         earlier = [p.grad for p in params]
+        # a partial accumulation is kept; gradients left from the last optimizer step are for zero_grad
+        keep_earlier = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0
         for p in params:
             p.grad = None
         loss = self._run_step("training_step", True, args, kwargs)
+        if keep_earlier:
+            for p, grad in zip(params, earlier):
+                if grad is not None:
+                    p.grad = grad if p.grad is None else p.grad.add_(grad)
+        if not _accumulating(trainer):
+            assert self.engine is not None and self.engine.grad_sync is not None
+            self._waiting_on_peers("starting the gradient reduction", self.engine.grad_sync.start)
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, grad in zip(params, earlier):
-            p.grad = grad
+            p.grad = None if keep_earlier else grad
         return loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -440,7 +451,9 @@ class VarunaStrategy(ParallelStrategy):
 
         def closure_then_sync() -> Any:
             result = closure()
-            self._waiting_on_peers("syncing gradients", engine.sync_gradients)
+            sync = engine.grad_sync
+            assert sync is not None
+            self._waiting_on_peers("syncing gradients", sync.finish if sync.started else sync.sync)
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -585,6 +598,11 @@ class VarunaStrategy(ParallelStrategy):
         # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
         # later validate/test/predict calls
         super().teardown()
+
+
+def _accumulating(trainer: Trainer) -> bool:
+    """Whether this batch only accumulates gradients (no optimizer step follows it)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 class _CutCounter:
