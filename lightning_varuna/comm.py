@@ -20,6 +20,7 @@ __all__ = ["Topology", "P2P", "PipelineError", "report_failure", "peer_error"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HEADER = 10  # dtype code, ndim, up to 8 dims
+HEADER_BYTES = _HEADER * 8
 _ERROR_KEY = "lightning_varuna/error/"
 
 

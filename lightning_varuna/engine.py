@@ -95,6 +95,8 @@ class PipelineEngine:
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
         device: The device of this rank (default: CPU).
+        wire_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype
+            (e.g. ``torch.bfloat16`` under bf16 autocast: half the bytes) and are cast back on arrival.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class PipelineEngine:
         partition: str = "time",
         p2p_timeout: float = 300.0,
         device: torch.device | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}.")
@@ -137,6 +140,7 @@ class PipelineEngine:
         self.partition = partition
         self.p2p_timeout = p2p_timeout
         self.device = device or torch.device("cpu")
+        self.wire_dtype = wire_dtype
         self.topology: Topology | None = None
         self.plan: Plan | None = None
         self.executor: StageExecutor | None = None
@@ -186,6 +190,8 @@ class PipelineEngine:
         first_cut = stage.segments.start - 1 if topo.stage > 0 else None
         last_cut = stage.segments.stop - 1 if not topo.is_last else None
         self.executor = StageExecutor(topo, P2P(topo, self.p2p_timeout), cut_modules, first_cut, last_cut)
+        self.executor.wire_dtype = self.wire_dtype
+        self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
         self._batch_dims = (
             trace.cuts[first_cut].batch_dim if first_cut is not None else None,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_varuna.comm import P2P, PipelineError, Topology
+from lightning_varuna.comm import HEADER_BYTES, P2P, PipelineError, Topology
 from lightning_varuna.cut import CutPoint, CutPointError, StageOutputReady, forward_handler
 from lightning_varuna.schedules import Kind, Task
 
@@ -40,6 +40,8 @@ class MemoryStats:
     peak_live_graphs: int = 0
     stash_bytes: int = 0
     peak_stash_bytes: int = 0
+    sent_bytes: int = 0
+    """Bytes this stage has sent to its neighbours (activations, gradients, headers), all steps together."""
 
     def graph(self, delta: int) -> None:
         """Counts an autograd graph kept (+1) or released (-1)."""
@@ -106,6 +108,10 @@ class StageExecutor:
         self.first_cut = first_cut
         self.last_cut = last_cut
         self.stats = MemoryStats()
+        self.wire_dtype: torch.dtype | None = None
+        """If set, floating-point activations and their gradients travel in this dtype."""
+        self.input_dtype: torch.dtype | None = None
+        """The dtype the model had at this stage's first cut (received activations are cast back to it)."""
         self.current: _StageForward | None = None
         self.opportunistic_moves = 0
         self._pool: dict[tuple[str, int], Tensor] = {}
@@ -192,6 +198,8 @@ class StageExecutor:
                     input_works[k] = None
                 received = inputs[k]
                 received.requires_grad_(with_grad)  # type: ignore[union-attr]
+                if self.input_dtype is not None and received.dtype != self.input_dtype:  # type: ignore[union-attr]
+                    received = received.to(self.input_dtype)  # type: ignore[union-attr]
             handler = _StageForward(self.cuts, self.first_cut, self.last_cut, received, k, recomputing)
             self.current = handler
             try:
@@ -210,11 +218,19 @@ class StageExecutor:
                 self.current = None
             return out
 
+        def send(tensor: Tensor, dst: int, tag: int) -> None:
+            sends.append((self.p2p.isend(tensor, dst, tag), tensor, dst))
+            self.stats.sent_bytes += tensor.numel() * tensor.element_size()
+
         def send_output(k: int, out: Tensor) -> None:
-            out = out.detach().contiguous() if not out.is_contiguous() else out.detach()
+            out = out.detach()
+            if self.wire_dtype is not None and out.is_floating_point() and out.dtype != self.wire_dtype:
+                out = out.to(self.wire_dtype)
+            out = out.contiguous()
             if k == 0:
                 sends.append((self.p2p.send_header(out, next_rank, _HEADER_TAG), out, next_rank))
-            sends.append((self.p2p.isend(out, next_rank, _tag("act", k)), out, next_rank))
+                self.stats.sent_bytes += HEADER_BYTES
+            send(out, next_rank, _tag("act", k))
 
         def run_forward(k: int) -> None:
             if train and recompute and not topo.is_last:
@@ -225,7 +241,8 @@ class StageExecutor:
                     raise CutPointError("A stage output must be a tensor.")
                 send_output(k, out)
                 if train:
-                    buffer = self._buffer("grad", k, out.shape, out.dtype)
+                    wire = self.wire_dtype if self.wire_dtype is not None and out.is_floating_point() else out.dtype
+                    buffer = self._buffer("grad", k, out.shape, wire)
                     grads[k] = buffer
                     grad_works[k] = self.p2p.irecv(buffer, next_rank, _tag("grad", k))
             if train and not no_grad_forward:
@@ -253,14 +270,17 @@ class StageExecutor:
                 if work is not None:
                     self.p2p.wait(work, f"receiving the gradient of micro-batch {k}", next_rank)
                     grad_works[k] = None
-                torch.autograd.backward(outputs[k], grad_tensors=grads[k])
+                grad = grads[k]
+                if grad.dtype != outputs[k].dtype:  # type: ignore[union-attr]
+                    grad = grad.to(outputs[k].dtype)  # type: ignore[union-attr]
+                torch.autograd.backward(outputs[k], grad_tensors=grad)
             outputs[k] = None
             self.stats.graph(-1)
             if prev_rank is not None:
                 received = inputs[k]
                 grad = received.grad if received.grad is not None else torch.zeros_like(received)  # type: ignore[union-attr]
                 received.grad = None  # type: ignore[union-attr]
-                sends.append((self.p2p.isend(grad, prev_rank, _tag("grad", k)), grad, prev_rank))
+                send(grad, prev_rank, _tag("grad", k))
                 if recompute and next_rank is not None:
                     self.stats.stash(-(received.numel() * received.element_size()))  # type: ignore[union-attr]
                 inputs[k] = None

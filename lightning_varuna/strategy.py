@@ -85,6 +85,9 @@ class VarunaStrategy(ParallelStrategy):
             children are cut apart, for models without ``CutPoint`` modules, e.g. ``"model.blocks"``.
         partition: Balance stages by measured forward ``"time"`` (dry run) or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a neighbour before it ends the job with an error.
+        boundary_dtype: The dtype activations and their gradients travel in between stages. ``"auto"``: the
+            compute dtype under ``bf16-mixed``/``16-mixed`` precision (half the bytes of float32), else as
+            produced. They are cast back to the model's dtype on arrival.
         accelerator: The accelerator (set by the Trainer).
         parallel_devices: The devices of this node (set by the Trainer).
         cluster_environment: The cluster environment (set by the Trainer).
@@ -109,6 +112,7 @@ class VarunaStrategy(ParallelStrategy):
         cut_at: str | None = None,
         partition: Literal["time", "params"] = "time",
         p2p_timeout: float = 300.0,
+        boundary_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -143,6 +147,9 @@ class VarunaStrategy(ParallelStrategy):
         self.cut_at = cut_at
         self.partition = partition
         self.p2p_timeout = p2p_timeout
+        if boundary_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"boundary_dtype={boundary_dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
+        self.boundary_dtype = boundary_dtype
         self._process_group_backend = process_group_backend
         self._timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         self.num_nodes = 1
@@ -269,6 +276,7 @@ class VarunaStrategy(ParallelStrategy):
             partition=self.partition,
             p2p_timeout=self.p2p_timeout,
             device=self.root_device,
+            wire_dtype=self._wire_dtype(),
         )
         step = getattr(module, hook)
         capture = LogCapture(module)
@@ -286,6 +294,12 @@ class VarunaStrategy(ParallelStrategy):
             f"VarunaStrategy: {topo.pipeline_size} stage(s) x {topo.data_size} replica(s), schedule"
             f" {self.schedule!r}, recompute={self.recompute}\n{plan.table()}"
         )
+
+    def _wire_dtype(self) -> torch.dtype | None:
+        if self.boundary_dtype != "auto":
+            return getattr(torch, self.boundary_dtype)
+        mixed = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+        return mixed.get(getattr(self.precision_plugin, "precision", ""))
 
     def _pipeline_size_for(self, sample: Any, hook: str) -> int:
         if isinstance(self.pipeline_parallel_size, int):

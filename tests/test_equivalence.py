@@ -109,3 +109,18 @@ def test_fp16_overflow_on_one_stage_is_skipped_everywhere(results: Path) -> None
     for rank in range(4):
         run = _load(results / f"fp16-inf-p4.rank{rank}.json")
         assert run["scale"] == reference["scale"] == 2.0**15, "every rank halved the scale once"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "element_bytes"), [("p2-varuna", 4), ("bf16-p2d2", 2)])
+def test_bytes_on_the_wire_match_the_analytic_count(results: Path, name: str, element_bytes: int) -> None:
+    """P=2, per-replica batch 8 x 16 tokens x 32 channels: one activation and one gradient per sample and step.
+
+    Under bf16-mixed the boundary tensors travel as bfloat16: half the bytes of float32.
+    """
+    header = 10 * 8  # shape and dtype of a step's activations, once per step
+    per_step = 8 * 16 * 32 * element_bytes
+    for rank in range(4):
+        run = _load(results / f"{name}.rank{rank}.json")
+        expected = 8 * (per_step + header) if run["stage"] == 0 else 8 * per_step
+        assert run["sent_bytes"] == expected, f"rank {rank} (stage {run['stage']})"

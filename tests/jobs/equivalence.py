@@ -121,6 +121,9 @@ def run(out: Path, spec: str) -> None:
         trainer.save_checkpoint(save)
     rank = trainer.global_rank
     result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms}
+    if not reference:
+        result["sent_bytes"] = trainer.strategy.engine.stats.sent_bytes
+        result["stage"] = trainer.strategy.topology.stage
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     result["scale"] = float(scaler.get_scale()) if scaler is not None else None
