@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,20 +34,19 @@ class LogCapture:
     microbatch: int = 0
 
     @contextlib.contextmanager
-    def capturing(self, discard: bool = False) -> Iterator[LogCapture]:
-        """Replaces ``module.log`` inside the block (``discard``: drop the calls, e.g. during recompute)."""
+    def capturing(self, discard: Callable[[], bool] = lambda: False) -> Iterator[LogCapture]:
+        """Replaces ``module.log`` inside the block (calls are dropped while ``discard()``, e.g. in recompute)."""
 
-        def log(*args: Any, **kwargs: Any) -> None:
-            if discard:
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if discard():
                 return
-            bound = _LOG_SIGNATURE.bind(self.module, *args, **kwargs)
-            arguments = dict(bound.arguments)
-            arguments.pop("self")
-            name, value = arguments.pop("name"), arguments.pop("value")
+            if args:  # rare: options passed by position
+                bound = _LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs)
+                kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
             if isinstance(value, Metric):
                 # its step value is what its last forward returned: this micro-batch's, so keep it now
                 value = _MetricLog(value, _detached(getattr(value, "_forward_cache", None)))
-            self.records.append((self.microbatch, name, value, arguments))
+            self.records.append((self.microbatch, name, value, kwargs))
 
         self.module.log = log  # type: ignore[method-assign]
         try:
@@ -78,7 +77,7 @@ class LoggedStep:
 
 def reduce_records(
     module: LightningModule, records: Sequence[tuple[int, str, Any, dict[str, Any]]], sizes: Sequence[int],
-    device: torch.device,
+    device: torch.device, names: dict[int, str] | None = None,
 ) -> tuple[tuple, list[Tensor]]:
     """Reduces per-micro-batch log records to one entry per key: ``(meta, values)``.
 
@@ -88,7 +87,7 @@ def reduce_records(
     an explicit ``batch_size`` is summed over micro-batches. ``meta`` holds ``(name, metric path or None,
     log kwargs, whether a value follows in values)`` per key.
     """
-    names = {id(m): n for n, m in module.named_modules()}
+    names = names if names is not None else {id(m): n for n, m in module.named_modules()}
     order: list[str] = []
     grouped: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
     for k, name, value, kwargs in records:
@@ -129,7 +128,11 @@ def _is_plain(value: Any) -> bool:
 
 
 class LogBroadcaster:
-    """Shares the last stage's reduced logs (and the step loss) with the other stages of its pipeline."""
+    """Shares the last stage's reduced logs (and the step loss) with the other stages of its pipeline.
+
+    One broadcast per step in the steady state: a float64 buffer ``[keys changed, n, value_1..value_n]``. Only
+    when the logged keys change does the key list follow (as an object), and the buffer grow if needed.
+    """
 
     def __init__(self, group: Any, src: int, is_src: bool, device: torch.device) -> None:
         self.group = group
@@ -137,32 +140,31 @@ class LogBroadcaster:
         self.is_src = is_src
         self.device = device
         self._meta: tuple | None = None
+        self._buffer = torch.zeros(32, dtype=torch.float64, device=device)
 
     def share(self, meta: tuple, values: list[Tensor]) -> tuple[tuple, Tensor]:
         """Returns ``(meta, values)`` as the last stage has them (collective over the pipeline group)."""
+        buffer = self._buffer
         if self.is_src:
             changed = meta != self._meta
-            empty = torch.zeros(0, device=self.device, dtype=torch.float64)
-            flat = torch.stack([v.to(torch.float64) for v in values]) if values else empty
-            header = torch.tensor([int(changed), flat.numel()], dtype=torch.int64, device=self.device)
-            dist.broadcast(header, self.src, group=self.group)
-            if changed:
-                dist.broadcast_object_list([meta], self.src, group=self.group)
-                self._meta = meta
-            if flat.numel():
-                dist.broadcast(flat, self.src, group=self.group)
-            return meta, flat
-        header = torch.zeros(2, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, self.src, group=self.group)
-        changed, n = header.tolist()
+            n = len(values)
+            buffer[0], buffer[1] = float(changed), float(n)
+            fits = n <= buffer.numel() - 2
+            if n and fits:
+                torch.stack([v.to(torch.float64) for v in values], out=buffer[2 : 2 + n])
+        dist.broadcast(buffer, self.src, group=self.group)
+        if not self.is_src:
+            changed, n = (int(x) for x in buffer[:2].tolist())
         if changed:
-            box = [None]
+            box = [meta]
             dist.broadcast_object_list(box, self.src, group=self.group)
             self._meta = box[0]
-        flat = torch.zeros(n, dtype=torch.float64, device=self.device)
-        if n:
+        if n > buffer.numel() - 2:  # did not fit: send the values alone, and keep a buffer that fits
+            flat = torch.stack([v.to(torch.float64) for v in values]) if self.is_src else buffer.new_zeros(n)
             dist.broadcast(flat, self.src, group=self.group)
-        return self._meta or (), flat
+            self._buffer = torch.zeros(2 + n, dtype=torch.float64, device=self.device)
+            return self._meta or (), flat
+        return self._meta or (), buffer[2 : 2 + n].clone()
 
 
 def replay(module: LightningModule, meta: tuple, flat: Tensor, skip: int = 0) -> None:

@@ -157,6 +157,8 @@ class VarunaStrategy(ParallelStrategy):
         self.topology: Topology | None = None
         self._broadcaster: LogBroadcaster | None = None
         self._pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
+        self._params: list[torch.nn.Parameter] = []
+        self._module_names: dict[int, str] = {}
         self._original_clip: Callable | None = None
 
     @classmethod
@@ -286,6 +288,8 @@ class VarunaStrategy(ParallelStrategy):
                 return step(batch, 0)
 
         plan = self.engine.setup(sample, dry_step)
+        self._params = list(module.parameters())
+        self._module_names = {id(m): name for name, m in module.named_modules()}
         self.topology = self.engine.topology
         topo = self.topology
         assert topo is not None
@@ -344,7 +348,9 @@ class VarunaStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # -- steps --------------------------------------------------------------------------------------------
-    def _run_step(self, hook: str, train: bool, args: tuple, kwargs: dict) -> Any:
+    def _run_step(
+        self, hook: str, train: bool, args: tuple, kwargs: dict, after_schedule: Callable[[], None] | None = None
+    ) -> Any:
         assert self.engine is not None and self.topology is not None and self._broadcaster is not None
         module = self.lightning_module
         batch, rest = args[0], args[1:]
@@ -358,22 +364,28 @@ class VarunaStrategy(ParallelStrategy):
         executor = self.engine.executor
         assert executor is not None
 
+        def recomputing() -> bool:
+            return executor.current is not None and executor.current.recomputing
+
         def run_one(microbatch: Any) -> Any:
             current = executor.current
             capture.microbatch = current.microbatch if current is not None else 0
-            with capture.capturing(discard=current is not None and current.recomputing), context():
+            with context():
                 return step(microbatch, *rest, **kwargs)
 
         try:
-            if train:
-                scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-                result = self.engine.train_step(batch, run_one, loss_scale=scale, loss_transform=self._scale_loss)
-            else:
-                result = self.engine.eval_step(batch, run_one)
+            with capture.capturing(discard=recomputing):
+                if train:
+                    scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+                    result = self.engine.train_step(batch, run_one, loss_scale=scale, loss_transform=self._scale_loss)
+                else:
+                    result = self.engine.eval_step(batch, run_one)
         except BaseException as err:
             report_failure(err)
             raise
-        meta, values = reduce_records(module, capture.records, result.sizes, self.root_device)
+        if after_schedule is not None:
+            after_schedule()
+        meta, values = reduce_records(module, capture.records, result.sizes, self.root_device, self._module_names)
         loss = None
         if train and self.topology.is_last:
             size = sum(result.sizes)
@@ -412,23 +424,26 @@ class VarunaStrategy(ParallelStrategy):
 
         The new gradients are handed to Lightning in :meth:`backward`. On the batch that ends an
         accumulation window, the data-parallel and tied-copy reductions start as soon as this stage's
-        schedule is done, and the optimizer closure only waits for them.
+        schedule is done (before the logged values are shared), and the optimizer closure only waits for them.
         """
         trainer = self.lightning_module.trainer
-        params = list(self.lightning_module.parameters())
+        params = self._params
         earlier = [p.grad for p in params]
         # a partial accumulation is kept; gradients left from the last optimizer step are for zero_grad
         keep_earlier = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0
         for p in params:
             p.grad = None
-        loss = self._run_step("training_step", True, args, kwargs)
-        if keep_earlier:
-            for p, grad in zip(params, earlier):
-                if grad is not None:
-                    p.grad = grad if p.grad is None else p.grad.add_(grad)
-        if not _accumulating(trainer):
-            assert self.engine is not None and self.engine.grad_sync is not None
-            self._waiting_on_peers("starting the gradient reduction", self.engine.grad_sync.start)
+
+        def after_schedule() -> None:
+            if keep_earlier:
+                for p, grad in zip(params, earlier):
+                    if grad is not None:
+                        p.grad = grad if p.grad is None else p.grad.add_(grad)
+            if not _accumulating(trainer):
+                assert self.engine is not None and self.engine.grad_sync is not None
+                self._waiting_on_peers("starting the gradient reduction", self.engine.grad_sync.start)
+
+        loss = self._run_step("training_step", True, args, kwargs, after_schedule)
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, grad in zip(params, earlier):
             p.grad = None if keep_earlier else grad
