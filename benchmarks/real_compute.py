@@ -579,10 +579,13 @@ def driver(args) -> int:
             for line in proc.stdout.splitlines():
                 if line.startswith("  ours"):  # the worker's result lines (Lightning's banners are dropped)
                     print(line, flush=True)
-            if proc.returncode != 0:
+            if proc.returncode != 0 and not res_path.exists():
                 print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
                 print(f"run {rep + 1} failed with exit code {proc.returncode}", file=sys.stderr)
                 return proc.returncode
+            if proc.returncode != 0:  # results were written; a rank failed while shutting down
+                print(f"run {rep + 1}: a worker exited with {proc.returncode} after writing its results"
+                      f" ({proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else ''})", flush=True)
             results = json.loads(res_path.read_text())
         out["repetitions"].append({"order": order, "results": results, "wall_s": time.monotonic() - rs,
                                    "loadavg_end": _loadavg()})
