@@ -289,9 +289,12 @@ class StageExecutor:
         try:
             while pending:
                 task = pending.pop(0)
-                if task.kind is Kind.R and grad_works[task.microbatch] is not None and not grad_works[
-                    task.microbatch
-                ].is_completed():
+                # Varuna's rule: a recompute whose gradient is not there yet lets the next forward go first.
+                # With recompute on, a backward waiting for its gradient does too: such a forward only
+                # stashes its input, so memory stays bounded as the schedule says.
+                waits_for_grad = task.kind is Kind.R or (task.kind is Kind.B and no_grad_forward)
+                work = grad_works[task.microbatch]
+                if waits_for_grad and work is not None and not work.is_completed():
                     early = next((i for i, t in enumerate(pending) if t.kind is Kind.F), None)
                     if early is not None and input_ready(pending[early].microbatch):
                         pending.insert(0, task)
@@ -303,6 +306,12 @@ class StageExecutor:
                     run_recompute(task.microbatch)
                 else:
                     run_backward(task.microbatch)
+                if sends:  # let go of tensors whose send is done, so memory follows the schedule
+                    still = [entry for entry in sends if not entry[0].is_completed()]
+                    for work, _, peer in sends:
+                        if work.is_completed():
+                            self.p2p.wait(work, "sending", peer)
+                    sends[:] = still
             for work, _, peer in sends:
                 self.p2p.wait(work, "sending", peer)
         finally:
