@@ -35,10 +35,13 @@ deadline. So a message is usable no earlier than ``d`` after it was produced, th
 it (as with real network latency), and the real gloo transfer still happens in the framework's own order.
 ``d = U(0, jitter_frac) * F`` is a pure function of (seed, key, direction, boundary): every system sees
 exactly the same delay for the same message, whatever its schedule order or recompute.
-Limitation: a schedule that polls "has the message arrived?" (Varuna's opportunistic rule) sees the gloo
-arrival, not the emulated deadline; ``--jitter-mode sender`` (the sender sleeps ``d`` before returning its
-output / input-gradient, so the real send is late) makes the delay visible to such polling, at the price of
-also stalling the sender.
+Polling: a schedule that asks "has the message arrived?" (our executor's ``is_completed`` check, used by
+Varuna's opportunistic rule) would see the gloo arrival, not the emulated deadline. So in this mode our
+engine's receives are wrapped (``_ArrivesAtDeadline`` on the executor's ``irecv``) and count as arrived only
+from the message's deadline on: our schedule sees the same arrival times that the torch stages wait for.
+``--jitter-mode sender`` (the sender sleeps ``d`` before returning its output / input-gradient, so the real
+send is late) is the alternative: the delay is visible to any polling, at the price of also stalling the
+sender.
 
 Clock: ``time.monotonic`` (CLOCK_MONOTONIC is one clock for all processes of a host); times in headers are
 relative to a base broadcast from rank 0 (float32 keeps ~15 us resolution over minutes).

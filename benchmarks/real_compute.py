@@ -4,7 +4,7 @@ Run (from the repository root; it starts its own ``torchrun`` jobs, 2 processes 
 
     python benchmarks/real_compute.py --out benchmarks/results/real_compute.json
 
-About 2.5 minutes on the shared 2-core machine (137-161 s measured at load average 7-23; each torchrun job 40-65 s).
+About 2 minutes on the shared 2-core machine (the last run took 107 s at load average 2-7; torchrun jobs of 27-48 s).
 
 The model and data, the same for every system: the example GPT (``examples/gpt/model.py``, as in
 ``examples/gpt/config.yaml``: n_layer 4, n_embd 64, n_head 4, block_size 64, vocab 256, tied embedding/head;

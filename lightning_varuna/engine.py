@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -314,8 +314,3 @@ def default_loss(output: Any) -> Tensor:
         f"The step returned a {type(output).__name__}; for training it must return the loss tensor or a dict"
         " with a 'loss' tensor."
     )
-
-
-def describe(plan: Plan) -> Sequence[str]:
-    """Lines describing a plan (for logs)."""
-    return plan.table().splitlines()

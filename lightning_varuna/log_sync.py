@@ -20,7 +20,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
 
-__all__ = ["LogCapture", "LoggedStep"]
+__all__ = ["LogCapture", "LogBroadcaster", "reduce_records", "replay"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -65,14 +65,6 @@ class _MetricLog:
 
 def _detached(value: Any) -> Any:
     return value.detach() if isinstance(value, Tensor) else value
-
-
-@dataclass
-class LoggedStep:
-    """One step's logged keys (shared) and values, reduced over micro-batches."""
-
-    meta: tuple = ()
-    values: Tensor | None = None
 
 
 def reduce_records(

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import RandomTokens, TinyGPT  # noqa: E402
+from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
 
@@ -48,27 +49,8 @@ class Recorder(pl.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def parse(spec: str) -> tuple[str, dict]:
-    name, _, rest = spec.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        options[key] = value
-    return name, options
-
-
-def value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
-
-
 def run(out: Path, spec: str) -> None:
-    name, raw = parse(spec)
-    options = {k: value(v) for k, v in raw.items()}
+    name, options = parse_spec(spec)
     batch = options.pop("batch", 16)
     tie = options.pop("tie", False)
     clip = options.pop("clip", None)

@@ -34,6 +34,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import RandomTokens, TinyGPT  # noqa: E402
+from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
 
@@ -92,24 +93,6 @@ def truncating_collate(samples: list) -> tuple[Tensor, Tensor]:
     idx, targets = default_collate(samples)
     length = 6 + int(idx[:, 0].sum()) % 11
     return idx[:, :length], targets[:, :length]
-
-
-def parse(spec: str) -> tuple[str, dict]:
-    name, _, rest = spec.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, _, text = item.partition("=")
-        options[key] = value(text)
-    return name, options
-
-
-def value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
 def train_loader(dataset, batch: int, reference: bool, **kwargs) -> DataLoader:
@@ -225,7 +208,7 @@ if __name__ == "__main__":
     directory = Path(sys.argv[1])
     directory.mkdir(parents=True, exist_ok=True)
     for spec in sys.argv[2:]:
-        name, options = parse(spec)
+        name, options = parse_spec(spec)
         kind = options.pop("kind")
         result = {"fit": fit, "steps": steps}[kind](directory, name, options, name.startswith("reference"))
         rank = int(os.environ.get("RANK", 0))
