@@ -78,6 +78,8 @@ class StepResult:
     """The step function's output per micro-batch (last stage only; empty elsewhere)."""
     sizes: list[int]
     """The size of each micro-batch."""
+    summary: Tensor | None = None
+    """The last stage's step summary, on every stage (when one was asked for)."""
 
 
 class PipelineEngine:
@@ -238,22 +240,26 @@ class PipelineEngine:
     def train_step(
         self, batch: Any, step: Callable[[Any], Any], loss_of: Callable[[Any], Tensor] | None = None,
         loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
+        summary: Callable[[list[Any], list[int]], Tensor] | None = None,
     ) -> StepResult:
         """Runs forward and backward of every micro-batch of ``batch``; gradients add up in ``.grad``.
 
         The loss of micro-batch ``k`` is weighted by its share of the batch (``size_k / batch``) times
         ``loss_scale``, so the gradients equal those of the mean loss over the whole batch. ``loss_transform``
-        is applied to each weighted loss before backward (e.g. an fp16 ``GradScaler.scale``).
+        is applied to each weighted loss before backward (e.g. an fp16 ``GradScaler.scale``). ``summary``
+        turns the last stage's outputs into a few float64 values every stage receives (``StepResult.summary``)
+        without a collective.
         """
         return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale,
-                         loss_transform=loss_transform)
+                         loss_transform=loss_transform, summary=summary)
 
     def eval_step(self, batch: Any, step: Callable[[Any], Any]) -> StepResult:
         """Runs forward only (validation, test, predict); outputs exist on the last stage."""
         return self._run(batch, step, train=False)
 
     def _run(self, batch: Any, step: Callable[[Any], Any], train: bool, loss_of: Any = None,
-             loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None) -> StepResult:
+             loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
+             summary: Callable[[list[Any], list[int]], Tensor] | None = None) -> StepResult:
         if self.executor is None or self.topology is None:
             raise RuntimeError("Call PipelineEngine.setup() before running steps.")
         size = batch_size_of(batch)
@@ -276,8 +282,13 @@ class PipelineEngine:
             train=train,
             recompute=self.recompute,
             loss_of=weighted_loss,
+            summary=(lambda results: summary(results, sizes)) if summary is not None else None,
         )
-        return StepResult(outputs=outputs if self.topology.is_last else [], sizes=sizes)
+        return StepResult(
+            outputs=outputs if self.topology.is_last else [],
+            sizes=sizes,
+            summary=self.executor.summary if summary is not None and train else None,
+        )
 
     # -- gradients ----------------------------------------------------------------------------------------
     def sync_gradients(self) -> None:

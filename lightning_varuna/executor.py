@@ -26,6 +26,9 @@ StepFunction = Callable[[int], Any]
 """Runs the user's step on micro-batch ``k`` and returns its output (on the last stage: the loss)."""
 
 _HEADER_TAG = 0
+_SUMMARY_TAG = 2**30
+SUMMARY_SIZE = 64
+"""Float64 slots of the per-step summary the last stage sends back along the pipeline (losses, logs)."""
 
 
 def _tag(kind: str, k: int) -> int:
@@ -114,6 +117,7 @@ class StageExecutor:
         """The dtype the model had at this stage's first cut (received activations are cast back to it)."""
         self.current: _StageForward | None = None
         self.opportunistic_moves = 0
+        self.summary: Tensor | None = None
         self._pool: dict[tuple[str, int], Tensor] = {}
 
     # -- state visible to stand-ins -------------------------------------------------------------------------
@@ -142,8 +146,13 @@ class StageExecutor:
         train: bool,
         recompute: bool,
         loss_of: Callable[[Any, int], Tensor] | None = None,
+        summary: Callable[[list[Any]], Tensor] | None = None,
     ) -> list[Any]:
         """Runs ``tasks`` and returns, on the last stage, each micro-batch's step output (detached).
+
+        With ``summary`` (training only), the last stage turns the step's outputs into at most
+        :data:`SUMMARY_SIZE` float64 values after its schedule, and they travel back stage by stage behind the
+        last gradient: every stage finds them in :attr:`summary` when ``run`` returns, with no collective.
 
         Args:
             tasks: This stage's task list.
@@ -154,6 +163,8 @@ class StageExecutor:
             recompute: Whether forwards of a non-last stage run without autograd (train only).
             loss_of: On the last stage, turns step output ``k`` into the scalar to differentiate (already
                 weighted).
+            summary: On the last stage, turns the outputs into at most :data:`SUMMARY_SIZE` float64 values
+                that every stage receives (training only).
         """
         topo = self.topology
         m = len(sizes)
@@ -285,6 +296,11 @@ class StageExecutor:
                     self.stats.stash(-(received.numel() * received.element_size()))  # type: ignore[union-attr]
                 inputs[k] = None
 
+        summary_buffer = None
+        if summary is not None and train:
+            summary_buffer = self._buffer("summary", 0, torch.Size([SUMMARY_SIZE]), torch.float64)
+            summary_work = self.p2p.irecv(summary_buffer, next_rank, _SUMMARY_TAG) if next_rank is not None else None
+
         pending = list(tasks)
         try:
             while pending:
@@ -312,6 +328,16 @@ class StageExecutor:
                         if work.is_completed():
                             self.p2p.wait(work, "sending", peer)
                     sends[:] = still
+            if summary_buffer is not None:
+                if next_rank is None:
+                    values = summary(results)  # type: ignore[misc]
+                    summary_buffer.zero_()
+                    summary_buffer[: values.numel()].copy_(values)
+                else:
+                    self.p2p.wait(summary_work, "receiving the step summary", next_rank)
+                if prev_rank is not None:
+                    send(summary_buffer, prev_rank, _SUMMARY_TAG)
+                self.summary = summary_buffer
             for work, _, peer in sends:
                 self.p2p.wait(work, "sending", peer)
         finally:

@@ -159,6 +159,19 @@ class LogBroadcaster:
         return self._meta or (), buffer[2 : 2 + n].clone()
 
 
+    @property
+    def meta(self) -> tuple:
+        """The keys last shared."""
+        return self._meta or ()
+
+    def share_meta(self, meta: tuple) -> tuple:
+        """Shares new keys from the last stage (collective over the pipeline group)."""
+        box = [meta]
+        dist.broadcast_object_list(box, self.src, group=self.group)
+        self._meta = box[0]
+        return self._meta
+
+
 def replay(module: LightningModule, meta: tuple, flat: Tensor, skip: int = 0) -> None:
     """Logs ``meta``/``flat`` through the real ``LightningModule.log``.
 

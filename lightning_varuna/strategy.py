@@ -51,6 +51,7 @@ from lightning_varuna import checkpoint
 from lightning_varuna.comm import PipelineError, Topology, peer_error, report_failure
 from lightning_varuna.cut import forward_handler, install_cut_at
 from lightning_varuna.engine import PipelineEngine, default_loss, first_samples
+from lightning_varuna.executor import SUMMARY_SIZE
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
 
 __all__ = ["VarunaStrategy"]
@@ -373,11 +374,15 @@ class VarunaStrategy(ParallelStrategy):
             with context():
                 return step(microbatch, *rest, **kwargs)
 
+        shared: dict[str, Any] = {}
+        summarize = self._summarizer(capture, shared) if train and self.topology.pipeline_size > 1 else None
         try:
             with capture.capturing(discard=recomputing):
                 if train:
                     scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-                    result = self.engine.train_step(batch, run_one, loss_scale=scale, loss_transform=self._scale_loss)
+                    result = self.engine.train_step(
+                        batch, run_one, loss_scale=scale, loss_transform=self._scale_loss, summary=summarize
+                    )
                 else:
                     result = self.engine.eval_step(batch, run_one)
         except BaseException as err:
@@ -385,23 +390,62 @@ class VarunaStrategy(ParallelStrategy):
             raise
         if after_schedule is not None:
             after_schedule()
-        meta, values = reduce_records(module, capture.records, result.sizes, self.root_device, self._module_names)
-        loss = None
-        if train and self.topology.is_last:
-            size = sum(result.sizes)
-            loss = torch.stack([default_loss(o).detach().float() * (n / size)
-                                for o, n in zip(result.outputs, result.sizes)]).sum()
-            values = [loss, *values]
-        if self.topology.pipeline_size > 1:
+        if result.summary is not None:
             meta, flat = self._waiting_on_peers(
-                "sharing the last stage's logged values", lambda: self._broadcaster.share(meta, values)
+                "sharing the last stage's logged values", lambda: self._unpack_summary(result.summary, shared)
             )
         else:
-            flat = torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0)
+            meta, values = self._reduce(capture, result.outputs, result.sizes, train)
+            if self.topology.pipeline_size > 1:
+                meta, flat = self._waiting_on_peers(
+                    "sharing the last stage's logged values", lambda: self._broadcaster.share(meta, values)
+                )
+            else:
+                flat = torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0)
         replay(module, meta, flat, skip=1 if train else 0)
         if train:
             return flat[0].float()
         return self._merge_outputs(hook, result.outputs, result.sizes)
+
+    def _reduce(self, capture: LogCapture, outputs: list[Any], sizes: list[int], train: bool) -> tuple[tuple, list]:
+        """The step's logged keys and values (the training loss first), as the last stage has them."""
+        assert self.topology is not None
+        meta, values = reduce_records(self.lightning_module, capture.records, sizes, self.root_device,
+                                      self._module_names)
+        if train and self.topology.is_last:
+            size = sum(sizes)
+            loss = torch.stack([default_loss(o).detach().float() * (n / size) for o, n in zip(outputs, sizes)]).sum()
+            values = [loss, *values]
+        return meta, values
+
+    def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[int]], Tensor]:
+        """Packs the last stage's loss and logs as ``[mode, n, values...]`` to travel back along the pipeline.
+
+        mode 0: same keys as last step; 1: new keys (shared next, once); 2: too many values (shared by a
+        broadcast instead).
+        """
+        assert self._broadcaster is not None
+        broadcaster = self._broadcaster
+
+        def summarize(outputs: list[Any], sizes: list[int]) -> Tensor:
+            meta, values = self._reduce(capture, outputs, sizes, True)
+            shared["meta"], shared["values"] = meta, values
+            n = len(values)
+            if n + 2 > SUMMARY_SIZE:
+                return torch.tensor([2.0, float(n)], dtype=torch.float64, device=self.root_device)
+            mode = 0.0 if meta == broadcaster.meta else 1.0
+            head = torch.tensor([mode, float(n)], dtype=torch.float64, device=self.root_device)
+            return torch.cat([head, torch.stack([v.to(torch.float64) for v in values])])
+
+        return summarize
+
+    def _unpack_summary(self, summary: Tensor, shared: dict[str, Any]) -> tuple[tuple, Tensor]:
+        assert self._broadcaster is not None
+        mode, n = (int(x) for x in summary[:2].tolist())
+        if mode == 2:
+            return self._broadcaster.share(shared.get("meta", ()), shared.get("values", []))
+        meta = self._broadcaster.share_meta(shared.get("meta", ())) if mode == 1 else self._broadcaster.meta
+        return meta, summary[2 : 2 + n].clone()
 
     def _scale_loss(self, loss: Tensor) -> Tensor:
         # fp16: only the last stage scales; the gradients reaching earlier stages are already scaled

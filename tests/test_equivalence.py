@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from launch import python, torchrun
 
+from lightning_varuna.executor import SUMMARY_SIZE
+
 # name -> strategy options (and batch per replica); the references train on batch 16 in one process
 CONFIGS = {
     "p4-varuna": "pipeline_parallel_size=4,num_microbatches=4,schedule=varuna",
@@ -118,9 +120,10 @@ def test_bytes_on_the_wire_match_the_analytic_count(results: Path, name: str, el
 
     Under bf16-mixed the boundary tensors travel as bfloat16: half the bytes of float32.
     """
-    header = 10 * 8  # shape and dtype of a step's activations, once per step
+    header = 10 * 8  # shape and dtype of a step's activations, once per step, forward
+    summary = SUMMARY_SIZE * 8  # the step's loss and logged values, once per step, backward
     per_step = 8 * 16 * 32 * element_bytes
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
-        expected = 8 * (per_step + header) if run["stage"] == 0 else 8 * per_step
+        expected = 8 * (per_step + header) if run["stage"] == 0 else 8 * (per_step + summary)
         assert run["sent_bytes"] == expected, f"rank {rank} (stage {run['stage']})"
