@@ -4,7 +4,7 @@ Run (from the repository root; it starts its own ``torchrun`` jobs, 2 processes 
 
     python benchmarks/real_compute.py --out benchmarks/results/real_compute.json
 
-About 2 minutes on the shared 2-core machine (the last run took 107 s at load average 2-7; torchrun jobs of 27-48 s).
+About 1.5-2 minutes on the shared 2-core machine (the last run took 81 s).
 
 The model and data, the same for every system: the example GPT (``examples/gpt/model.py``, as in
 ``examples/gpt/config.yaml``: n_layer 4, n_embd 64, n_head 4, block_size 64, vocab 256, tied embedding/head;
@@ -43,7 +43,8 @@ warm-up steps). Each repetition is a new torchrun job; the order of the rows rot
 
 Breakdown (``--no-breakdown`` drops it; ``perf_counter`` wrappers on this process's objects, a few microseconds
 per step): per rank, the mean per measured step of ``engine.train_step`` / ``schedule.step`` (the schedule:
-every micro-batch's forward and backward, p2p waits), the log/loss broadcast (``LogBroadcaster.share``), the
+every micro-batch's forward and backward, p2p waits, and the loss/log summary sent back along the pipeline),
+the log broadcast (``LogBroadcaster.share``, now only when the logged keys change), the
 rest of ``VarunaStrategy.training_step`` (log capture and reduction, replay through ``self.log``, gradients set
 aside), ``backward`` (gradients handed back), the gradient reductions (``GradientSync``), the rest of
 Lightning's optimizer closure, AdamW, Lightning's per-step SIGTERM-flag broadcast, and what is left (loop,
