@@ -68,6 +68,7 @@ class StandIn:
         self.segment = segment
         self.device = device
         self._cache: dict[tuple, tuple[list, Any]] = {}
+        self._zeros: dict[torch.dtype, Tensor] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's output: real in an owned segment, zero-stride tensors of the right shapes elsewhere."""
@@ -80,8 +81,15 @@ class StandIn:
             if key is not None and len(self._cache) < 64:
                 self._cache[key] = entry
         specs, tree = entry
-        leaves = [zero_like_shape(s, d, self.device) if isinstance(s, tuple) else s for s, d in specs]
+        leaves = [self._zero(d).expand(s) if isinstance(s, tuple) else s for s, d in specs]
         return tree_unflatten(leaves, tree)
+
+    def _zero(self, dtype: torch.dtype) -> Tensor:
+        # one scalar per dtype, expanded to every shape: no allocation per call on the hot path
+        zero = self._zeros.get(dtype)
+        if zero is None:
+            zero = self._zeros[dtype] = torch.zeros((), dtype=dtype, device=self.device)
+        return zero
 
     def _shapes(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
         def to_meta(value: Any) -> Any:
