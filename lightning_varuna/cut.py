@@ -41,11 +41,6 @@ class ForwardHandler(Protocol):
 _handler: ForwardHandler | None = None
 
 
-def active_handler() -> ForwardHandler | None:
-    """The handler of the pipeline forward running now, if any."""
-    return _handler
-
-
 @contextlib.contextmanager
 def forward_handler(handler: ForwardHandler) -> Iterator[ForwardHandler]:
     """Makes ``handler`` receive every cut point call inside the block."""
@@ -122,11 +117,6 @@ def install_cut_at(root: nn.Module, path: str) -> tuple[list[CutPoint], list[Rem
         handles.append(child.register_forward_hook(hook))
         cuts.append(cut)
     return cuts, handles
-
-
-def cut_point_name(cut: CutPoint, names: dict[int, str]) -> str:
-    """A readable name of a cut point for messages."""
-    return getattr(cut, "_varuna_name", None) or names.get(id(cut), "<unnamed CutPoint>")
 
 
 def zero_like_shape(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -120,6 +120,13 @@ class StageExecutor:
         self.summary: Tensor | None = None
         self._pool: dict[tuple[str, int], Tensor] = {}
 
+    def _finished(self, work: dist.Work, tensor: Tensor, peer: int) -> bool:
+        """Whether a send is done (its errors, if any, are raised here)."""
+        if not work.is_completed():
+            return False
+        self.p2p.wait(work, "sending", peer)
+        return True
+
     # -- state visible to stand-ins -------------------------------------------------------------------------
     def segment(self) -> int:
         """The segment the running forward is in (the stage's first segment when none is running)."""
@@ -323,11 +330,7 @@ class StageExecutor:
                 else:
                     run_backward(task.microbatch)
                 if sends:  # let go of tensors whose send is done, so memory follows the schedule
-                    still = [entry for entry in sends if not entry[0].is_completed()]
-                    for work, _, peer in sends:
-                        if work.is_completed():
-                            self.p2p.wait(work, "sending", peer)
-                    sends[:] = still
+                    sends[:] = [entry for entry in sends if not self._finished(*entry)]
             if summary_buffer is not None:
                 if next_rank is None:
                     values = summary(results)  # type: ignore[misc]

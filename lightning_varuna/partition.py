@@ -308,10 +308,6 @@ class Plan:
     tied: tuple[tuple[str, tuple[int, ...]], ...]
     trace: Trace
 
-    def stage_of_segment(self, segment: int) -> int:
-        """The stage that runs ``segment``."""
-        return next(s for s, info in enumerate(self.stages) if segment in info.segments)
-
     def table(self, bytes_per_element: int = 4) -> str:
         """A printable table: stage, segments, parameters, bytes and estimated forward time."""
         rows = [("stage", "segments", "parameters", "param MB", "est. fwd ms")]
