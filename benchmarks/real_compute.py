@@ -289,11 +289,13 @@ class BareEngine:
         self.optimizer, self.scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
         self.timers = Timers()
         self.breakdown = breakdown
+        if breakdown:  # the reductions start inside train_step (start_sync=True)
+            self.timers.wrap(self.engine.grad_sync, "start", "grad_sync.start")
 
     def step(self) -> None:
         batch = next(self.it)
         t0 = time.perf_counter()
-        self.engine.train_step(batch, self.loss)
+        self.engine.train_step(batch, self.loss, start_sync=True)
         t1 = time.perf_counter()
         self.engine.sync_gradients()
         t2 = time.perf_counter()
@@ -510,12 +512,16 @@ def step_buckets(res: dict, rank: int) -> dict[str, float]:
     """One run's per-step medians on one rank, in seconds, split into BUCKETS (see the module docstring)."""
     bd = res["breakdown_per_rank"][rank]
     d = {"step": res["mean_step_s"]}
-    d["schedule"] = bd.get("engine.train_step", bd.get("schedule.step", 0.0))
+    # grad_sync.start (the reductions not started during the last backward) runs inside engine.train_step
+    start = bd.get("grad_sync.start", 0.0)
+    d["schedule"] = bd.get("engine.train_step", bd.get("schedule.step", 0.0)) - start
     for k in ("log_share", "backward", "sync_gradients", "AdamW", "sigterm_broadcast"):
         if k in bd:
             d[k] = bd[k]
+    if "engine.train_step" in bd:
+        d["sync_gradients"] = d.get("sync_gradients", 0.0) + start
     if "training_step" in bd:  # ours in Lightning
-        start, finish = bd.get("grad_sync.start", 0.0), bd.get("grad_sync.finish", 0.0)
+        finish = bd.get("grad_sync.finish", 0.0)
         d["sync_gradients"] = start + finish
         d["training_step other"] = bd["training_step"] - d["schedule"] - d.get("log_share", 0.0) - start
         d["closure other"] = bd["closure"] - bd["training_step"] - d.get("backward", 0.0) - finish

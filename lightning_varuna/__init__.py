@@ -1,11 +1,15 @@
 """lightning-varuna: Varuna-style pipeline parallelism for PyTorch Lightning."""
 
+from lightning_varuna.checkpoint import CheckpointError
 from lightning_varuna.comm import PipelineError
 from lightning_varuna.cut import CutPoint, CutPointError
 from lightning_varuna.engine import PipelineEngine
 from lightning_varuna.partition import PartitionError
 
-__all__ = ["CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError", "VarunaStrategy"]
+__all__ = [
+    "CheckpointError", "CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError",
+    "VarunaStrategy",
+]
 __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402

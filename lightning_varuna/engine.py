@@ -6,8 +6,10 @@ Typical use, on every rank of an initialised process group::
     engine.setup(batch, lambda mb: loss_fn(model(mb[0]), mb[1]))
     optimizer = torch.optim.AdamW(engine.parameters())  # this stage's parameters only
     for batch in loader:
-        result = engine.train_step(batch, lambda mb: loss_fn(model(mb[0]), mb[1]))
-        engine.sync_gradients()
+        # start_sync: the data-parallel all-reduces start during this stage's last backward (leave it False
+        # on batches that only accumulate gradients)
+        result = engine.train_step(batch, lambda mb: loss_fn(model(mb[0]), mb[1]), start_sync=True)
+        engine.sync_gradients()  # waits for them
         optimizer.step(); optimizer.zero_grad()
 """
 
@@ -99,6 +101,11 @@ class PipelineEngine:
         device: The device of this rank (default: CPU).
         wire_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype
             (e.g. ``torch.bfloat16`` under bf16 autocast: half the bytes) and are cast back on arrival.
+        grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
+            gradient, within 64 KiB-25 MiB; see :func:`~lightning_varuna.grad_sync.default_bucket_bytes`).
+        overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
+            ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
+            ``engine.grad_sync.overlap``.
     """
 
     def __init__(
@@ -114,6 +121,8 @@ class PipelineEngine:
         p2p_timeout: float = 300.0,
         device: torch.device | None = None,
         wire_dtype: torch.dtype | None = None,
+        grad_bucket_bytes: int | None = None,
+        overlap_grad_sync: bool = True,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}.")
@@ -143,6 +152,8 @@ class PipelineEngine:
         self.p2p_timeout = p2p_timeout
         self.device = device or torch.device("cpu")
         self.wire_dtype = wire_dtype
+        self.grad_bucket_bytes = grad_bucket_bytes
+        self.overlap_grad_sync = overlap_grad_sync
         self.topology: Topology | None = None
         self.plan: Plan | None = None
         self.executor: StageExecutor | None = None
@@ -199,7 +210,8 @@ class PipelineEngine:
             trace.cuts[first_cut].batch_dim if first_cut is not None else None,
             trace.cuts[last_cut].batch_dim if last_cut is not None else None,
         )
-        self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.plan.tied)
+        self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.plan.tied,
+                                      bucket_bytes=self.grad_bucket_bytes, overlap=self.overlap_grad_sync)
         return self.plan
 
     def _dry_run(self, batch: Any, step: Callable[[Any], Any], micro: int, cut_names: dict[int, str]):
@@ -240,7 +252,7 @@ class PipelineEngine:
     def train_step(
         self, batch: Any, step: Callable[[Any], Any], loss_of: Callable[[Any], Tensor] | None = None,
         loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
-        summary: Callable[[list[Any], list[int]], Tensor] | None = None,
+        summary: Callable[[list[Any], list[int]], Tensor] | None = None, start_sync: bool = False,
     ) -> StepResult:
         """Runs forward and backward of every micro-batch of ``batch``; gradients add up in ``.grad``.
 
@@ -249,9 +261,14 @@ class PipelineEngine:
         is applied to each weighted loss before backward (e.g. an fp16 ``GradScaler.scale``). ``summary``
         turns the last stage's outputs into a few float64 values every stage receives (``StepResult.summary``)
         without a collective.
+
+        With ``start_sync`` (on the batch before an optimizer step, when ``.grad`` then holds the whole
+        gradient), the gradient reductions start during the step: each data-parallel bucket as soon as this
+        stage's last backward has made it final (see :class:`~lightning_varuna.grad_sync.GradientSync`), the
+        rest right after the schedule. :meth:`sync_gradients` then only waits for them.
         """
         return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale,
-                         loss_transform=loss_transform, summary=summary)
+                         loss_transform=loss_transform, summary=summary, start_sync=start_sync)
 
     def eval_step(self, batch: Any, step: Callable[[Any], Any]) -> StepResult:
         """Runs forward only (validation, test, predict); outputs exist on the last stage."""
@@ -259,7 +276,8 @@ class PipelineEngine:
 
     def _run(self, batch: Any, step: Callable[[Any], Any], train: bool, loss_of: Any = None,
              loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
-             summary: Callable[[list[Any], list[int]], Tensor] | None = None) -> StepResult:
+             summary: Callable[[list[Any], list[int]], Tensor] | None = None,
+             start_sync: bool = False) -> StepResult:
         if self.executor is None or self.topology is None:
             raise RuntimeError("Call PipelineEngine.setup() before running steps.")
         size = batch_size_of(batch)
@@ -283,7 +301,10 @@ class PipelineEngine:
             recompute=self.recompute,
             loss_of=weighted_loss,
             summary=(lambda results: summary(results, sizes)) if summary is not None else None,
+            last_backward=self.grad_sync.overlapping if start_sync and train and self.grad_sync is not None else None,
         )
+        if start_sync and train and self.grad_sync is not None:
+            self.grad_sync.start()
         return StepResult(
             outputs=outputs if self.topology.is_last else [],
             sizes=sizes,
@@ -292,9 +313,15 @@ class PipelineEngine:
 
     # -- gradients ----------------------------------------------------------------------------------------
     def sync_gradients(self) -> None:
-        """Averages gradients over replicas and sums tied copies (once per optimizer step)."""
+        """Averages gradients over replicas and sums tied copies (once per optimizer step).
+
+        After ``train_step(..., start_sync=True)`` it waits for the reductions that step started.
+        """
         assert self.grad_sync is not None
-        self.grad_sync.sync()
+        if self.grad_sync.started:
+            self.grad_sync.finish()
+        else:
+            self.grad_sync.sync()
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's parameters."""

@@ -9,6 +9,7 @@ there (Varuna's opportunistic rule): only forward/recompute order changes, so me
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,6 +155,7 @@ class StageExecutor:
         recompute: bool,
         loss_of: Callable[[Any, int], Tensor] | None = None,
         summary: Callable[[list[Any]], Tensor] | None = None,
+        last_backward: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> list[Any]:
         """Runs ``tasks`` and returns, on the last stage, each micro-batch's step output (detached).
 
@@ -172,6 +174,9 @@ class StageExecutor:
                 weighted).
             summary: On the last stage, turns the outputs into at most :data:`SUMMARY_SIZE` float64 values
                 that every stage receives (training only).
+            last_backward: A context manager factory that this stage's last backward task of the step runs in
+                (the backward and the posting of its input-gradient send), e.g.
+                :meth:`GradientSync.overlapping <lightning_varuna.grad_sync.GradientSync.overlapping>`.
         """
         topo = self.topology
         m = len(sizes)
@@ -308,6 +313,7 @@ class StageExecutor:
             summary_buffer = self._buffer("summary", 0, torch.Size([SUMMARY_SIZE]), torch.float64)
             summary_work = self.p2p.irecv(summary_buffer, next_rank, _SUMMARY_TAG) if next_rank is not None else None
 
+        last_b = next((t.microbatch for t in reversed(tasks) if t.kind is Kind.B), None) if train else None
         pending = list(tasks)
         try:
             while pending:
@@ -327,6 +333,9 @@ class StageExecutor:
                     run_forward(task.microbatch)
                 elif task.kind is Kind.R:
                     run_recompute(task.microbatch)
+                elif task.microbatch == last_b and last_backward is not None:
+                    with last_backward():
+                        run_backward(task.microbatch)
                 else:
                     run_backward(task.microbatch)
                 if sends:  # let go of tensors whose send is done, so memory follows the schedule

@@ -6,10 +6,12 @@ backward`` inside ``optimizer.step(closure)``):
 - ``training_step`` runs the whole schedule (every micro-batch's forward and backward, the user's own
   ``training_step`` called once per micro-batch), moves the gradients aside, shares the last stage's logged
   values and loss with every stage, and returns the loss;
-- ``zero_grad`` then finds no gradients to clear, and ``backward`` puts them back (adding, for gradient
-  accumulation) instead of differentiating;
-- the optimizer closure is wrapped so gradients are synced across replicas and tied copies once per
-  optimizer step, before Lightning clips them (with a norm taken over the whole pipeline).
+- ``zero_grad`` then finds no gradients to clear, and ``backward`` puts them back instead of
+  differentiating (with gradient accumulation the schedule adds to the window's partial sum in ``.grad``);
+- gradients are synced across replicas and tied copies once per optimizer step (each bucket's all-reduce
+  starts during the stage's last backward; the wrapped optimizer closure waits for them), before Lightning
+  clips them (with a norm taken over the whole pipeline); what ``on_before_optimizer_step`` logs is merged
+  over the pipeline.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import shutil
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -39,7 +39,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -48,11 +48,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import Metric
 
 from lightning_varuna import checkpoint
+from lightning_varuna.checkpoint_writer import CheckpointWriter
 from lightning_varuna.comm import PipelineError, Topology, peer_error, report_failure
 from lightning_varuna.cut import forward_handler, install_cut_at
+from lightning_varuna.data import make_resumable
 from lightning_varuna.engine import PipelineEngine, default_loss, first_samples
 from lightning_varuna.executor import SUMMARY_SIZE
+from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
+from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 
 __all__ = ["VarunaStrategy"]
 
@@ -89,6 +93,17 @@ class VarunaStrategy(ParallelStrategy):
         boundary_dtype: The dtype activations and their gradients travel in between stages. ``"auto"``: the
             compute dtype under ``bf16-mixed``/``16-mixed`` precision (half the bytes of float32), else as
             produced. They are cast back to the model's dtype on arrival.
+        global_batch_size: Samples per training batch over all replicas. Each replica then reads batches of
+            ``global_batch_size / D`` (instead of the ``DataLoader``'s ``batch_size``) whatever D is, so a run
+            resumed under another P x D follows the same optimization. Needs Lightning's default distributed
+            sampler (``use_distributed_sampler=True`` and a plain ``DataLoader``).
+        preemption_notice: A source of advance warning of a preemption, polled during fit (e.g.
+            ``lightning_varuna.preemption.HTTPNotice`` for a cloud metadata endpoint). Whatever the notice,
+            ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
+            ``last.ckpt`` in the ``ModelCheckpoint``'s directory and exits with status 143.
+        async_checkpoint: Checkpoint saves copy this rank's tensors and return; the files are written in the
+            background (over a process group of their own) while training goes on, and the checkpoint appears
+            once every rank's part is written. A save waits for the one before; fit's end waits for the last.
         accelerator: The accelerator (set by the Trainer).
         parallel_devices: The devices of this node (set by the Trainer).
         cluster_environment: The cluster environment (set by the Trainer).
@@ -114,6 +129,9 @@ class VarunaStrategy(ParallelStrategy):
         partition: Literal["time", "params"] = "time",
         p2p_timeout: float = 300.0,
         boundary_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
+        global_batch_size: int | None = None,
+        preemption_notice: PreemptionNotice | None = None,
+        async_checkpoint: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -151,16 +169,26 @@ class VarunaStrategy(ParallelStrategy):
         if boundary_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"boundary_dtype={boundary_dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
         self.boundary_dtype = boundary_dtype
+        if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
+            raise ValueError(f"global_batch_size must be a positive int or None, got {global_batch_size!r}.")
+        self.global_batch_size = global_batch_size
+        self._preparing_train_data = False
         self._process_group_backend = process_group_backend
         self._timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
+        self.async_checkpoint = async_checkpoint
+        self._checkpoints = CheckpointWriter(asynchronous=async_checkpoint, timeout=self._timeout)
+        checkpoint.remember_requested_ckpt_path()
         self.num_nodes = 1
         self.engine: PipelineEngine | None = None
         self.topology: Topology | None = None
         self._broadcaster: LogBroadcaster | None = None
         self._pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
+        self._hook_logs: HookLogMerger | None = None
         self._params: list[torch.nn.Parameter] = []
         self._module_names: dict[int, str] = {}
         self._original_clip: Callable | None = None
+        self.preemption_notice = preemption_notice
+        self._preemption: PreemptionGuard | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -203,8 +231,16 @@ class VarunaStrategy(ParallelStrategy):
         if isinstance(self.pipeline_parallel_size, int):
             # before any process is started
             Topology.check(self.num_nodes * self.num_processes, self.pipeline_parallel_size)
+            self._check_global_batch(self.num_nodes * self.num_processes // self.pipeline_parallel_size)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _check_global_batch(self, data_size: int) -> None:
+        if self.global_batch_size is not None and self.global_batch_size % data_size:
+            raise MisconfigurationException(
+                f"global_batch_size={self.global_batch_size} does not split evenly over {data_size} data-parallel"
+                f" replicas: choose a multiple of {data_size}, or another pipeline_parallel_size."
+            )
 
     def _resolved_pipeline_size(self) -> int:
         return self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else self.world_size
@@ -258,6 +294,10 @@ class VarunaStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._patch_clipping()
         self._patch_unscale()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._mark_train_data_setup(trainer)
+            self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device)
+            self._preemption.attach()
 
     def _setup_pipeline(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -343,6 +383,65 @@ class VarunaStrategy(ParallelStrategy):
                 ) from None
         return self.batch_to_device(batch, self.root_device)
 
+    def _mark_train_data_setup(self, trainer: Trainer) -> None:
+        # process_dataloader is not told which loader it gets: mark the training loader's preparation
+        fit_loop = trainer.fit_loop
+        if "setup_data" in vars(fit_loop):
+            return
+        setup_data = fit_loop.setup_data
+
+        def setup_train_data() -> None:
+            self._preparing_train_data = True
+            try:
+                setup_data()
+            finally:
+                self._preparing_train_data = False
+
+        fit_loop.setup_data = setup_train_data  # type: ignore[method-assign]
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Gives the training loader a data position that survives a resume under another number of replicas.
+
+        Lightning's ``DistributedSampler`` is replaced by an :class:`~lightning_varuna.data.ElasticBatchSampler`
+        that reads the same samples in the same order, and whose position (samples consumed by finished steps)
+        is saved in checkpoints. With ``global_batch_size``, each replica reads ``global_batch_size / D``.
+        """
+        if not self._preparing_train_data or self.topology is None:
+            return dataloader
+        topo = self.topology
+        trainer = self.lightning_module.trainer
+        batch_size = None
+        if self.global_batch_size is not None:
+            self._check_global_batch(topo.data_size)
+            batch_size = self.global_batch_size // topo.data_size
+        fit_loop = trainer.fit_loop
+
+        def epoch() -> int:
+            return fit_loop.epoch_progress.current.processed
+
+        def position() -> tuple[int, int]:
+            return epoch(), fit_loop.epoch_loop.batch_progress.current.processed
+
+        resumable = make_resumable(dataloader, topo.data_size, topo.replica, batch_size, epoch, position)
+        if resumable is None:
+            if self.global_batch_size is not None:
+                raise MisconfigurationException(
+                    "global_batch_size needs Lightning's default distributed sampler: pass a plain DataLoader (no"
+                    " custom sampler or batch_sampler) and keep Trainer(use_distributed_sampler=True), or drop"
+                    " global_batch_size and set the DataLoader's batch_size to the per-replica batch."
+                )
+            rank_zero_info(
+                "VarunaStrategy: the training DataLoader has its own sampler; a run resumed mid-epoch restarts"
+                " wherever that sampler does."
+            )
+            return dataloader
+        if batch_size is not None and batch_size != dataloader.batch_size:
+            rank_zero_info(
+                f"VarunaStrategy: global_batch_size={self.global_batch_size} over {topo.data_size} replica(s): each"
+                f" reads batches of {batch_size} (the DataLoader's batch_size={dataloader.batch_size} is not used)."
+            )
+        return resumable
+
     def model_to_device(self) -> None:
         """Moves the model to this process's device."""
         assert self.model is not None
@@ -350,7 +449,7 @@ class VarunaStrategy(ParallelStrategy):
 
     # -- steps --------------------------------------------------------------------------------------------
     def _run_step(
-        self, hook: str, train: bool, args: tuple, kwargs: dict, after_schedule: Callable[[], None] | None = None
+        self, hook: str, train: bool, args: tuple, kwargs: dict, start_sync: bool = False
     ) -> Any:
         assert self.engine is not None and self.topology is not None and self._broadcaster is not None
         module = self.lightning_module
@@ -381,15 +480,14 @@ class VarunaStrategy(ParallelStrategy):
                 if train:
                     scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
                     result = self.engine.train_step(
-                        batch, run_one, loss_scale=scale, loss_transform=self._scale_loss, summary=summarize
+                        batch, run_one, loss_scale=scale, loss_transform=self._scale_loss, summary=summarize,
+                        start_sync=start_sync,
                     )
                 else:
                     result = self.engine.eval_step(batch, run_one)
         except BaseException as err:
             report_failure(err)
             raise
-        if after_schedule is not None:
-            after_schedule()
         if result.summary is not None:
             meta, flat = self._waiting_on_peers(
                 "sharing the last stage's logged values", lambda: self._unpack_summary(result.summary, shared)
@@ -467,30 +565,25 @@ class VarunaStrategy(ParallelStrategy):
         """Runs every micro-batch through the pipeline; returns the batch's loss (on every rank).
 
         The new gradients are handed to Lightning in :meth:`backward`. On the batch that ends an
-        accumulation window, the data-parallel and tied-copy reductions start as soon as this stage's
-        schedule is done (before the logged values are shared), and the optimizer closure only waits for them.
+        accumulation window, each data-parallel bucket starts its all-reduce during this stage's last backward,
+        as soon as its gradients are final; the rest (tied copies) right after the schedule. The optimizer
+        closure only waits for them.
         """
         trainer = self.lightning_module.trainer
         params = self._params
-        earlier = [p.grad for p in params]
-        # a partial accumulation is kept; gradients left from the last optimizer step are for zero_grad
-        keep_earlier = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0
-        for p in params:
-            p.grad = None
-
-        def after_schedule() -> None:
-            if keep_earlier:
-                for p, grad in zip(params, earlier):
-                    if grad is not None:
-                        p.grad = grad if p.grad is None else p.grad.add_(grad)
-            if not _accumulating(trainer):
-                assert self.engine is not None and self.engine.grad_sync is not None
-                self._waiting_on_peers("starting the gradient reduction", self.engine.grad_sync.start)
-
-        loss = self._run_step("training_step", True, args, kwargs, after_schedule)
+        # Lightning calls zero_grad after this step only on the first batch of an accumulation window. There
+        # `.grad` still holds the last optimizer step's gradients: hide them from the schedule and put them back
+        # for zero_grad. On later batches `.grad` holds the window's partial sum and the schedule adds to it, so
+        # the gradients are complete (and reducible) as soon as the last backward has run.
+        first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        stale = [p.grad for p in params] if first else None
+        if first:
+            for p in params:
+                p.grad = None
+        loss = self._run_step("training_step", True, args, kwargs, start_sync=not _accumulating(trainer))
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
-        for p, grad in zip(params, earlier):
-            p.grad = None if keep_earlier else grad
+        for i, p in enumerate(params):
+            p.grad = stale[i] if stale is not None else None
         return loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -518,18 +611,41 @@ class VarunaStrategy(ParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """Steps the optimizer after syncing gradients across replicas and tied copies."""
+        """Steps the optimizer after syncing gradients across replicas and tied copies.
+
+        What the module and callbacks log in ``on_before_optimizer_step`` (which runs between the closure and
+        the step) is captured and, after the step, merged over the pipeline (:mod:`lightning_varuna.hook_logs`):
+        logged gradient norms are the whole model's.
+        """
         engine = self.engine
-        assert engine is not None
+        assert engine is not None and self.topology is not None
+        module = self.lightning_module
+        merge = self.topology.pipeline_size > 1 and logs_in_optimizer_hook(module)
+        capture = LogCapture(module)
+        hooks = contextlib.ExitStack()
+        capturing = False
 
         def closure_then_sync() -> Any:
+            nonlocal capturing
             result = closure()
             sync = engine.grad_sync
             assert sync is not None
             self._waiting_on_peers("syncing gradients", sync.finish if sync.started else sync.sync)
+            if merge and not capturing:  # the on_before_optimizer_step hooks run next
+                hooks.enter_context(capture.capturing())
+                capturing = True
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        with hooks:
+            output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if merge:
+            if self._hook_logs is None:
+                self._hook_logs = HookLogMerger(self.topology.pipe_group, self.topology.pipeline_size,
+                                                self.root_device)
+            merger = self._hook_logs
+            self._waiting_on_peers("merging what on_before_optimizer_step logged over the pipeline",
+                                   lambda: merger.replay(module, capture.records))
+        return output
 
     def _patch_clipping(self) -> None:
         precision = self.precision_plugin
@@ -606,31 +722,38 @@ class VarunaStrategy(ParallelStrategy):
         return checkpoint.optimizer_state(self.lightning_module, optimizer)
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Writes a sharded checkpoint directory at ``filepath`` (collective; atomic)."""
+        """Writes a sharded checkpoint directory at ``filepath``, a local path or fsspec URL (collective; atomic).
+
+        With ``async_checkpoint`` it returns once this rank's tensors are copied; the files follow.
+        """
         if storage_options is not None:
             raise TypeError("VarunaStrategy.save_checkpoint does not take storage_options.")
-        path = Path(self.broadcast(str(filepath)))
+        # async: the ranks compare paths in the background instead (no collective in the training thread)
+        path = str(filepath) if self.async_checkpoint else self.broadcast(str(filepath))
         shards = {"state_dict": checkpoint_dict.pop("state_dict")}
         for i, state in enumerate(checkpoint_dict.pop("optimizer_states", [])):
             shards[f"optimizer_{i}"] = state
-        checkpoint.save(path, shards, checkpoint_dict, self.global_rank)
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        groups = checkpoint.param_groups_by_name(self.lightning_module, optimizers)
+        names = list(self.engine.plan.trace.param_numel) if self.engine and self.engine.plan else []
+        self._checkpoints.save(path, shards, checkpoint_dict, groups, names)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Deletes a checkpoint (on rank 0)."""
+        """Deletes a checkpoint (on rank 0); while a save is in flight, only once that one is complete."""
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            self._checkpoints.remove(str(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads this stage's share of a sharded (or plain single-file) checkpoint, whatever P x D wrote it."""
         assert self.engine is not None and self.engine.plan is not None
+        self._checkpoints.wait()
         path = self.broadcast(str(checkpoint_path))
+        # with ckpt_path="last", a bad checkpoint falls back to the newest good one of the run
+        trainer = self.lightning_module.trainer
+        fallbacks = self.broadcast(checkpoint.last_fallbacks(trainer, path) if self.is_global_zero else None)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         names = list(self.engine.plan.trace.param_numel)
-        return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only)
+        return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only, fallbacks)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
@@ -641,6 +764,8 @@ class VarunaStrategy(ParallelStrategy):
     # -- collectives Lightning needs ----------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
         """Waits for every process."""
+        if name == "Trainer.save_checkpoint":
+            return  # the save ended with the ranks' agreement on its outcome, or (async) goes on in the background
         if _distributed_is_initialized():
             dist.barrier()
 
@@ -660,11 +785,17 @@ class VarunaStrategy(ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         """Leaves the error where the other ranks can quote it when they lose contact with this one."""
-        if _distributed_is_initialized():
+        if _distributed_is_initialized() and not isinstance(exception, Preempted):
             report_failure(exception)
 
     def teardown(self) -> None:
         """Gives the model its own forwards back and releases the process resources."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
+        if self._preemption is not None:
+            self._preemption.detach()
+            self._preemption = None
         if self._original_clip is not None:
             del self.precision_plugin.clip_grad_by_norm
             self._original_clip = None

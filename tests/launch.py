@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +42,36 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
             f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def torchrun_nodes(script: str, *args: str, nodes: int = 2, nproc: int = 2, timeout: float = 300) -> None:
+    """Runs ``tests/jobs/<script>`` as ``nodes`` torchrun agents on this host, as a multi-node job would run.
+
+    Each agent gets ``--nnodes``, its ``--node-rank`` and the same rendezvous address (loopback); global ranks are
+    ``node_rank * nproc + local_rank``. Fails the test if any agent fails or the job outlives ``timeout``.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={i}",
+             f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", str(JOBS / script),
+             *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, start_new_session=True,
+        )
+        for i in range(nodes)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:  # the agent and its workers
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    for i, (agent, (out, err)) in enumerate(zip(agents, outputs)):
+        if agent.returncode != 0:
+            raise AssertionError(f"node {i} of {script} exited with {agent.returncode}:\n{out[-3000:]}\n{err[-6000:]}")

@@ -1,4 +1,4 @@
-"""Checkpoints keyed by parameter name: written under one P x D, loaded under another."""
+"""Job morphing: a checkpoint written mid-epoch under one P x D resumes under another on the same trajectory."""
 
 from __future__ import annotations
 
@@ -11,20 +11,32 @@ from launch import python, torchrun
 from lightning_varuna.checkpoint import is_complete
 
 
+def _losses(directory: Path, name: str) -> list[float]:
+    return json.loads((directory / f"{name}.rank0.json").read_text())["losses"]
+
+
 @pytest.mark.slow
-def test_checkpoint_from_p2d2_resumes_under_p4d1_and_p1d4(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    python("equivalence.py", str(tmp_path), "reference:epoch_steps=4")
+def test_mid_epoch_checkpoint_from_p2d2_resumes_under_p4d1_and_on_two_processes(tmp_path: Path) -> None:
+    """Trained 4 of an epoch's 8 steps at P=2 x D=2, resumed at P=4 x D=1 and at P=2 x D=1 on 2 processes.
+
+    ``global_batch_size=16`` keeps the optimization identical (16 samples per step whatever D is), and the
+    resumable sampler makes every resumed step read exactly the samples the uninterrupted run reads.
+    """
+    ckpt_dir = tmp_path / "ckpt"
+    python("equivalence.py", str(tmp_path), "reference:epoch_steps=8")
     torchrun("equivalence.py", str(tmp_path),
-             f"first:pipeline_parallel_size=2,num_microbatches=4,batch=8,epoch_steps=4,epochs=1,save={ckpt}")
-    assert is_complete(ckpt) and not list(tmp_path.glob("*.varuna-tmp"))
+             f"first:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,steps=4,"
+             f"save_every=4,save_dir={ckpt_dir}")
+    ckpt = ckpt_dir / "ckpt.ckpt"
+    assert is_complete(ckpt) and not list(ckpt_dir.glob("*.varuna-tmp"))
     torchrun("equivalence.py", str(tmp_path),
-             f"p4:pipeline_parallel_size=4,num_microbatches=4,epoch_steps=4,steps=8,resume={ckpt}",
-             f"p1:pipeline_parallel_size=1,num_microbatches=2,batch=4,epoch_steps=4,steps=8,resume={ckpt}")
-    reference = json.loads((tmp_path / "reference.rank0.json").read_text())["losses"]
-    first = json.loads((tmp_path / "first.rank0.json").read_text())["losses"]
-    assert first == pytest.approx(reference[:4], abs=5e-4)
-    for name in ("p4", "p1"):
-        resumed = json.loads((tmp_path / f"{name}.rank0.json").read_text())["losses"]
-        # the first resumed step sees the weights as written by 4 other ranks in another layout
-        assert resumed[0] == pytest.approx(reference[4], abs=5e-4), name
+             f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt}")
+    torchrun("equivalence.py", str(tmp_path),
+             f"two:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt}", nproc=2)
+    reference = _losses(tmp_path, "reference")
+    assert len(reference) == 8
+    assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
+    for name in ("p4", "two"):
+        resumed = _losses(tmp_path, name)
+        assert len(resumed) == 4, name
+        assert resumed == pytest.approx(reference[4:], abs=5e-4), name

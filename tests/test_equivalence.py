@@ -25,16 +25,22 @@ CONFIGS = {
     "p2-gpipe-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=gpipe,recompute=false,batch=8",
     "p2-1f1b-cut_at": "pipeline_parallel_size=2,num_microbatches=4,schedule=1f1b,cut_at=blocks,batch=8",
     # tied embedding/head + global clipping, as P x D = 2 x 2, 4 x 1 and 1 x 4 (plain data parallel)
-    "tied-clip-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5",
-    "tied-clip-p4d1": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5",
-    "tied-clip-p1d4": "pipeline_parallel_size=1,num_microbatches=2,batch=4,tie=true,clip=0.5",
-    "bf16-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,precision=bf16-mixed",
+    # (the model logs grad_norm(self, 2) in on_before_optimizer_step: the logged norms must be the whole model's)
+    "tied-clip-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true",
+    "tied-clip-p4d1": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true",
+    "tied-clip-p1d4": "pipeline_parallel_size=1,num_microbatches=2,batch=4,tie=true,clip=0.5,gradnorm=true",
+    # gradient accumulation with small buckets: every bucket reduces during the last backward of the window
+    "accum-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,accumulate=2,"
+    "bucket=4096",
+    # all-reduces started after the schedule (overlap off)
+    "bf16-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,precision=bf16-mixed,overlap=false",
     # fp16 with a loss scaler; an inf injected into stage 0's gradients at step 2 must make every stage skip
     "fp16-inf-p4": "pipeline_parallel_size=4,num_microbatches=4,precision=16-mixed,inf=2",
 }
 REFERENCES = {
     "reference": "",
-    "reference-tied-clip": "tie=true,clip=0.5",
+    "reference-tied-clip": "tie=true,clip=0.5,gradnorm=true",
+    "reference-accum": "tie=true,clip=0.5,gradnorm=true,accumulate=2",
     "reference-bf16": "tie=true,precision=bf16-mixed",
     "reference-fp16-inf": "precision=16-mixed,inf=2",
 }
@@ -43,6 +49,8 @@ REFERENCES = {
 def reference_of(name: str) -> str:
     if name.startswith("tied-clip"):
         return "reference-tied-clip"
+    if name.startswith("accum"):
+        return "reference-accum"
     if name.startswith("bf16"):
         return "reference-bf16"
     if name.startswith("fp16"):
@@ -78,7 +86,7 @@ def test_losses_and_gradients_match_plain_run(results: Path, name: str) -> None:
     seen: set[str] = set()
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
-        assert len(run["losses"]) == len(reference["losses"]) == 8
+        assert len(run["losses"]) == len(reference["losses"]) == 8 * (2 if name.startswith("accum") else 1)
         for step, (got, want) in enumerate(zip(run["losses"], reference["losses"])):
             assert abs(got - want) < loss_tolerance, f"rank {rank} step {step}: loss {got} != {want}"
         for param, grad in run["grads"].items():
@@ -127,3 +135,33 @@ def test_bytes_on_the_wire_match_the_analytic_count(results: Path, name: str, el
         run = _load(results / f"{name}.rank{rank}.json")
         expected = 8 * (per_step + header) if run["stage"] == 0 else 8 * (per_step + summary)
         assert run["sent_bytes"] == expected, f"rank {rank} (stage {run['stage']})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CONFIGS if "gradnorm=true" in CONFIGS[n]])
+def test_logged_grad_norms_are_the_whole_models(results: Path, name: str) -> None:
+    """``grad_norm`` logged in on_before_optimizer_step reaches callback_metrics with the plain run's keys and values
+    on every rank: every stage's parameters (a tied one once) and the total over the whole model."""
+    reference = _load(results / f"{reference_of(name)}.rank0.json")["logged_norms"]
+    assert any("grad_2.0_norm_total" in step for step in reference)
+    for rank in range(4):
+        logged = _load(results / f"{name}.rank{rank}.json")["logged_norms"]
+        assert len(logged) == len(reference)
+        for step, (got, want) in enumerate(zip(logged, reference)):
+            assert set(got) == set(want), f"rank {rank} step {step}: keys differ by {set(got) ^ set(want)}"
+            for key, value in want.items():
+                assert abs(got[key] - value) <= 1e-5 * max(1.0, value), f"rank {rank} step {step}: {key}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CONFIGS if "p2d2" in n or "p1d4" in n])
+def test_buckets_reduce_during_the_last_backward(results: Path, name: str) -> None:
+    """With overlap on, every data-parallel bucket starts its all-reduce during the stage's last backward."""
+    overlap = "overlap=false" not in CONFIGS[name]
+    for rank in range(4):
+        run = _load(results / f"{name}.rank{rank}.json")
+        assert run["data_size"] > 1 and run["overlapped"]
+        if name.startswith("accum"):
+            assert run["buckets"] > 2, "bucket=4096 makes several buckets per stage"
+        expected = run["buckets"] if overlap else 0
+        assert run["overlapped"] == [expected] * len(run["overlapped"]), f"rank {rank}"

@@ -389,3 +389,18 @@ def test_balance_and_plan_arguments() -> None:
     result, _ = trace(Chain(2))
     with pytest.raises(PartitionError, match="partition='flops': use 'time' or 'params'"):
         make_plan(result, 2, by="flops")
+
+
+def test_global_batch_size_must_be_a_positive_int() -> None:
+    with pytest.raises(ValueError, match="global_batch_size must be a positive int"):
+        VarunaStrategy(global_batch_size=0)
+
+
+def test_global_batch_size_must_split_over_the_replicas() -> None:
+    # 4 processes, P=2: D=2 replicas cannot share 15 samples; raised while the Trainer is built, before any process
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with mock.patch.dict(os.environ), pytest.raises(MisconfigurationException, match="choose a multiple of 2"):
+        pl.Trainer(accelerator="cpu", devices=4, logger=False,
+                   strategy=VarunaStrategy(pipeline_parallel_size=2, global_batch_size=15))

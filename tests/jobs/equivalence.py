@@ -6,7 +6,10 @@ Run under torchrun for the strategy (every configuration in one job), or as a pl
     python tests/jobs/equivalence.py OUT reference[:BATCH]
 
 CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``, ``clip``, ``batch``,
-``precision``, ``dropout`` and ``accumulate``.
+``precision``, ``dropout``, ``accumulate``, ``steps``, ``epoch_steps``, ``epochs``, ``save`` (a path written after fit),
+``save_every`` (a ModelCheckpoint directory, written every that many steps as ``ckpt.ckpt``) and ``resume``;
+``gradnorm`` (the model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket
+bytes) and ``overlap`` (all-reduce during the last backward, default on).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,13 +34,31 @@ import lightning_varuna  # noqa: E402, F401
 STEPS = 8
 
 
+class NormLoggingGPT(TinyGPT):
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
 class Recorder(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, bucket: int | None = None, overlap: bool = True) -> None:
         self.losses: list[float] = []
         self.grads: dict[str, list[float]] = {}
         self.grad_norms: list[dict[str, float]] = []
+        self.logged_norms: list[dict[str, float]] = []
+        self.overlapped: list[int] = []
+        self.bucket, self.overlap = bucket, overlap
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        sync = getattr(getattr(trainer.strategy, "engine", None), "grad_sync", None)
+        if sync is not None:
+            sync.overlap = self.overlap
+            if self.bucket is not None:
+                sync.bucket_bytes = self.bucket
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        sync = getattr(getattr(trainer.strategy, "engine", None), "grad_sync", None)
+        if sync is not None:
+            self.overlapped.append(sync.overlapped_buckets)
         self.grad_norms.append(
             {n: float(p.grad.norm()) for n, p in pl_module.named_parameters() if p.grad is not None}
         )
@@ -47,6 +69,9 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.logged_norms.append(
+            {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("grad_2.0_norm")}
+        )
 
 
 def run(out: Path, spec: str) -> None:
@@ -62,10 +87,16 @@ def run(out: Path, spec: str) -> None:
     epochs = options.pop("epochs", None)
     epoch_steps = options.pop("epoch_steps", STEPS)
     save = options.pop("save", None)
+    save_every = options.pop("save_every", None)
+    save_dir = options.pop("save_dir", None)
     resume = options.pop("resume", None)
+    gradnorm = options.pop("gradnorm", False)
+    bucket = options.pop("bucket", None)
+    overlap = options.pop("overlap", True)
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
-    model = TinyGPT(tie_weights=tie, use_cut_points=cut_points, dropout=dropout, sync_dist=True)
+    model_class = NormLoggingGPT if gradnorm else TinyGPT
+    model = model_class(tie_weights=tie, use_cut_points=cut_points, dropout=dropout, sync_dist=True)
     if inject_inf_at is not None:
         # an overflow in one stage's gradients only (blocks.0 sits on stage 0): every stage must skip the step
         weight = model.blocks[0].mlp[0].weight
@@ -76,10 +107,16 @@ def run(out: Path, spec: str) -> None:
     # reference reads the same permutation in one process, so its batch k is the union of the replicas' k-th
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
-    recorder = Recorder()
+    recorder = Recorder(bucket, overlap)
+    callbacks: list[pl.Callback] = [recorder]
+    if save_every is not None:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=save_dir, filename="ckpt", every_n_train_steps=save_every)
+        )
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1 if reference else int(os.environ["WORLD_SIZE"]),
+        devices=1 if reference else int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=1 if reference else int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
         max_steps=-1 if epochs else steps,
         max_epochs=epochs,
@@ -91,21 +128,28 @@ def run(out: Path, spec: str) -> None:
         gradient_clip_val=clip,
         accumulate_grad_batches=accumulate,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=save_every is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[recorder],
+        callbacks=callbacks,
         use_distributed_sampler=not reference,
     )
     trainer.fit(model, loader, ckpt_path=resume)
     if save is not None:
         trainer.save_checkpoint(save)
     rank = trainer.global_rank
-    result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms}
+    result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms,
+              "logged_norms": recorder.logged_norms}
     if not reference:
         result["sent_bytes"] = trainer.strategy.engine.stats.sent_bytes
         result["stage"] = trainer.strategy.topology.stage
+        sync = trainer.strategy.engine.grad_sync
+        result["overlapped"] = recorder.overlapped
+        result["buckets"] = len(sync.buckets)
+        result["data_size"] = trainer.strategy.topology.data_size
+        result["replica"] = trainer.strategy.topology.replica
+        result["node"] = trainer.node_rank
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     result["scale"] = float(scaler.get_scale()) if scaler is not None else None

@@ -1,0 +1,224 @@
+"""Step time lost to a checkpoint: no save vs a blocking save vs an asynchronous save, in one job.
+
+Run from the repository root (4 gloo processes, 1 thread each; P=2 stages x D=2 replicas)::
+
+    torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py --out benchmarks/results/checkpoint.json
+
+Smoke size (seconds, for checking that it runs)::
+
+    torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py --smoke
+
+Model and data: the example GPT (``examples/gpt/model.py``) as in ``examples/gpt/config.yaml`` (n_layer 4,
+n_embd 64, n_head 4, block_size 64, vocab 256, tied embedding/head; dropout 0) unless ``--n-layer`` /
+``--n-embd`` say otherwise, batch 8 per replica, 4 micro-batches, the model's AdamW and schedule.
+
+Modes, each one ``Trainer.fit`` of ``warmup + saves * every`` steps with ``VarunaStrategy(pipeline_parallel_size=2,
+num_microbatches=4)``:
+
+* ``none``: no checkpoint;
+* ``blocking``: ``trainer.save_checkpoint(DIR/last.ckpt)`` every ``every`` steps (from a callback, at the end of a
+  step, as ``ModelCheckpoint`` does; each save replaces the previous one);
+* ``async``: the same with ``VarunaStrategy(async_checkpoint=True)``.
+
+The first save comes ``every // 2`` steps after the warm-up and the window ends ``every // 2`` steps after the
+last save, so a background write's whole cost falls inside the measured window. Every ``round`` runs the three
+modes, in an order that rotates between rounds, so that they share the machine's background load.
+
+Timing: every rank stamps ``time.monotonic()`` (one clock for the host) at the end of each step; step k lasts
+from the latest stamp of step k-1 to the latest of step k (over ranks), so a save made at the end of step k
+counts in step k+1. Lost per checkpoint = (sum of the mode's step times - the same number of ``none`` step times
+at ``none``'s mean) / number of saves; reported as a fraction of ``none``'s mean step (the target for ``async``:
+< 10%). ``save call`` is how long ``save_checkpoint`` kept the training loop (latest rank): for ``async``, the
+copy of the tensors and the agreement collective; the rest of the write overlaps with training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ["none", "blocking", "async"]
+BATCH, MICROBATCHES = 8, 4
+
+
+def build_gpt(n_layer: int, n_embd: int):
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from model import GPT
+
+    torch.manual_seed(1234)
+    return GPT(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
+
+
+def make_loader(num_batches: int, replicas: int):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (num_batches * BATCH * replicas, 65), generator=g)
+    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return DataLoader(data, batch_size=BATCH, shuffle=False, drop_last=True, num_workers=0)
+
+
+def run_mode(mode: str, args, folder: Path) -> dict:
+    """One ``Trainer.fit``; returns this rank's step-end stamps and save-call durations."""
+    import lightning.pytorch as pl
+
+    from lightning_varuna import VarunaStrategy
+
+    steps = args.warmup + args.saves * args.every
+    first_save = args.warmup + args.every // 2
+    stamps: list[float] = []
+    calls: list[float] = []
+
+    class Saver(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            stamps.append(time.monotonic())
+            step = len(stamps)
+            if mode != "none" and step >= first_save and (step - first_save) % args.every == 0:
+                start = time.monotonic()
+                trainer.save_checkpoint(folder / "last.ckpt")
+                calls.append(time.monotonic() - start)
+
+    strategy = VarunaStrategy(pipeline_parallel_size=2, num_microbatches=MICROBATCHES,
+                              async_checkpoint=mode == "async")
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Saver()], num_sanity_val_steps=0)
+    trainer.fit(build_gpt(args.n_layer, args.n_embd), make_loader(steps + 2, 2))
+    return {"stamps": stamps, "calls": calls}
+
+
+def summarize(per_rank: list[dict], args) -> dict:
+    """Step times over the measured window (after the warm-up) and the save calls, from every rank's stamps."""
+    n = min(len(r["stamps"]) for r in per_rank)
+    latest = [max(r["stamps"][k] for r in per_rank) for k in range(n)]
+    steps = [b - a for a, b in zip(latest[args.warmup - 1 : -1], latest[args.warmup :])]
+    calls = [max(c) for c in zip(*(r["calls"] for r in per_rank))]
+    return {"step_s": steps, "mean_step_s": statistics.fmean(steps), "median_step_s": statistics.median(steps),
+            "save_call_s": calls}
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def worker(args) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_varuna"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    base = Path(tempfile.gettempdir()) / f"varuna-ckpt-bench-{os.environ['MASTER_PORT']}"
+    rounds = []
+    size = 0
+    started = time.monotonic()
+    for r in range(args.rounds):
+        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+        results = {}
+        for mode in order:
+            folder = base / f"{r}-{mode}"
+            mine = run_mode(mode, args, folder)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            results[mode] = summarize(gathered, args)
+            if rank == 0:
+                size = max(size, _bytes(folder / "last.ckpt"))
+                res = results[mode]
+                print(f"round {r} {mode:8s} mean step {res['mean_step_s'] * 1e3:7.1f} ms, save calls"
+                      f" {[round(c * 1e3, 1) for c in res['save_call_s']]} ms", flush=True)
+        base_mean = results["none"]["mean_step_s"]
+        for mode in ("blocking", "async"):
+            res = results[mode]
+            saves = len(res["save_call_s"])
+            lost = (sum(res["step_s"]) - base_mean * len(res["step_s"])) / saves
+            res["lost_per_checkpoint_s"] = lost
+            res["lost_fraction_of_step"] = lost / base_mean
+        rounds.append(results)
+    if rank != 0:
+        return None
+    shutil.rmtree(base, ignore_errors=True)
+    return {"rounds": rounds, "checkpoint_bytes": size, "wall_s": time.monotonic() - started}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def render(out: dict) -> str:
+    """The results table (markdown): per mode, medians over rounds (min-max)."""
+
+    def cell(values: list[float], scale: float = 1e3, fmt: str = ".1f") -> str:
+        med = statistics.median(values)
+        return f"{med * scale:{fmt}} ({min(values) * scale:{fmt}}-{max(values) * scale:{fmt}})"
+
+    rows = ["| mode | mean step (ms) | save call (ms) | step time lost per checkpoint (ms) | lost / step |",
+            "|---|---:|---:|---:|---:|"]
+    for mode in MODES:
+        per = [r[mode] for r in out["rounds"]]
+        steps = cell([p["mean_step_s"] for p in per])
+        if mode == "none":
+            rows.append(f"| `{mode}` | {steps} | - | - | - |")
+            continue
+        calls = cell([statistics.fmean(p["save_call_s"]) for p in per])
+        lost = cell([p["lost_per_checkpoint_s"] for p in per])
+        frac = cell([p["lost_fraction_of_step"] for p in per], scale=100, fmt=".0f")
+        rows.append(f"| `{mode}` | {steps} | {calls} | {lost} | {frac} % |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="JSON result file (written by rank 0)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every mode once")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps per mode (not measured)")
+    p.add_argument("--every", type=int, default=10, help="steps between saves")
+    p.add_argument("--saves", type=int, default=4, help="saves per mode")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="1 round, 2 saves 4 steps apart: checks that it runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.warmup, args.every, args.saves = 1, 2, 4, 2
+    if "RANK" not in os.environ:
+        p.error("run it under torchrun --standalone --nproc-per-node=4")
+    out = worker(args)
+    if out is None:
+        return 0
+    out.update(
+        command=" ".join(["torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py",
+                          *(argv or sys.argv[1:])]),
+        config={k: getattr(args, k) for k in ("rounds", "warmup", "every", "saves", "n_layer", "n_embd")},
+        package_commit=_git("rev-parse", "HEAD"),
+        package_uncommitted_changes=_git("status", "--porcelain", "--", "lightning_varuna"),
+        loadavg=os.getloadavg(),
+    )
+    out["table_md"] = render(out)
+    print(out["table_md"])
+    print(f"checkpoint: {out['checkpoint_bytes'] / 2**20:.2f} MiB; {out['wall_s']:.0f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

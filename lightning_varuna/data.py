@@ -1,0 +1,217 @@
+"""Training data that resumes at the exact sample, whatever the number of data-parallel replicas.
+
+Every replica reads the same per-epoch permutation of the dataset, cut into *global* batches of
+``batch_size * num_replicas`` samples; replica ``r`` takes every ``num_replicas``-th sample of each global batch,
+starting at ``r``. For an uninterrupted run this is exactly what ``DistributedSampler`` + ``BatchSampler`` give
+(the same samples on the same replica in the same order), so switching to it changes nothing.
+
+What it adds is a position measured in samples of the permutation: a checkpoint records how many samples
+the completed steps consumed, and a run resumed from it, under any other number of replicas, starts at that
+sample. With the same global batch size (``VarunaStrategy(global_batch_size=...)``) every later global batch
+holds exactly the samples the uninterrupted run would have used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+
+__all__ = ["ElasticBatchSampler", "ResumableDataLoader", "make_resumable"]
+
+
+class ElasticBatchSampler(Sampler[list[int]]):
+    """One replica's batches, cut from global batches of a permutation shared by all replicas.
+
+    Args:
+        num_samples: Length of the dataset.
+        batch_size: Samples per batch on this replica.
+        num_replicas: Number of data-parallel replicas (D).
+        rank: This replica's index.
+        shuffle: Permute the dataset every epoch (seeded by ``seed + epoch``), as ``DistributedSampler`` does.
+        seed: Seed of the permutation; the same on every replica.
+        drop_last: Drop the tail that does not divide evenly over the replicas (``DistributedSampler``'s
+            ``drop_last``); otherwise the tail is padded with samples from the start.
+        drop_last_batch: Drop this replica's last batch if it is smaller than ``batch_size`` (the data
+            loader's ``drop_last``).
+        epoch_of: Returns the current epoch when an iteration starts; by default the value given to
+            :meth:`set_epoch`.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        drop_last_batch: bool = False,
+        epoch_of: Callable[[], int] | None = None,
+    ) -> None:
+        if batch_size < 1 or num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"ElasticBatchSampler: batch_size={batch_size}, num_replicas={num_replicas}, rank={rank} is not valid."
+            )
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.drop_last_batch = drop_last_batch
+        self.epoch = 0
+        self._epoch_of = epoch_of
+        self._resume: tuple[int, int] | None = None
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all replicas."""
+        return self.batch_size * self.num_replicas
+
+    @property
+    def total_size(self) -> int:
+        """Samples per epoch over all replicas (after padding or dropping the uneven tail)."""
+        if self.drop_last:
+            return self.num_samples - self.num_samples % self.num_replicas
+        return math.ceil(self.num_samples / self.num_replicas) * self.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch (the permutation's seed offset), as ``DistributedSampler.set_epoch`` does."""
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, samples: int) -> None:
+        """Makes the next iteration over ``epoch`` start after its first ``samples`` samples (once)."""
+        self._resume = (epoch, samples)
+
+    def __len__(self) -> int:
+        per_replica = self.total_size // self.num_replicas
+        if self.drop_last_batch:
+            return per_replica // self.batch_size
+        return math.ceil(per_replica / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = self._epoch_of() if self._epoch_of is not None else self.epoch
+        start = 0
+        if self._resume is not None:
+            resume_epoch, samples = self._resume
+            self._resume = None
+            if resume_epoch == epoch:
+                start = samples
+        order = self._order(epoch)
+        step = self.global_batch_size
+        for begin in range(start, len(order), step):
+            batch = order[begin + self.rank : begin + step : self.num_replicas]
+            if not batch or (self.drop_last_batch and len(batch) < self.batch_size):
+                return
+            yield batch
+
+    def _order(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        total = self.total_size
+        if total > len(order):
+            padding = total - len(order)
+            order += (order * math.ceil(padding / max(len(order), 1)))[:padding]
+        return order[:total]
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over an :class:`ElasticBatchSampler` whose position Lightning saves and restores.
+
+    Lightning stores ``state_dict()`` in the checkpoint's loop state and calls ``load_state_dict()`` before it
+    iterates again on resume. The position counts the samples of the steps that have *finished* (given by
+    ``position``), not the batches fetched ahead.
+
+    Args:
+        dataset: The dataset.
+        batch_sampler: The sampler of this replica's batches.
+        position: Returns ``(epoch, finished batches in that epoch)`` when a checkpoint is saved.
+        **kwargs: Other ``DataLoader`` arguments (workers, collate function, ...).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_sampler: ElasticBatchSampler,
+        position: Callable[[], tuple[int, int]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self._position = position
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position: epoch and samples consumed in it (over all replicas)."""
+        sampler = self.batch_sampler
+        assert isinstance(sampler, ElasticBatchSampler)
+        epoch, batches = self._position()
+        return {"epoch": epoch, "samples": batches * sampler.global_batch_size, "seed": sampler.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Starts the next iteration where the saved run stopped."""
+        sampler = self.batch_sampler
+        assert isinstance(sampler, ElasticBatchSampler)
+        if "samples" in state:
+            sampler.resume_at(int(state["epoch"]), int(state["samples"]))
+
+
+_LOADER_ARGS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+)
+
+
+def make_resumable(
+    loader: DataLoader,
+    num_replicas: int,
+    rank: int,
+    batch_size: int | None,
+    epoch_of: Callable[[], int],
+    position: Callable[[], tuple[int, int]],
+) -> DataLoader | None:
+    """A :class:`ResumableDataLoader` reading what ``loader`` reads, or ``None`` if ``loader`` is not plain.
+
+    Only a plain ``DataLoader`` with the ``DistributedSampler`` Lightning injected and the default batch sampler
+    is replaced; a custom sampler or loader is the user's own and is left alone.
+
+    Args:
+        loader: The training loader as Lightning prepared it.
+        num_replicas: Number of data-parallel replicas.
+        rank: This replica's index.
+        batch_size: Per-replica batch size; ``None`` keeps the loader's.
+        epoch_of: Returns the current epoch.
+        position: Returns ``(epoch, finished batches in that epoch)``.
+    """
+    sampler = loader.sampler
+    if (
+        type(loader) is not DataLoader
+        or type(sampler) is not DistributedSampler
+        or type(loader.batch_sampler) is not BatchSampler
+        or loader.batch_size is None
+    ):
+        return None
+    elastic = ElasticBatchSampler(
+        len(loader.dataset),  # type: ignore[arg-type]
+        batch_size or loader.batch_size,
+        num_replicas,
+        rank,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+        drop_last=sampler.drop_last,
+        drop_last_batch=loader.drop_last,
+        epoch_of=epoch_of,
+    )
+    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
+    if not kwargs.get("num_workers"):
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+    return ResumableDataLoader(loader.dataset, elastic, position, **kwargs)

@@ -1,0 +1,168 @@
+"""Checkpoint writing and loading under VarunaStrategy: asynchronous saves, fsspec URLs, fallbacks, bad files.
+
+    torchrun --nproc-per-node=4 tests/jobs/checkpoint_io.py OUT SCENARIO [SCENARIO ...]
+
+SCENARIO is ``name:key=value,...`` with ``name`` one of:
+
+- ``train``: P=2 x D=2, ``async_checkpoint=True``, a ``ModelCheckpoint`` (every 2 steps, ``save_top_k=1``,
+  ``save_last=True``) whose ``dirpath`` is a ``localdisk://`` URL, so the writes go through fsspec. Rank 0's
+  publication of every checkpoint is held back by ``delay`` seconds, so that training demonstrably goes on
+  while a checkpoint is in flight. Records what rank 0 sees in the folder at every step start.
+- ``resume``: ``fit(ckpt_path=...)`` (``ckpt=last`` asks for ``"last"``); records the step it resumes at, the
+  weights and one optimizer state entry it starts from, and the warnings raised.
+- ``bad``: ``fit`` from a checkpoint that must fail; records the ``CheckpointError`` every rank raised.
+
+Every rank writes ``OUT/<name>.rank<r>.json``.
+
+``localdisk://`` is an fsspec filesystem registered here, backed by the local disk: an fsspec URL that every
+process of the job can reach (``memory://`` cannot be shared between processes), and that Lightning does
+not take for a local path (``ModelCheckpoint`` turns a ``file://`` dirpath into a relative local path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import fsspec
+import lightning.pytorch as pl
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from models import RandomTokens, TinyGPT  # noqa: E402
+from spec import parse_spec  # noqa: E402
+
+import lightning_varuna  # noqa: E402
+from lightning_varuna import checkpoint, checkpoint_files  # noqa: E402
+
+WATCHED = "blocks.1.mlp.0.weight"
+"""A parameter whose optimizer state the resume scenarios record."""
+
+
+class LocalDisk(LocalFileSystem):
+    """The local disk behind ``localdisk://`` URLs."""
+
+    protocol = ("localdisk",)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        return super()._strip_protocol(path[len("localdisk://"):] if path.startswith("localdisk://") else path)
+
+    def unstrip_protocol(self, name: str) -> str:
+        return f"localdisk://{self._strip_protocol(name)}"
+
+
+fsspec.register_implementation("localdisk", LocalDisk, clobber=True)
+
+
+class GroupedGPT(TinyGPT):
+    """TinyGPT with two optimizer groups whose members interleave in ``named_parameters()`` order."""
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight") and "ln" not in n]
+        rest = [p for n, p in self.named_parameters() if not (n.endswith("weight") and "ln" not in n)]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=self.hparams.lr
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Watch(pl.Callback):
+    """Records the step the run starts at, its first weights and optimizer state, and rank 0's view of the folder."""
+
+    def __init__(self, folder: str | None) -> None:
+        self.folder = folder
+        self.start: dict = {}
+        self.seen: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0]
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        state = {names[id(p)]: s for p, s in optimizer.state.items() if id(p) in names}
+        self.start = {
+            "global_step": trainer.global_step,
+            "weights": {n: p.detach().double().flatten().tolist() for n, p in pl_module.named_parameters()},
+            "exp_avg": state[WATCHED]["exp_avg"].double().flatten().tolist() if WATCHED in state else None,
+            "lr": [g["lr"] for g in optimizer.param_groups],
+        }
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.folder is None or not trainer.is_global_zero:
+            return
+        root = checkpoint.Location.of(self.folder)
+        names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in root.fs.ls(root.path, detail=False)) if (
+            root.exists()) else []
+        complete = [n for n in names if n.endswith(".ckpt") and checkpoint.is_complete(root.child(n))]
+        self.seen.append({"step": trainer.global_step, "in_flight": trainer.strategy._checkpoints.in_flight,
+                          "names": names, "complete": complete})
+
+
+def slow_publish(delay: float) -> None:
+    """Holds back rank 0's publication of every checkpoint by ``delay`` seconds (after the shards are written)."""
+    original = checkpoint_files.publish
+
+    def publish(tmp, target, meta):
+        time.sleep(delay)
+        original(tmp, target, meta)
+
+    checkpoint_files.publish = publish
+
+
+def run(out: Path, spec: str) -> None:
+    name, options = parse_spec(spec)
+    kind = options.pop("kind", name)
+    folder = options.pop("folder", None)
+    ckpt = options.pop("ckpt", None)
+    steps = options.pop("steps", 6)
+    delay = options.pop("delay", 0.0)
+    if delay:
+        slow_publish(delay)
+    torch.manual_seed(0)
+    model = GroupedGPT(n_layer=4, sync_dist=True)
+    callbacks: list[pl.Callback] = [Watch(folder if kind == "train" else None)]
+    if folder is not None:
+        callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=1, save_last=True))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=lightning_varuna.VarunaStrategy(**options),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=folder is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    loader = DataLoader(RandomTokens(n=64, seed=1), batch_size=8)
+    result: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model, loader, ckpt_path=ckpt)
+        except checkpoint.CheckpointError as err:
+            if kind != "bad":
+                raise
+            result["error"] = str(err)
+    result["warnings"] = [str(w.message) for w in caught if "checkpoint" in str(w.message).lower()]
+    watch = callbacks[0]
+    result.update(start=watch.start, seen=watch.seen)
+    result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
+    (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    directory = Path(sys.argv[1])
+    directory.mkdir(parents=True, exist_ok=True)
+    for spec in sys.argv[2:]:
+        run(directory, spec)

@@ -1,0 +1,195 @@
+"""Preemption: one rank is warned (a signal, a notice) or killed mid-training; then a run resumes from "last".
+
+    python tests/jobs/preemption.py OUT NOTICE_URL SCENARIO [SCENARIO ...]
+
+TinyGPT at P=2 x D=2, 4 steps per epoch, 8 steps in all. Like ``faults.py``, the parent forks one child per
+rank (an external launcher that does not end the job when one rank ends), so each rank's own exit status
+and time are measured. Every scenario but ``reference`` is followed by ``<scenario>-resume``: a run with
+``ckpt_path="last"`` and no fault. Per run, ``OUT/<run>.rank<r>.jsonl`` holds each finished step's
+``global_step`` and loss, ``OUT/<run>.rank<r>.log`` the output, ``OUT/<run>.json`` the exit codes and the
+seconds from the fault to each exit, and ``OUT/<scenario>-ckpt`` the ``ModelCheckpoint`` directory.
+
+The resume is a fresh launch, as after a scheduler's restart: an in-place ``torchrun --max-restarts``
+restart fails to reconnect gloo in the torch used here (``Gloo connectFullMesh failed``), whatever the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import RandomTokens, TinyGPT  # noqa: E402
+
+import lightning_varuna  # noqa: E402
+from lightning_varuna.preemption import HTTPNotice  # noqa: E402
+
+WORLD = 4
+STEPS = 8
+P2P_TIMEOUT = 20.0
+DEADLINE = 120.0
+# name -> (fault, faulty rank, trainer.global_step while it happens: during that step, or in the save after it)
+SCENARIOS = {
+    "reference": (None, None, None),
+    "sigterm-rank2": ("SIGTERM", 2, 2),
+    "sigterm-rank0": ("SIGTERM", 0, 5),
+    "sigusr1-rank3": ("SIGUSR1", 3, 3),  # the last step of epoch 0: agreed at the start of epoch 1
+    "notice": ("notice", 1, 1),  # rank 1 arms the test's HTTP server; every rank polls it
+    "kill": ("kill", 2, 4),  # SIGKILL as rank 2 starts writing last.ckpt at step 4
+}
+FAULT_MARK = "VARUNA-FAULT-AT"
+
+
+class Recorder(pl.Callback):
+    """Appends each finished step's global_step and loss to this rank's file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "loss": float(outputs["loss"])}) + "\n")
+
+
+class Faulty(TinyGPT):
+    """TinyGPT whose ``rank`` is warned (or arms the notice) in the first forward of ``step``."""
+
+    def __init__(self, fault: str | None, rank: int | None, step: int | None, url: str) -> None:
+        super().__init__(n_layer=2)
+        self.fault, self.fault_rank, self.fault_step, self.url = fault, rank, step, url
+        self.done = False
+
+    def training_step(self, batch, batch_idx: int):
+        executor = self.trainer.strategy.engine.executor  # None during the dry run
+        in_step = executor is not None and executor.current is not None
+        if (in_step and not self.done and self.fault in ("SIGTERM", "SIGUSR1", "notice")
+                and self.trainer.global_rank == self.fault_rank and self.trainer.global_step == self.fault_step):
+            self.done = True
+            print(f"{FAULT_MARK} {time.time():.3f}", flush=True)
+            if self.fault == "notice":
+                urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{self.url}/arm", timeout=10)
+            else:
+                os.kill(os.getpid(), getattr(signal, self.fault))
+        return super().training_step(batch, batch_idx)
+
+
+def _kill_in_checkpoint_write(trainer: pl.Trainer, step: int) -> None:
+    """The rank dies as its DCP write of last.ckpt at ``step`` starts; the other ranks are writing theirs."""
+    save = dcp.save
+
+    def die_or_save(state, *args, **kwargs):
+        target = kwargs.get("checkpoint_id") or getattr(kwargs.get("storage_writer"), "path", "")
+        if trainer.global_step == step and Path(str(target)).name.startswith("last"):
+            print(f"{FAULT_MARK} {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(state, *args, **kwargs)
+
+    dcp.save = die_or_save
+
+
+def train(out: Path, run: str, url: str, rank: int) -> None:
+    scenario = run.removesuffix("-resume")
+    fault, fault_rank, step = SCENARIOS[scenario] if run == scenario else (None, None, None)
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    model = Faulty(fault, fault_rank, step, url)
+    every = 1 if fault == "kill" else None
+    callbacks: list[pl.Callback] = [Recorder(out / f"{run}.rank{rank}.jsonl")]
+    if scenario != "reference":
+        callbacks.append(ModelCheckpoint(dirpath=out / f"{scenario}-ckpt", every_n_train_steps=every,
+                                         save_last=every is not None, save_top_k=1 if every else 0))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False, callbacks=callbacks,
+        enable_checkpointing=scenario != "reference", enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+        strategy=lightning_varuna.VarunaStrategy(
+            pipeline_parallel_size=2, num_microbatches=2, p2p_timeout=P2P_TIMEOUT,
+            preemption_notice=HTTPNotice(f"{url}/notice", interval=0.05) if fault == "notice" else None,
+        ),
+    )
+    if fault == "kill" and rank == fault_rank:
+        _kill_in_checkpoint_write(trainer, step)
+    loader = DataLoader(RandomTokens(n=32, seed=1), batch_size=4)
+    trainer.fit(model, loader, ckpt_path="last" if run != scenario else None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_forked(out: Path, run: str, url: str) -> None:
+    port = _free_port()
+    pids = {}
+    for rank in range(WORLD):
+        pid = os.fork()
+        if pid == 0:  # the rank, as an external launcher would start it
+            code = 1
+            try:
+                log = os.open(out / f"{run}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
+                                  NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank))
+                train(out, run, url, rank)
+                code = 0
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+                print(f"SystemExit({exit_.code!r})", flush=True)
+            except BaseException:  # noqa: BLE001 - print it as the interpreter would, then exit non-zero
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = rank
+    start = time.time()
+    ends: dict[int, dict] = {}
+    while pids:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        now = time.time()
+        if pid:
+            ends[pids.pop(pid)] = {"returncode": os.waitstatus_to_exitcode(status), "end": now, "killed": False}
+        elif now - start > DEADLINE:
+            for pid, rank in list(pids.items()):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                ends[rank] = {"returncode": None, "end": now, "killed": True}
+                del pids[pid]
+        else:
+            time.sleep(0.05)
+    fault_time = None
+    for rank in ends:
+        for line in (out / f"{run}.rank{rank}.log").read_text(errors="replace").splitlines():
+            if line.startswith(FAULT_MARK):
+                fault_time = float(line.split()[1])
+    result = {"fault_time": fault_time, "ranks": {}}
+    for rank, info in sorted(ends.items()):
+        info["after_fault"] = None if fault_time is None else info["end"] - fault_time
+        result["ranks"][rank] = info
+    (out / f"{run}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    directory = Path(sys.argv[1])
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in sys.argv[3:]:
+        run_forked(directory, name, sys.argv[2])
+        if name != "reference":
+            run_forked(directory, f"{name}-resume", sys.argv[2])

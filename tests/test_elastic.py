@@ -1,0 +1,39 @@
+"""Elastic restart under torchrun: a machine is lost mid-training, the survivor resumes at the smaller world size.
+
+Two torchrun agents on loopback stand for two machines with 2 processes each (P=2 x D=2); after a few steps one
+agent and its workers are SIGKILLed. See ``elastic_harness.py`` for how the job is run and cleaned up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from elastic_harness import TUNED, run_elastic
+
+MAX_STEPS = 12
+KILL_AFTER = 4
+
+
+@pytest.mark.slow
+def test_survivor_resumes_from_last_checkpoint_at_smaller_world_size(tmp_path: Path) -> None:
+    run = run_elastic(tmp_path, max_steps=MAX_STEPS, kill_after=KILL_AFTER, rdzv_conf=TUNED, deadline=240)
+    logs = "\n".join(f"--- agent {name} ---\n{text[-6000:]}" for name, text in run.logs.items())
+    assert run.kill_time is not None, f"the job never reached {KILL_AFTER} steps at world size 4:\n{logs}"
+    assert run.returncodes == {"host": 0, "other": -9}, f"{run.returncodes}\n{logs}"
+
+    before, resume, after = run.before, run.resume, run.after
+    assert [r["world_size"] for r in before[-KILL_AFTER:]] == [4] * KILL_AFTER
+    assert resume is not None, f"no restart after the kill:\n{logs}"
+    assert resume["world_size"] == 2 and resume["restart"] >= 1, resume
+    assert resume["ckpt_path"] is not None and Path(resume["ckpt_path"]).name == "last.ckpt", resume
+    # a checkpoint is written after every step: at most the step whose checkpoint was being written is lost
+    last = before[-1]["step"]
+    assert resume["step"] in (last - 1, last), (resume, before[-1])
+    assert [r["step"] for r in after] == list(range(resume["step"] + 1, MAX_STEPS + 1))
+    assert {r["world_size"] for r in after} == {2}
+    assert {r["step"] for r in run.records if r["event"] == "step"} == set(range(1, MAX_STEPS + 1))
+
+    summary = run.summary()
+    print(f"\nelastic restart (tuned keep-alive): {summary}")
+    assert summary["steps_lost"] == last - resume["step"]
