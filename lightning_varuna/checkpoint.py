@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
 
@@ -101,6 +100,22 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     Flat per-parameter keys are what makes it reshardable: any rank can load any parameter's entries.
     """
     return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+
+
+def load_optimizer_state(module: nn.Module, optimizer: Optimizer, flat: dict[str, Any]) -> None:
+    """Loads a flat, name-keyed optimizer state (:func:`optimizer_state`) into ``optimizer``.
+
+    Unlike torch's own unflattening, a parameter group that holds none of this stage's parameters is fine (a
+    stage may get no parameter of, say, a "no weight decay" group): it keeps its current hyper-parameters, as
+    does any hyper-parameter the state lacks.
+    """
+    names = {id(p): name for name, p in module.named_parameters()}
+    groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    plain = flat_to_plain(flat, groups)
+    for loaded, current in zip(plain["param_groups"], optimizer.param_groups):
+        for key, value in current.items():
+            loaded.setdefault(key, value)
+    optimizer.load_state_dict(plain)
 
 
 def param_groups_by_name(module: nn.Module, optimizers: Sequence[Optimizer]) -> Groups:
@@ -327,7 +342,7 @@ def _load_one(
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         state[key].update(request[key])
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=state[key], options=_FLAT)
+        load_optimizer_state(module, optimizer, state[key])
     meta.pop(RECORD, None)
     return meta
 
@@ -512,7 +527,7 @@ def _load_plain(
         # entries the file lacks (parameters that never had a gradient) keep their fresh state
         current = optimizer_state(module, optimizer)
         current.update({k: v for k, v in flat.items() if k in current})
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=current, options=_FLAT)
+        load_optimizer_state(module, optimizer, current)
     for key in ("state_dict", "optimizer_states", RECORD):
         checkpoint.pop(key, None)
     return checkpoint

@@ -30,8 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpt" / "elastic.py"
-# "params": the same split on every start. A timed split varies under load, and a split that leaves a stage without
-# any parameter of one optimizer group fails to load optimizer state (IndexError in torch's flat unflatten).
+# "params": the same split on every start (a timed split varies with the machine's load), so that runs compare.
 TINY = ["--n-layer", "2", "--n-embd", "32", "--block-size", "32", "--global-batch-size", "8", "--num-microbatches", "2",
         "--max-chars", "100000", "--every-n-steps", "1", "--pipeline-parallel-size", "2", "--partition", "params"]
 TUNED = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2, "last_call_timeout": 3}
@@ -109,6 +108,20 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _workers(agent: int) -> list[int]:
+    """The agent's worker processes (its children running the training script)."""
+    found = []
+    for pid in _children(agent):
+        try:
+            if SCRIPT.name in Path(f"/proc/{pid}/cmdline").read_text():
+                found.append(pid)
+        except FileNotFoundError:
+            pass
+    if not found:
+        raise RuntimeError(f"agent {agent} has no worker running {SCRIPT.name}")
+    return found
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks (tells a process from a later one with the same id)."""
     try:
@@ -164,6 +177,7 @@ def run_elastic(
     rdzv_conf: dict[str, int] | None = None,
     deadline: float = 180.0,
     extra_args: list[str] | None = None,
+    action: str = "kill",
 ) -> ElasticRun:
     """Runs the two-agent job, kills the second agent's "machine" after ``kill_after`` steps, waits for the end.
 
@@ -174,6 +188,8 @@ def run_elastic(
         rdzv_conf: Rendezvous settings besides ``is_host`` (see :data:`TUNED`); None: torchrun's defaults.
         deadline: Seconds after which everything still running is killed.
         extra_args: More arguments for ``examples/gpt/elastic.py``.
+        action: ``"kill"``: SIGKILL the second agent and its workers (a machine lost). ``"sigterm"``: SIGTERM one
+            worker of the second agent (a preemption warning that reaches one rank); both agents stay.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / "steps.jsonl"
@@ -208,7 +224,10 @@ def run_elastic(
                 if len(steps) >= kill_after:
                     victims = processes.watch(agents["other"].pid)
                     kill_time = time.time()
-                    processes.kill(victims)
+                    if action == "sigterm":
+                        os.kill(_workers(agents["other"].pid)[0], signal.SIGTERM)
+                    else:
+                        processes.kill(victims)
             if agents["host"].poll() is not None and (kill_time is not None or agents["other"].poll() is not None):
                 break
             time.sleep(0.05)

@@ -305,3 +305,29 @@ def test_strategy_with_async_checkpoint_pickles() -> None:
     strategy = VarunaStrategy(async_checkpoint=True)
     for copied in (copy.deepcopy(strategy), pickle.loads(pickle.dumps(strategy))):
         assert copied._checkpoints.asynchronous and not copied._checkpoints.in_flight
+
+
+def test_optimizer_state_loads_into_a_stage_that_holds_no_parameter_of_a_group() -> None:
+    """A stage may hold none of a group's parameters (e.g. only biases of a 'decay' / 'no decay' split)."""
+    from lightning_varuna.checkpoint import load_optimizer_state, optimizer_state
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.LayerNorm(4))
+
+    def make() -> torch.optim.Optimizer:
+        matrices = [p for p in module.parameters() if p.dim() >= 2]  # none here
+        others = [p for p in module.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                                  {"params": others, "weight_decay": 0.0, "lr": 0.01}])
+
+    saved = make()
+    module(torch.randn(3, 4)).sum().backward()
+    saved.step()
+    saved.param_groups[1]["lr"] = 0.005  # as a scheduler would have set it
+    flat = optimizer_state(module, saved)
+    fresh = make()
+    load_optimizer_state(module, fresh, flat)
+    assert fresh.param_groups[0]["weight_decay"] == 0.1 and fresh.param_groups[1]["lr"] == 0.005
+    for p in module.parameters():
+        for key, value in saved.state[p].items():
+            assert torch.equal(fresh.state[p][key], value), key

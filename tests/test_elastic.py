@@ -37,3 +37,24 @@ def test_survivor_resumes_from_last_checkpoint_at_smaller_world_size(tmp_path: P
     summary = run.summary()
     print(f"\nelastic restart (tuned keep-alive): {summary}")
     assert summary["steps_lost"] == last - resume["step"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_checkpoints_exits_143_and_torchrun_resumes_without_losing_a_step(tmp_path: Path) -> None:
+    """A preemption warning that reaches one rank of one machine: every rank stops at the next step boundary with a
+    checkpoint and exit status 143, which torchrun treats as a failure and restarts from; no step is lost or repeated.
+    """
+    run = run_elastic(tmp_path, max_steps=MAX_STEPS, kill_after=KILL_AFTER, rdzv_conf=TUNED, deadline=240,
+                      action="sigterm")
+    logs = "\n".join(f"--- agent {name} ---\n{text[-6000:]}" for name, text in run.logs.items())
+    assert run.kill_time is not None, f"the job never reached {KILL_AFTER} steps:\n{logs}"
+    assert run.returncodes == {"host": 0, "other": 0}, f"{run.returncodes}\n{logs}"
+    assert "exitcode: 143" in logs or "exitcode : 143" in logs, logs
+    starts = [r for r in run.records if r["event"] == "start"]
+    restart = next(r for r in starts if r["restart"] >= 1)
+    assert restart["world_size"] == 4 and Path(restart["ckpt_path"]).name == "last.ckpt", restart
+    steps = [r for r in run.records if r["event"] == "step"]
+    done = [r["step"] for r in steps if r["time"] < restart["time"]]
+    assert restart["step"] == max(done) >= KILL_AFTER, (restart, done)
+    # every step exactly once: nothing lost, nothing repeated
+    assert sorted(r["step"] for r in steps) == list(range(1, MAX_STEPS + 1))
