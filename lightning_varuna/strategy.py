@@ -187,6 +187,7 @@ class VarunaStrategy(ParallelStrategy):
         self._params: list[torch.nn.Parameter] = []
         self._module_names: dict[int, str] = {}
         self._original_clip: Callable | None = None
+        self._agreed_norm: Tensor | None = None
         self.preemption_notice = preemption_notice
         self._preemption: PreemptionGuard | None = None
 
@@ -576,6 +577,7 @@ class VarunaStrategy(ParallelStrategy):
         # for zero_grad. On later batches `.grad` holds the window's partial sum and the schedule adds to it, so
         # the gradients are complete (and reducible) as soon as the last backward has run.
         first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        self._agreed_norm = None
         stale = [p.grad for p in params] if first else None
         if first:
             for p in params:
@@ -666,13 +668,19 @@ class VarunaStrategy(ParallelStrategy):
         original = scaler.unscale_
 
         def unscale_(optimizer: Optimizer) -> None:
-            # every stage and replica must agree to skip (or take) the step, and update the scale alike
+            # Every stage and replica must agree to skip (or take) the step, and update the scale alike. The
+            # same all-reduce carries the squared gradient norm, which clipping then uses without a collective
+            # of its own (summed over all ranks, each stage's share counts D times: replicas hold equal grads).
             original(optimizer)
             state = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             found = torch.zeros((), device=self.root_device)
             for value in state.values():
                 found = torch.maximum(found, value.to(found.device))
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            assert self.engine is not None and self.engine.grad_sync is not None and self.topology is not None
+            shared = torch.stack([found, self.engine.grad_sync.local_norm_sq().to(found.device)])
+            self._waiting_on_peers("agreeing on gradient overflow and norm", lambda: dist.all_reduce(shared))
+            found = (shared[0] > 0).to(found.dtype)
+            self._agreed_norm = (shared[1] / self.topology.data_size).sqrt()
             for value in state.values():
                 value.copy_(found)
 
@@ -699,7 +707,9 @@ class VarunaStrategy(ParallelStrategy):
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Scales all gradients so the global norm is at most ``max_norm``; returns the norm before."""
-        norm = self.global_grad_norm()
+        # under fp16 the overflow agreement (just before) already summed the norm over every rank
+        norm = self._agreed_norm if self._agreed_norm is not None else self.global_grad_norm()
+        self._agreed_norm = None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if grads:

@@ -35,14 +35,14 @@ CONFIGS = {
     # all-reduces started after the schedule (overlap off)
     "bf16-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,precision=bf16-mixed,overlap=false",
     # fp16 with a loss scaler; an inf injected into stage 0's gradients at step 2 must make every stage skip
-    "fp16-inf-p4": "pipeline_parallel_size=4,num_microbatches=4,precision=16-mixed,inf=2",
+    "fp16-inf-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,precision=16-mixed,inf=2",
 }
 REFERENCES = {
     "reference": "",
     "reference-tied-clip": "tie=true,clip=0.5,gradnorm=true",
     "reference-accum": "tie=true,clip=0.5,gradnorm=true,accumulate=2",
     "reference-bf16": "tie=true,precision=bf16-mixed",
-    "reference-fp16-inf": "precision=16-mixed,inf=2",
+    "reference-fp16-inf": "tie=true,clip=0.5,precision=16-mixed,inf=2",
 }
 
 
@@ -117,7 +117,7 @@ def test_every_copy_of_a_parameter_is_identical(results: Path, name: str) -> Non
 def test_fp16_overflow_on_one_stage_is_skipped_everywhere(results: Path) -> None:
     reference = _load(results / "reference-fp16-inf.rank0.json")
     for rank in range(4):
-        run = _load(results / f"fp16-inf-p4.rank{rank}.json")
+        run = _load(results / f"fp16-inf-p2d2.rank{rank}.json")
         assert run["scale"] == reference["scale"] == 2.0**15, "every rank halved the scale once"
 
 
@@ -151,6 +151,25 @@ def test_logged_grad_norms_are_the_whole_models(results: Path, name: str) -> Non
             assert set(got) == set(want), f"rank {rank} step {step}: keys differ by {set(got) ^ set(want)}"
             for key, value in want.items():
                 assert abs(got[key] - value) <= 1e-5 * max(1.0, value), f"rank {rank} step {step}: {key}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CONFIGS if "clip=" in CONFIGS[n] and "accumulate" not in CONFIGS[n]])
+def test_gradients_are_clipped_by_the_whole_models_norm(results: Path, name: str) -> None:
+    """The gradients after clipping (first step) equal the plain run's, parameter by parameter.
+
+    AdamW hardly reacts to a constant factor on every gradient, so a wrong global norm would barely show in the
+    losses: this checks the clipped gradients themselves (under fp16 the norm comes with the overflow agreement).
+    """
+    reference = _load(results / f"{reference_of(name)}.rank0.json")["clipped_norms"][0]
+    relative = 2e-2 if name.startswith("fp16") else 1e-4
+    seen = {}
+    for rank in range(4):
+        seen.update(_load(results / f"{name}.rank{rank}.json")["clipped_norms"][0])
+    assert set(seen) == set(reference)
+    assert sum(v * v for v in reference.values()) ** 0.5 == pytest.approx(0.5, rel=1e-3), "clipping is active"
+    for param, value in reference.items():
+        assert seen[param] == pytest.approx(value, rel=relative, abs=1e-7), param
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ class Recorder(pl.Callback):
         self.grads: dict[str, list[float]] = {}
         self.grad_norms: list[dict[str, float]] = []
         self.logged_norms: list[dict[str, float]] = []
+        self.clipped_norms: list[dict[str, float]] = []
         self.overlapped: list[int] = []
         self.bucket, self.overlap = bucket, overlap
 
@@ -68,6 +69,10 @@ class Recorder(pl.Callback):
                     self.grads[name] = p.grad.detach().flatten().tolist()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # after the optimizer step .grad still holds the gradients as clipped (zero_grad comes with the next step)
+        self.clipped_norms.append(
+            {n: float(p.grad.norm()) for n, p in pl_module.named_parameters() if p.grad is not None}
+        )
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
         self.logged_norms.append(
             {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("grad_2.0_norm")}
@@ -150,6 +155,7 @@ def run(out: Path, spec: str) -> None:
         result["data_size"] = trainer.strategy.topology.data_size
         result["replica"] = trainer.strategy.topology.replica
         result["node"] = trainer.node_rank
+    result["clipped_norms"] = recorder.clipped_norms
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     result["scale"] = float(scaler.get_scale()) if scaler is not None else None
