@@ -5,9 +5,10 @@ Run under torchrun for the strategy (every configuration in one job), or as a pl
     torchrun --nproc-per-node=4 tests/jobs/equivalence.py OUT CONFIG [CONFIG ...]
     python tests/jobs/equivalence.py OUT reference[:BATCH]
 
-CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``, ``clip``, ``batch``,
-``precision``, ``dropout``, ``accumulate``, ``steps``, ``epoch_steps``, ``epochs``, ``save`` (a path written after fit),
-``save_every`` (a ModelCheckpoint directory, written every that many steps as ``ckpt.ckpt``) and ``resume``;
+CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``, ``clip``, ``clip_algorithm``,
+``batch``, ``precision``, ``dropout``, ``accumulate``, ``steps``, ``epoch_steps``, ``epochs``, ``save`` (a path
+written after fit), ``save_every`` (a ModelCheckpoint directory, written every that many steps as ``ckpt.ckpt``)
+and ``resume``;
 ``gradnorm`` (the model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket
 bytes) and ``overlap`` (all-reduce during the last backward, default on).
 """
@@ -84,6 +85,7 @@ def run(out: Path, spec: str) -> None:
     batch = options.pop("batch", 16)
     tie = options.pop("tie", False)
     clip = options.pop("clip", None)
+    clip_algorithm = options.pop("clip_algorithm", None)
     precision = options.pop("precision", "32-true")
     dropout = options.pop("dropout", 0.0)
     accumulate = options.pop("accumulate", 1)
@@ -131,6 +133,7 @@ def run(out: Path, spec: str) -> None:
         if precision == "16-mixed"
         else None,
         gradient_clip_val=clip,
+        gradient_clip_algorithm=clip_algorithm,
         accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=save_every is not None,
