@@ -18,9 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
-__all__ = ["ElasticBatchSampler", "ResumableDataLoader", "make_resumable"]
+__all__ = ["ElasticBatchSampler", "ResumableDataLoader", "make_resumable", "resumable_training_loader"]
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
@@ -215,3 +217,50 @@ def make_resumable(
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
     return ResumableDataLoader(loader.dataset, elastic, position, **kwargs)
+
+
+def resumable_training_loader(
+    dataloader: Any, fit_loop: Any, num_replicas: int, rank: int, global_batch_size: int | None
+) -> Any:
+    """The training loader Lightning prepared, made resumable (see :func:`make_resumable`) where it can be.
+
+    Its position comes from Lightning's fit loop: the epoch, and the batches whose step has finished in it.
+
+    Args:
+        dataloader: The training loader as Lightning prepared it.
+        fit_loop: The trainer's ``fit_loop``.
+        num_replicas: Number of data-parallel replicas (D).
+        rank: This replica's index.
+        global_batch_size: Samples per batch over all replicas (a multiple of D), or ``None`` to keep the
+            loader's batch size per replica.
+
+    Raises:
+        MisconfigurationException: ``global_batch_size`` is set but the loader has its own sampler.
+    """
+    batch_size = None if global_batch_size is None else global_batch_size // num_replicas
+
+    def epoch() -> int:
+        return fit_loop.epoch_progress.current.processed
+
+    def position() -> tuple[int, int]:
+        return epoch(), fit_loop.epoch_loop.batch_progress.current.processed
+
+    resumable = make_resumable(dataloader, num_replicas, rank, batch_size, epoch, position)
+    if resumable is None:
+        if global_batch_size is not None:
+            raise MisconfigurationException(
+                "global_batch_size needs Lightning's default distributed sampler: pass a plain DataLoader (no"
+                " custom sampler or batch_sampler) and keep Trainer(use_distributed_sampler=True), or drop"
+                " global_batch_size and set the DataLoader's batch_size to the per-replica batch."
+            )
+        rank_zero_info(
+            "VarunaStrategy: the training DataLoader has its own sampler; a run resumed mid-epoch restarts"
+            " wherever that sampler does."
+        )
+        return dataloader
+    if batch_size is not None and batch_size != dataloader.batch_size:
+        rank_zero_info(
+            f"VarunaStrategy: global_batch_size={global_batch_size} over {num_replicas} replica(s): each reads"
+            f" batches of {batch_size} (the DataLoader's batch_size={dataloader.batch_size} is not used)."
+        )
+    return resumable

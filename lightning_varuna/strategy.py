@@ -51,7 +51,7 @@ from lightning_varuna import checkpoint
 from lightning_varuna.checkpoint_writer import CheckpointWriter
 from lightning_varuna.comm import PipelineError, Topology, peer_error, report_failure
 from lightning_varuna.cut import forward_handler, install_cut_at
-from lightning_varuna.data import make_resumable
+from lightning_varuna.data import resumable_training_loader
 from lightning_varuna.engine import PipelineEngine, default_loss, first_samples
 from lightning_varuna.executor import SUMMARY_SIZE
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
@@ -410,38 +410,11 @@ class VarunaStrategy(ParallelStrategy):
         if not self._preparing_train_data or self.topology is None:
             return dataloader
         topo = self.topology
-        trainer = self.lightning_module.trainer
-        batch_size = None
         if self.global_batch_size is not None:
             self._check_global_batch(topo.data_size)
-            batch_size = self.global_batch_size // topo.data_size
-        fit_loop = trainer.fit_loop
-
-        def epoch() -> int:
-            return fit_loop.epoch_progress.current.processed
-
-        def position() -> tuple[int, int]:
-            return epoch(), fit_loop.epoch_loop.batch_progress.current.processed
-
-        resumable = make_resumable(dataloader, topo.data_size, topo.replica, batch_size, epoch, position)
-        if resumable is None:
-            if self.global_batch_size is not None:
-                raise MisconfigurationException(
-                    "global_batch_size needs Lightning's default distributed sampler: pass a plain DataLoader (no"
-                    " custom sampler or batch_sampler) and keep Trainer(use_distributed_sampler=True), or drop"
-                    " global_batch_size and set the DataLoader's batch_size to the per-replica batch."
-                )
-            rank_zero_info(
-                "VarunaStrategy: the training DataLoader has its own sampler; a run resumed mid-epoch restarts"
-                " wherever that sampler does."
-            )
-            return dataloader
-        if batch_size is not None and batch_size != dataloader.batch_size:
-            rank_zero_info(
-                f"VarunaStrategy: global_batch_size={self.global_batch_size} over {topo.data_size} replica(s): each"
-                f" reads batches of {batch_size} (the DataLoader's batch_size={dataloader.batch_size} is not used)."
-            )
-        return resumable
+        return resumable_training_loader(
+            dataloader, self.lightning_module.trainer.fit_loop, topo.data_size, topo.replica, self.global_batch_size
+        )
 
     def model_to_device(self) -> None:
         """Moves the model to this process's device."""
