@@ -50,6 +50,7 @@ class _Job:
     groups: Groups
     hyper: list[list[dict | None]]
     param_names: list[str]
+    problem: str | None = None  # found before the write (rank 0): every rank fails the save alike
 
 
 class CheckpointWriter:
@@ -114,15 +115,20 @@ class CheckpointWriter:
         rank = dist.get_rank()
         target = Location.of(path)
         tmp = target.with_suffix(files.TMP_SUFFIX)
+        meta, problem = None, None
         if rank == 0:
-            # before any rank writes: the job's first collective waits for rank 0
-            files.recover(target)
-            tmp.remove()
-        meta = files.to_bytes(metadata) if rank == 0 else None
+            # before any rank writes; a failure here travels with the job's first collective, so that every
+            # rank raises it instead of waiting for rank 0
+            try:
+                files.recover(target)
+                tmp.remove()
+                meta = files.to_bytes(metadata)
+            except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+                problem = f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
         groups = [g for i, g in enumerate(groups) if f"optimizer_{i}" in shards]  # none with save_weights_only
         shards, hyper = split_shards(shards, groups)
         if not self.asynchronous:
-            job = _Job(target, tmp, shards, meta, list(groups), hyper, list(param_names))
+            job = _Job(target, tmp, shards, meta, list(groups), hyper, list(param_names), problem)
             self._run(job, None)
             error = self._take_error()
             if error is not None:
@@ -132,7 +138,7 @@ class CheckpointWriter:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="varuna-checkpoint")
         assert self._executor is not None
-        job = _Job(target, tmp, _staged(shards), meta, list(groups), hyper, list(param_names))
+        job = _Job(target, tmp, _staged(shards), meta, list(groups), hyper, list(param_names), problem)
         with self._lock:
             self._busy = True
         self._future = self._executor.submit(self._run, job, self._group)
@@ -143,14 +149,17 @@ class CheckpointWriter:
         try:
             world = dist.get_world_size(group)
             gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, (job.target.text, job.groups, job.hyper), group=group)
-            paths = sorted({path for path, _, _ in gathered})
-            if len(paths) > 1:  # seen alike by every rank: no write, no further collective
+            dist.all_gather_object(gathered, (job.target.text, job.groups, job.hyper, job.problem), group=group)
+            paths = sorted({path for path, _, _, _ in gathered})
+            problem = next((p for _, _, _, p in gathered if p is not None), None)
+            if problem is not None:  # seen alike by every rank: no write, no further collective
+                error = problem
+            elif len(paths) > 1:
                 error = f"the ranks were given different paths ({', '.join(paths)}); give every rank the same one"
             else:
                 if job.meta is not None:
                     metadata = torch.load(io.BytesIO(job.meta), weights_only=False)
-                    record = make_record(job.param_names, [(g, h) for _, g, h in gathered])
+                    record = make_record(job.param_names, [(g, h) for _, g, h, _ in gathered])
                     job.meta = files.to_bytes({**metadata, RECORD: record})
                 error = self._write(job, group)
                 errors: list[Any] = [None] * world
@@ -204,6 +213,17 @@ class CheckpointWriter:
                 self._removals.append(loc)
                 return
         files.remove_quietly(loc)
+
+    def flush(self) -> None:
+        """Waits for the background write in flight (if any) to be written and published.
+
+        Raises:
+            CheckpointError: On every rank, if that write failed.
+        """
+        self.wait()
+        error = self._take_error()
+        if error is not None:
+            raise CheckpointError(f"The checkpoint could not be written: {error}")
 
     def close(self, interrupted: bool = False) -> None:
         """Waits for the write in flight (at the end of a run); reports its failure.

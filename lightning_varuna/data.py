@@ -104,7 +104,10 @@ class ElasticBatchSampler(Sampler[list[int]]):
             resume_epoch, samples = self._resume
             self._resume = None
             if resume_epoch == epoch:
-                start = samples
+                # every replica must get as many batches as the others (or some would wait in a gradient
+                # all-reduce forever): start on a multiple of D. Exact when the global batch is unchanged (a
+                # multiple of D); otherwise up to D - 1 samples are read again.
+                start = samples - samples % self.num_replicas
         order = self._order(epoch)
         step = self.global_batch_size
         for begin in range(start, len(order), step):

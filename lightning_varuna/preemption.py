@@ -315,7 +315,11 @@ class PreemptionGuard:
                 log.debug("VarunaStrategy: the preemption agreement failed: %s", err)
                 flag.zero_()
         kind = int(flag.item())
-        if kind:
+        # the partial gradient sums of an accumulation window are not in checkpoints: stop where one begins (the
+        # warned rank keeps its flag, so the agreement repeats at every batch until then)
+        accumulate = self.trainer.accumulate_grad_batches
+        at_window_start = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate == 0
+        if kind and at_window_start:
             self._stop(kind)
 
     def _stop(self, kind: int) -> None:
@@ -330,10 +334,13 @@ class PreemptionGuard:
         if trainer.is_global_zero and os.path.islink(path):  # ModelCheckpoint(save_last="link")
             os.unlink(path)
         trainer.save_checkpoint(path)
+        flush = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if flush is not None:  # an asynchronous write must be on disk before SLURM or the cloud ends the job
+            flush()
         if kind == _REQUEUE and self.slurm_requeue and trainer.is_global_zero:
             requeue_slurm_job()
         rank_zero_info(
-            f"VarunaStrategy: checkpoint saved; every process exits with {PREEMPTED_EXIT_CODE} once it is written."
+            f"VarunaStrategy: checkpoint written; every process exits with {PREEMPTED_EXIT_CODE}."
             " Resume with `trainer.fit(..., ckpt_path='last')`."
         )
         raise Preempted(reason, path)

@@ -293,6 +293,7 @@ class VarunaStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._check_scaled_optimizers()
         self._patch_clipping()
         self._patch_unscale()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -634,6 +635,16 @@ class VarunaStrategy(ParallelStrategy):
 
         precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    def _check_scaled_optimizers(self) -> None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        fused = [type(o).__name__ for o in self.optimizers if getattr(o, "_step_supports_amp_scaling", False)]
+        if scaler is not None and fused:
+            raise MisconfigurationException(
+                f"VarunaStrategy with a loss scaler (16-mixed) cannot use {', '.join(fused)} with fused=True:"
+                " such optimizers skip the scaler's unscale_, where every stage and replica agrees on overflow, so"
+                " the ranks would decide alone. Create it with fused=False (or use bf16-mixed)."
+            )
+
     def _patch_unscale(self) -> None:
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is None or "unscale_" in vars(scaler):
@@ -720,6 +731,14 @@ class VarunaStrategy(ParallelStrategy):
         groups = checkpoint.param_groups_by_name(self.lightning_module, optimizers)
         names = list(self.engine.plan.trace.param_numel) if self.engine and self.engine.plan else []
         self._checkpoints.save(path, shards, checkpoint_dict, groups, names)
+
+    def wait_for_checkpoint(self) -> None:
+        """Blocks until the checkpoint being written in the background (``async_checkpoint``) is complete.
+
+        Raises:
+            CheckpointError: On every rank, if that write failed.
+        """
+        self._checkpoints.flush()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Deletes a checkpoint (on rank 0); while a save is in flight, only once that one is complete."""

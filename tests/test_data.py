@@ -85,3 +85,15 @@ def test_custom_samplers_are_left_alone() -> None:
     assert make_resumable(DataLoader(dataset, batch_size=2), 1, 0, None, lambda: 0, lambda: (0, 0)) is None
     custom = DataLoader(dataset, batch_sampler=BatchSampler(DistributedSampler(dataset, 1, 0), 2, False))
     assert make_resumable(custom, 1, 0, None, lambda: 0, lambda: (0, 0)) is None
+
+
+def test_resume_under_another_replica_count_gives_every_replica_as_many_batches() -> None:
+    """Without global_batch_size the saved position need not be a multiple of the new D: it is rounded down, or
+    some replicas would run one step more than the others and wait in the gradient all-reduce forever."""
+    n, saved = 8, 6  # one step of 3 replicas x 2 samples done; resumed by 4 replicas
+    counts = []
+    for rank in range(4):
+        sampler = ElasticBatchSampler(n, 1, 4, rank, seed=1, epoch_of=lambda: 0)
+        sampler.resume_at(0, saved)
+        counts.append(len(list(sampler)))
+    assert len(set(counts)) == 1 and counts[0] >= 1

@@ -404,3 +404,27 @@ def test_global_batch_size_must_split_over_the_replicas() -> None:
     with mock.patch.dict(os.environ), pytest.raises(MisconfigurationException, match="choose a multiple of 2"):
         pl.Trainer(accelerator="cpu", devices=4, logger=False,
                    strategy=VarunaStrategy(pipeline_parallel_size=2, global_batch_size=15))
+
+
+def test_fused_optimizer_with_a_loss_scaler_is_rejected() -> None:
+    """A fused optimizer skips the scaler's unscale_, where the stages agree on overflow: refused at setup."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins import MixedPrecision
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DataLoader
+
+    class Fused(TinyGPT):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    with mock.patch.dict(os.environ), pytest.raises(MisconfigurationException, match="with fused=True"):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=VarunaStrategy(pipeline_parallel_size=1), max_steps=1,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        try:
+            trainer.fit(Fused(n_layer=2), DataLoader(RandomTokens(n=8), batch_size=4))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()

@@ -251,3 +251,24 @@ def test_slurm_requeue_calls_scontrol(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     requeue_slurm_job()
     assert (tmp_path / "called").read_text().split() == ["requeue", "1234"]
+
+
+def test_a_warning_inside_an_accumulation_window_stops_where_the_next_window_begins() -> None:
+    """The partial gradient sums of an accumulation window are not checkpointed: stopping inside one would
+    resume with a short window. The warned rank's flag stays set, so the stop comes at the next window start."""
+    from types import SimpleNamespace
+
+    from lightning_varuna.preemption import PreemptionGuard
+
+    current = SimpleNamespace(ready=0)
+    trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=3,
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(
+                                  batch_progress=SimpleNamespace(current=current))))
+    guard = object.__new__(PreemptionGuard)
+    guard.trainer, guard.device, guard.watch = trainer, torch.device("cpu"), SimpleNamespace(kind=1)
+    stops = []
+    guard._stop = lambda kind: stops.append(current.ready)
+    for ready in range(1, 7):  # warned during the batch after the first one: batches 1..6 of the epoch done
+        current.ready = ready
+        guard.agree()
+    assert stops == [3, 6]
