@@ -287,6 +287,8 @@ class PipelineEngine:
         tasks = self._schedule(m, train)[self.topology.stage]
         loss_of = loss_of or default_loss
         weights = [n / size * loss_scale for n in sizes]
+        # reductions that start during this step: each bucket in the last backward, the rest right after
+        sync = self.grad_sync if start_sync and train else None
 
         def weighted_loss(output: Any, k: int) -> Tensor:
             loss = loss_of(output) * weights[k]
@@ -301,10 +303,10 @@ class PipelineEngine:
             recompute=self.recompute,
             loss_of=weighted_loss,
             summary=(lambda results: summary(results, sizes)) if summary is not None else None,
-            last_backward=self.grad_sync.overlapping if start_sync and train and self.grad_sync is not None else None,
+            last_backward=sync.overlapping if sync is not None else None,
         )
-        if start_sync and train and self.grad_sync is not None:
-            self.grad_sync.start()
+        if sync is not None:
+            sync.start()
         return StepResult(
             outputs=outputs if self.topology.is_last else [],
             sizes=sizes,

@@ -604,9 +604,7 @@ class VarunaStrategy(ParallelStrategy):
         def closure_then_sync() -> Any:
             nonlocal capturing
             result = closure()
-            sync = engine.grad_sync
-            assert sync is not None
-            self._waiting_on_peers("syncing gradients", sync.finish if sync.started else sync.sync)
+            self._waiting_on_peers("syncing gradients", engine.sync_gradients)
             if merge and not capturing:  # the on_before_optimizer_step hooks run next
                 hooks.enter_context(capture.capturing())
                 capturing = True

@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
-import traceback
+from collections.abc import Iterable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -29,6 +28,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forked import marked_time, run_ranks  # noqa: E402
 from models import RandomTokens, TinyGPT  # noqa: E402
 
 import lightning_varuna  # noqa: E402
@@ -115,58 +115,15 @@ def _rank_main(scenario: str, world: int, rank: int) -> None:
     print("VARUNA-FINISHED", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_scenario(out: Path, scenario: str) -> None:
     world, _, fault, fault_rank, _, deadline = SCENARIOS[scenario]
-    port = _free_port()
-    pids = {}
     start = time.time()
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:  # the rank, as an external launcher would start it
-            code = 1
-            try:
-                log = os.open(out / f"{scenario}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                os.environ.update(
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
-                    LOCAL_RANK=str(rank), RANK=str(rank),
-                )
-                _rank_main(scenario, world, rank)
-                code = 0
-            except BaseException:  # noqa: BLE001 - print it as the interpreter would, then exit non-zero
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids[pid] = rank
-    ends: dict[int, dict] = {}
-    while pids:
-        now = time.time()
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            code = os.waitstatus_to_exitcode(status)
-            ends[pids.pop(pid)] = {"returncode": code, "end": now, "killed": False}
-            continue
-        others_done = all(r == fault_rank for r in pids.values())
-        if now - start > deadline or (fault.startswith("hang") and others_done):
-            for pid, rank in list(pids.items()):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                ends[rank] = {"returncode": None, "end": now, "killed": True}
-                del pids[pid]
-        time.sleep(0.05)
-    fault_time = None
-    for line in (out / f"{scenario}.rank{fault_rank}.log").read_text(errors="replace").splitlines():
-        if line.startswith(FAULT_MARK):
-            fault_time = float(line.split()[1])
+
+    def others_done(running: Iterable[int]) -> bool:
+        return fault.startswith("hang") and all(r == fault_rank for r in running)
+
+    ends = run_ranks(out, scenario, world, lambda rank: _rank_main(scenario, world, rank), deadline, others_done)
+    fault_time = marked_time(out, scenario, [fault_rank], FAULT_MARK)
     result = {"fault_rank": fault_rank, "fault_time": fault_time, "start": start, "ranks": {}}
     for rank, info in sorted(ends.items()):
         info["after_fault"] = None if fault_time is None else info["end"] - fault_time

@@ -18,10 +18,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
-import traceback
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from forked import marked_time, run_ranks  # noqa: E402
 from models import RandomTokens, TinyGPT  # noqa: E402
 
 import lightning_varuna  # noqa: E402
@@ -128,57 +127,9 @@ def train(out: Path, run: str, url: str, rank: int) -> None:
     trainer.fit(model, loader, ckpt_path="last" if run != scenario else None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_forked(out: Path, run: str, url: str) -> None:
-    port = _free_port()
-    pids = {}
-    for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:  # the rank, as an external launcher would start it
-            code = 1
-            try:
-                log = os.open(out / f"{run}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
-                                  NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank))
-                train(out, run, url, rank)
-                code = 0
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else 1
-                print(f"SystemExit({exit_.code!r})", flush=True)
-            except BaseException:  # noqa: BLE001 - print it as the interpreter would, then exit non-zero
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids[pid] = rank
-    start = time.time()
-    ends: dict[int, dict] = {}
-    while pids:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        now = time.time()
-        if pid:
-            ends[pids.pop(pid)] = {"returncode": os.waitstatus_to_exitcode(status), "end": now, "killed": False}
-        elif now - start > DEADLINE:
-            for pid, rank in list(pids.items()):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                ends[rank] = {"returncode": None, "end": now, "killed": True}
-                del pids[pid]
-        else:
-            time.sleep(0.05)
-    fault_time = None
-    for rank in ends:
-        for line in (out / f"{run}.rank{rank}.log").read_text(errors="replace").splitlines():
-            if line.startswith(FAULT_MARK):
-                fault_time = float(line.split()[1])
+    ends = run_ranks(out, run, WORLD, lambda rank: train(out, run, url, rank), DEADLINE)
+    fault_time = marked_time(out, run, ends, FAULT_MARK)
     result = {"fault_time": fault_time, "ranks": {}}
     for rank, info in sorted(ends.items()):
         info["after_fault"] = None if fault_time is None else info["end"] - fault_time
