@@ -228,7 +228,9 @@ def run_elastic(
                         os.kill(_workers(agents["other"].pid)[0], signal.SIGTERM)
                     else:
                         processes.kill(victims)
-            if agents["host"].poll() is not None and (kill_time is not None or agents["other"].poll() is not None):
+            # after a kill the second agent is gone; otherwise (no kill, or a SIGTERM) both agents must finish
+            machine_lost = action == "kill" and kill_time is not None
+            if agents["host"].poll() is not None and (machine_lost or agents["other"].poll() is not None):
                 break
             time.sleep(0.05)
     finally:
