@@ -501,8 +501,8 @@ class _ArrivesAtDeadline:
 def _arrive_at_deadlines(p2p, rt: Runtime) -> None:
     irecv = p2p.irecv
 
-    def deadline_irecv(tensor: torch.Tensor, src: int, tag: int):
-        return _ArrivesAtDeadline(irecv(tensor, src, tag), tensor, rt)
+    def deadline_irecv(tensor: torch.Tensor, src: int, tag: int, **kwargs):
+        return _ArrivesAtDeadline(irecv(tensor, src, tag, **kwargs), tensor, rt)
 
     p2p.irecv = deadline_irecv
 

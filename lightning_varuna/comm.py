@@ -8,6 +8,8 @@ once per step, sit on different nodes.
 
 from __future__ import annotations
 
+import queue
+import threading
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,12 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Topology", "P2P", "PipelineError", "report_failure", "peer_error"]
+__all__ = ["Topology", "P2P", "PipelineError", "WatchedWork", "report_failure", "peer_error"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HEADER = 10  # dtype code, ndim, up to 8 dims
 HEADER_BYTES = _HEADER * 8
 _ERROR_KEY = "lightning_varuna/error/"
+_WATCH_MARGIN_S = 5.0
 
 
 class PipelineError(RuntimeError):
@@ -182,27 +185,113 @@ def peer_error(
     return PipelineError(f"{me}: {what} failed{hint}: {err}.{_peer_failure()}")
 
 
+class WatchedWork:
+    """A send or receive whose completion can be asked for without blocking (see :class:`P2P`).
+
+    It quacks like a ``dist.Work``: :meth:`is_completed` and :meth:`wait`.
+    """
+
+    __slots__ = ("work", "done", "error")
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        """Whether the transfer has finished (successfully or not)."""
+        return self.done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Blocks until the transfer has finished and raises its error, if any.
+
+        The helper thread's own wait is bounded by the p2p timeout and ends with gloo's error; ``timeout``
+        (plus a margin, so that gloo's error comes first) only guards against a helper thread that is gone.
+        """
+        seconds = None if timeout is None else timeout.total_seconds() + _WATCH_MARGIN_S
+        if not self.done.wait(seconds):
+            raise TimeoutError(f"Timed out after {seconds:g}s waiting for the transfer")
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Watcher:
+    """A daemon thread that waits on one peer's transfers in one direction, in the order they were posted.
+
+    Transfers between two ranks in one direction complete in the order they were posted, so waiting on them
+    in that order finds each one as soon as it is done. After a failure every later transfer fails with it.
+    """
+
+    def __init__(self, name: str, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self.queue: queue.SimpleQueue[WatchedWork | None] = queue.SimpleQueue()
+        self.failed: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def watch(self, work: dist.Work) -> WatchedWork:
+        watched = WatchedWork(work)
+        self.queue.put(watched)
+        return watched
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.failed is None:
+                try:
+                    item.work.wait(timeout=self.timeout)
+                except BaseException as err:  # noqa: BLE001 - handed to the thread that waits on the work
+                    self.failed = err
+            item.error = self.failed
+            item.done.set()
+
+
 class P2P:
-    """Asynchronous sends and receives between pipeline neighbours, each wait bounded by a timeout."""
+    """Asynchronous sends and receives between pipeline neighbours, each wait bounded by a timeout.
+
+    With ``watch=True`` a send or receive can be asked whether it has completed without waiting for it
+    (Varuna's opportunistic rule asks which messages are there; finished sends free their tensors). On gloo
+    ``Work.is_completed()`` stays false until someone waits on the work, even after the data has moved, so
+    such works are waited on by a helper thread per peer and direction (the wait releases the GIL) and
+    returned as :class:`WatchedWork`. NCCL works report completion by themselves and are returned as they are.
+    """
 
     def __init__(self, topology: Topology, timeout: float) -> None:
         self.topology = topology
         self.timeout = timedelta(seconds=timeout)
         self._header = torch.zeros(_HEADER, dtype=torch.int64, device=topology.device)
+        self._watchers: dict[tuple[str, int], _Watcher] = {}
 
-    def isend(self, tensor: Tensor, dst: int, tag: int) -> dist.Work:
+    def isend(self, tensor: Tensor, dst: int, tag: int, watch: bool = False) -> dist.Work:
         """Starts sending ``tensor`` to global rank ``dst``."""
         try:
-            return dist.isend(tensor, dst=dst, tag=tag)
+            return self._watched(dist.isend(tensor, dst=dst, tag=tag), "send", dst, watch)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here, not in wait
             raise self._error(f"sending to rank {dst}", err) from err
 
-    def irecv(self, tensor: Tensor, src: int, tag: int) -> dist.Work:
+    def irecv(self, tensor: Tensor, src: int, tag: int, watch: bool = False) -> dist.Work:
         """Starts receiving into ``tensor`` from global rank ``src``."""
         try:
-            return dist.irecv(tensor, src=src, tag=tag)
+            return self._watched(dist.irecv(tensor, src=src, tag=tag), "recv", src, watch)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here, not in wait
             raise self._error(f"receiving from rank {src}", err) from err
+
+    def _watched(self, work: dist.Work, direction: str, peer: int, watch: bool) -> dist.Work:
+        if not watch or self.topology.device.type != "cpu":
+            return work
+        key = (direction, peer)
+        if key not in self._watchers:
+            self._watchers[key] = _Watcher(f"varuna-{direction}-{peer}", self.timeout)
+        return self._watchers[key].watch(work)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stops the helper threads (after the last step; transfers still being watched finish first)."""
+        for watcher in self._watchers.values():
+            watcher.close()
+        self._watchers.clear()
 
     def wait(self, work: dist.Work, what: str, peer: int) -> None:
         """Waits for ``work``; a dead or silent peer becomes a :class:`PipelineError` naming it."""

@@ -336,7 +336,9 @@ class PipelineEngine:
         return self.executor.stats
 
     def teardown(self) -> None:
-        """Removes cut_at hooks and stand-ins (freed parameters stay freed)."""
+        """Removes cut_at hooks and stand-ins (freed parameters stay freed) and stops the p2p helper threads."""
+        if self.executor is not None:
+            self.executor.p2p.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

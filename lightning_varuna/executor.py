@@ -2,8 +2,9 @@
 
 Receives are posted ahead (all of a step's activations once their shape is known, each gradient as soon as
 the forward that it answers has been sent); sends are asynchronous and only waited for at the end of the
-step. Before a recompute whose gradient has not arrived yet, the next forward runs instead if its input is
-there (Varuna's opportunistic rule): only forward/recompute order changes, so message order holds.
+step. A recompute or backward whose gradient is late lets the next forward go first if its input is there
+(Varuna's opportunistic rule, :func:`~lightning_varuna.schedules.next_task`): forwards keep their order, as
+do recomputes and backwards, so message order holds.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from lightning_varuna.comm import HEADER_BYTES, P2P, PipelineError, Topology
 from lightning_varuna.cut import CutPoint, CutPointError, StageOutputReady, forward_handler
-from lightning_varuna.schedules import Kind, Task
+from lightning_varuna.schedules import Kind, Task, next_task
 
 __all__ = ["StageExecutor", "MemoryStats", "StepFunction"]
 
@@ -200,7 +201,7 @@ class StageExecutor:
             shapes = [_resize(shape, batch_dims[0], sizes[0], n) for n in sizes]
             for k in range(m):
                 inputs[k] = self._buffer("act", k, shapes[k], dtype)
-                input_works[k] = self.p2p.irecv(inputs[k], prev_rank, _tag("act", k))
+                input_works[k] = self.p2p.irecv(inputs[k], prev_rank, _tag("act", k), watch=True)
             input_shape = shapes
 
         def input_ready(k: int) -> bool:
@@ -209,6 +210,12 @@ class StageExecutor:
             if input_shape is None:
                 return False
             return input_works[k].is_completed()  # type: ignore[union-attr]
+
+        def arrived(task: Task) -> bool:  # for next_task: is the message ``task`` waits for here?
+            if task.kind is Kind.F:
+                return input_ready(task.microbatch)
+            work = grad_works[task.microbatch]
+            return work is None or work.is_completed()
 
         def forward(k: int, with_grad: bool, recomputing: bool = False) -> Any:
             received = None
@@ -242,7 +249,7 @@ class StageExecutor:
             return out
 
         def send(tensor: Tensor, dst: int, tag: int) -> None:
-            sends.append((self.p2p.isend(tensor, dst, tag), tensor, dst))
+            sends.append((self.p2p.isend(tensor, dst, tag, watch=True), tensor, dst))
             self.stats.sent_bytes += tensor.numel() * tensor.element_size()
 
         def send_output(k: int, out: Tensor) -> None:
@@ -267,7 +274,7 @@ class StageExecutor:
                     wire = self.wire_dtype if self.wire_dtype is not None and out.is_floating_point() else out.dtype
                     buffer = self._buffer("grad", k, out.shape, wire)
                     grads[k] = buffer
-                    grad_works[k] = self.p2p.irecv(buffer, next_rank, _tag("grad", k))
+                    grad_works[k] = self.p2p.irecv(buffer, next_rank, _tag("grad", k), watch=True)
             if train and not no_grad_forward:
                 outputs[k] = out
                 self.stats.graph(+1)
@@ -317,18 +324,9 @@ class StageExecutor:
         pending = list(tasks)
         try:
             while pending:
-                task = pending.pop(0)
-                # Varuna's rule: a recompute whose gradient is not there yet lets the next forward go first.
-                # With recompute on, a backward waiting for its gradient does too: such a forward only
-                # stashes its input, so memory stays bounded as the schedule says.
-                waits_for_grad = task.kind is Kind.R or (task.kind is Kind.B and no_grad_forward)
-                work = grad_works[task.microbatch]
-                if waits_for_grad and work is not None and not work.is_completed():
-                    early = next((i for i, t in enumerate(pending) if t.kind is Kind.F), None)
-                    if early is not None and input_ready(pending[early].microbatch):
-                        pending.insert(0, task)
-                        task = pending.pop(early + 1)
-                        self.opportunistic_moves += 1
+                index = next_task(pending, arrived, forwards_stash=no_grad_forward) if train else 0
+                task = pending.pop(index)
+                self.opportunistic_moves += index > 0
                 if task.kind is Kind.F:
                     run_forward(task.microbatch)
                 elif task.kind is Kind.R:

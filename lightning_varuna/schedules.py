@@ -1,14 +1,16 @@
 """Pipeline schedules as data: per-stage ordered task lists, produced by pure functions and validated.
 
 A schedule for ``P`` stages and ``m`` micro-batches is a tuple of ``P`` tuples of :class:`Task`. Stage ``s``
-runs its tasks in order; the executor may only move a forward ahead of a recompute (Varuna's opportunistic
-rule), which keeps the order of every message between two stages.
+runs its tasks in that order, except where :func:`next_task` lets a forward whose input is there go ahead of a
+recompute or backward whose gradient is late (Varuna's opportunistic rule). Forwards keep their order among
+themselves, as do recomputes and backwards, so every message between two stages keeps its order.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -18,6 +20,7 @@ __all__ = [
     "Schedule",
     "SCHEDULES",
     "make_schedule",
+    "next_task",
     "validate_schedule",
     "ScheduleError",
     "forward_only_schedule",
@@ -57,6 +60,40 @@ SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe")
 
 # Unit costs of Varuna's generating simulation (time ticks).
 _UNIT_COST: dict[Kind, int] = {Kind.F: 1, Kind.R: 1, Kind.B: 2}
+
+
+def next_task(pending: Sequence[Task], arrived: Callable[[Task], bool], forwards_stash: bool) -> int:
+    """Which of a stage's pending tasks to run next: Varuna's opportunistic rule.
+
+    The head of ``pending`` runs, unless it is ``R(k)`` or ``B(k)`` and the gradient for ``B(k)`` has not
+    arrived: then the first pending forward goes first if its input is there. For a ``B(k)`` head only when
+    ``forwards_stash`` (the stage's forwards run without autograd and keep only their input, so the stage
+    still holds one autograd graph at most; without it a forward would add a graph).
+
+    Only forwards move, and only ahead of recomputes and backwards: forwards keep their order among
+    themselves, as do recomputes and backwards, so every message between two stages keeps its order, and a
+    move only sends an activation earlier, so a schedule that cannot deadlock in list order cannot deadlock
+    with the moves. (Moving a recompute ahead of a late forward instead delays the pipeline's fill whenever the
+    input is only a little late; in simulation it gained nothing.)
+
+    Args:
+        pending: The stage's remaining tasks, in schedule order (not empty).
+        arrived: Whether the message a task waits for is there: the activation for ``F(k)`` (always on the
+            first stage), the gradient for ``B(k)`` (always on the last stage). Not asked for ``R`` tasks.
+        forwards_stash: Whether the stage's forwards run without autograd (recompute on a non-last stage).
+
+    Returns:
+        The index in ``pending`` of the task to run (0 when the head runs, or must be waited for).
+    """
+    head = pending[0]
+    if head.kind is Kind.F or (head.kind is Kind.B and not forwards_stash):
+        return 0
+    if arrived(Task(Kind.B, head.microbatch)):
+        return 0
+    forward = next((i for i, task in enumerate(pending) if task.kind is Kind.F), None)
+    if forward is not None and arrived(pending[forward]):
+        return forward
+    return 0
 
 
 def make_schedule(

@@ -3,7 +3,7 @@
 Each stage executes its task list in order. ``F(k)`` on stage ``s > 0`` waits for the activation sent when
 ``F(k)`` finished on ``s-1``; ``B(k)`` on ``s < P-1`` waits for the gradient sent when ``B(k)`` finished on
 ``s+1``; ``R(k)`` has no remote dependency. Sends never block; a message takes ``comm`` plus an optional
-jitter. With ``opportunistic=True`` the simulator applies Varuna's runtime rule (see :func:`simulate`).
+jitter. With ``opportunistic=True`` the simulator applies the executor's runtime rule (see :func:`simulate`).
 
 Used to compare schedules, to check the runtime rule, and to choose a pipeline shape from profiled costs.
 """
@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_varuna.schedules import Kind, Schedule, ScheduleError, Task
+from lightning_varuna.schedules import Kind, Schedule, ScheduleError, Task, next_task
 
 __all__ = ["Jitter", "SimResult", "StageCosts", "ideal_bubble", "simulate"]
 
@@ -107,11 +107,11 @@ def simulate(
     waits for has arrived. A message leaves when its task finishes and arrives
     ``max(0, comm + jitter(src, dst, kind, k))`` later.
 
-    With ``opportunistic=True`` Varuna's runtime rule applies: when a stage is idle and its next task is
-    ``R(k)`` while the gradient for ``B(k)`` has not arrived yet, it runs its first remaining forward
-    instead, provided that forward's input has already arrived. Forwards keep their order, as do
-    backwards and recomputes; only a forward may move ahead of recomputes (and of the backwards between
-    them), so every message between two stages is still sent in the same order.
+    With ``opportunistic=True`` the executor's runtime rule applies (Varuna's opportunistic rule,
+    :func:`~lightning_varuna.schedules.next_task`): a stage whose next recompute or backward waits for a late
+    gradient runs its next forward first if that forward's input is there (for a backward, only on a stage
+    with recompute tasks, whose forwards the executor runs without autograd). Forwards keep their order, as
+    do recomputes and backwards, so every message between two stages is still sent in the same order.
 
     Args:
         schedule: One task list per stage.
@@ -131,6 +131,7 @@ def simulate(
     if len(costs) != num_stages:
         raise ValueError(f"need one StageCosts per stage: {num_stages} stages, {len(costs)} costs")
     pending = [list(tasks) for tasks in schedule]
+    stashes = [any(task.kind is Kind.R for task in tasks) for tasks in schedule]
     free_at = [0.0] * num_stages
     arrivals: _Arrivals = {}
     order: list[list[Task]] = [[] for _ in range(num_stages)]
@@ -143,7 +144,7 @@ def simulate(
             for stage in range(num_stages):
                 if free_at[stage] > now or not pending[stage]:
                     continue
-                index = _pick(stage, num_stages, pending[stage], arrivals, now, opportunistic)
+                index = _pick(stage, num_stages, pending[stage], arrivals, now, opportunistic, stashes[stage])
                 if index is None:
                     continue
                 task = pending[stage].pop(index)
@@ -166,16 +167,14 @@ def _ready(stage: int, num_stages: int, task: Task, arrivals: _Arrivals, now: fl
 
 
 def _pick(
-    stage: int, num_stages: int, tasks: list[Task], arrivals: _Arrivals, now: float, opportunistic: bool
+    stage: int, num_stages: int, tasks: list[Task], arrivals: _Arrivals, now: float, opportunistic: bool,
+    forwards_stash: bool,
 ) -> int | None:
     """Index in ``tasks`` of the task to start now, or ``None`` to wait."""
-    head = tasks[0]
-    gradient = Task(Kind.B, head.microbatch)
-    if opportunistic and head.kind is Kind.R and not _ready(stage, num_stages, gradient, arrivals, now):
-        forward = next((i for i, task in enumerate(tasks) if task.kind is Kind.F), None)
-        if forward is not None and _ready(stage, num_stages, tasks[forward], arrivals, now):
-            return forward
-    return 0 if _ready(stage, num_stages, head, arrivals, now) else None
+    index = 0
+    if opportunistic:
+        index = next_task(tasks, lambda task: _ready(stage, num_stages, task, arrivals, now), forwards_stash)
+    return index if _ready(stage, num_stages, tasks[index], arrivals, now) else None
 
 
 def _send(

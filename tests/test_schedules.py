@@ -9,6 +9,7 @@ from lightning_varuna.schedules import (
     ScheduleError,
     Task,
     make_schedule,
+    next_task,
     validate_schedule,
 )
 
@@ -215,3 +216,21 @@ def test_rejects_deadlock() -> None:
     deadlocked = (tasks("F0 B0 F1 B1"), tasks("F0 F1 B0 B1"))
     with pytest.raises(ScheduleError, match=r"deadlock.*stage 0 at B0, stage 1 at F1"):
         validate_schedule(deadlocked, 2, recompute=False)
+
+
+def test_next_task_moves_a_ready_forward_ahead_of_a_recompute_or_backward_whose_gradient_is_late() -> None:
+    def arrived_only(text: str):
+        there = set(tasks(text))
+        return lambda task: task in there
+
+    pending = list(tasks("R0 B0 F3 F4"))
+    # gradient late, input of F3 there: F3 goes first; the gradient there: the recompute runs
+    assert next_task(pending, arrived_only("F3"), forwards_stash=True) == 2
+    assert next_task(pending, arrived_only("F3 B0"), forwards_stash=True) == 0
+    # nothing there: the recompute runs anyway (it waits for nothing)
+    assert next_task(pending, arrived_only(""), forwards_stash=True) == 0
+    # a backward head: a forward may go first only where forwards keep no autograd graph
+    assert next_task(pending[1:], arrived_only("F3"), forwards_stash=True) == 1
+    assert next_task(pending[1:], arrived_only("F3"), forwards_stash=False) == 0
+    # a forward head is never moved, whatever has arrived
+    assert next_task(list(tasks("F3 R1 B1")), arrived_only("B1"), forwards_stash=True) == 0
