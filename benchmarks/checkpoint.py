@@ -24,6 +24,14 @@ The first save comes ``every // 2`` steps after the warm-up and the window ends 
 last save, so a background write's whole cost falls inside the measured window. Every ``round`` runs the three
 modes, in an order that rotates between rounds, so that they share the machine's background load.
 
+``--accelerator-like F_MS``: the same model, optimizer and checkpoint (same parameters, same AdamW state, same
+bytes), but the step's compute mostly leaves the CPU, as on a GPU node, where the training thread waits for
+kernels and the host's cores are free: each block's forward sleeps ``F_MS / n_layer`` ms (its backward twice that;
+a recompute sleeps again) and the batch shrinks to 1 sequence of 8 tokens per micro-batch, so that real
+compute is small. On this machine the default mode keeps both cores busy with 4 training processes, so a
+background write can only take CPU time from training; this mode shows what the asynchronous save costs when
+there is CPU to spare.
+
 Timing: every rank stamps ``time.monotonic()`` (one clock for the host) at the end of each step; step k lasts
 from the latest stamp of step k-1 to the latest of step k (over ranks), so a save made at the end of step k
 counts in step k+1. Lost per checkpoint = (sum of the mode's step times - the same number of ``none`` step times
@@ -61,14 +69,40 @@ def build_gpt(n_layer: int, n_embd: int):
     return GPT(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
 
 
-def make_loader(num_batches: int, replicas: int):
+def make_loader(num_batches: int, replicas: int, batch: int = BATCH, length: int = 64):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (num_batches * BATCH * replicas, 65), generator=g)
+    tokens = torch.randint(0, 256, (num_batches * batch * replicas, length + 1), generator=g)
     data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    return DataLoader(data, batch_size=BATCH, shuffle=False, drop_last=True, num_workers=0)
+    return DataLoader(data, batch_size=batch, shuffle=False, drop_last=True, num_workers=0)
+
+
+def sleep_in_blocks(model, forward_ms: float) -> None:
+    """Each block's forward sleeps ``forward_ms / n_layer`` ms and its backward twice that (accelerator-like)."""
+    import torch
+
+    per_block = forward_ms / 1e3 / len(model.blocks)
+
+    class SleepInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(2 * per_block)
+            return grad
+
+    def hook(module, inputs, output):
+        if output.device.type == "meta":  # shape inference of the pipeline's stand-ins
+            return output
+        time.sleep(per_block)
+        return SleepInBackward.apply(output) if torch.is_grad_enabled() else output
+
+    for block in model.blocks:
+        block.register_forward_hook(hook)
 
 
 def run_mode(mode: str, args, folder: Path) -> dict:
@@ -96,7 +130,13 @@ def run_mode(mode: str, args, folder: Path) -> dict:
     trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Saver()], num_sanity_val_steps=0)
-    trainer.fit(build_gpt(args.n_layer, args.n_embd), make_loader(steps + 2, 2))
+    model = build_gpt(args.n_layer, args.n_embd)
+    if args.accelerator_like:
+        sleep_in_blocks(model, args.accelerator_like)
+        loader = make_loader(steps + 2, 2, batch=MICROBATCHES, length=8)
+    else:
+        loader = make_loader(steps + 2, 2)
+    trainer.fit(model, loader)
     return {"stamps": stamps, "calls": calls}
 
 
@@ -195,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--saves", type=int, default=4, help="saves per mode")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--accelerator-like", type=float, default=0.0, metavar="F_MS",
+                   help="sleep F_MS per micro-batch forward (2x in backward) instead of most real compute (see above)")
     p.add_argument("--smoke", action="store_true", help="1 round, 2 saves 4 steps apart: checks that it runs")
     args = p.parse_args(argv)
     if args.smoke:
@@ -207,7 +249,8 @@ def main(argv=None) -> int:
     out.update(
         command=" ".join(["torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py",
                           *(argv or sys.argv[1:])]),
-        config={k: getattr(args, k) for k in ("rounds", "warmup", "every", "saves", "n_layer", "n_embd")},
+        config={k: getattr(args, k) for k in ("rounds", "warmup", "every", "saves", "n_layer", "n_embd",
+                                              "accelerator_like")},
         package_commit=_git("rev-parse", "HEAD"),
         package_uncommitted_changes=_git("status", "--porcelain", "--", "lightning_varuna"),
         loadavg=os.getloadavg(),

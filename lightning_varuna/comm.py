@@ -219,6 +219,9 @@ class WatchedWork:
 class _Watcher:
     """A daemon thread that waits on one peer's transfers in one direction, in the order they were posted.
 
+    It lives for one step: no thread outlives the transfers it watches (a thread still inside a gloo wait when
+    the interpreter exits can abort the process).
+
     Transfers between two ranks in one direction complete in the order they were posted, so waiting on them
     in that order finds each one as soon as it is done. After a failure every later transfer fails with it.
     """
@@ -235,8 +238,10 @@ class _Watcher:
         self.queue.put(watched)
         return watched
 
-    def close(self) -> None:
+    def close(self, join: bool) -> None:
         self.queue.put(None)
+        if join:
+            self.thread.join(timeout=_WATCH_MARGIN_S)
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -255,7 +260,7 @@ class P2P:
     With ``watch=True`` a send or receive can be asked whether it has completed without waiting for it
     (Varuna's opportunistic rule asks which messages are there; finished sends free their tensors). On gloo
     ``Work.is_completed()`` stays false until someone waits on the work, even after the data has moved, so
-    such works are waited on by a helper thread per peer and direction (the wait releases the GIL) and
+    such works are waited on by a helper thread per peer and direction, for the step (the wait releases the GIL) and
     returned as :class:`WatchedWork`. NCCL works report completion by themselves and are returned as they are.
     """
 
@@ -287,10 +292,16 @@ class P2P:
             self._watchers[key] = _Watcher(f"varuna-{direction}-{peer}", self.timeout)
         return self._watchers[key].watch(work)  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Stops the helper threads (after the last step; transfers still being watched finish first)."""
+    def close(self, join: bool = True) -> None:
+        """Stops the helper threads once the transfers they watch are done (the executor calls it after each step).
+
+        Args:
+            join: Wait for the threads to end (after a step that completed, they have nothing left to wait on).
+                After a failure a thread may still be waiting on a transfer that will never complete: it ends
+                once that wait fails or times out.
+        """
         for watcher in self._watchers.values():
-            watcher.close()
+            watcher.close(join)
         self._watchers.clear()
 
     def wait(self, work: dist.Work, what: str, peer: int) -> None:

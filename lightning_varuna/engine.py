@@ -336,9 +336,7 @@ class PipelineEngine:
         return self.executor.stats
 
     def teardown(self) -> None:
-        """Removes cut_at hooks and stand-ins (freed parameters stay freed) and stops the p2p helper threads."""
-        if self.executor is not None:
-            self.executor.p2p.close()
+        """Removes cut_at hooks and stand-ins (freed parameters stay freed)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

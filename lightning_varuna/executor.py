@@ -322,6 +322,7 @@ class StageExecutor:
 
         last_b = next((t.microbatch for t in reversed(tasks) if t.kind is Kind.B), None) if train else None
         pending = list(tasks)
+        completed = False
         try:
             while pending:
                 index = next_task(pending, arrived, forwards_stash=no_grad_forward) if train else 0
@@ -350,8 +351,10 @@ class StageExecutor:
                 self.summary = summary_buffer
             for work, _, peer in sends:
                 self.p2p.wait(work, "sending", peer)
+            completed = True
         finally:
             self.current = None
+            self.p2p.close(join=completed)
         if next_rank is None:
             return [r.detach() if isinstance(r, Tensor) else r for r in results]
         return results
