@@ -184,6 +184,9 @@ class StageExecutor:
         prev_rank = topo.rank_of(topo.stage - 1) if not topo.is_first else None
         next_rank = topo.rank_of(topo.stage + 1) if not topo.is_last else None
         no_grad_forward = (not train) or (recompute and not topo.is_last)
+        # only a stage whose forwards stash asks whether a message has arrived (next_task); every stage frees
+        # what it sent as the sends finish (watched sends)
+        asks_arrival = train and no_grad_forward
 
         inputs: list[Tensor | None] = [None] * m
         input_works: list[dist.Work | None] = [None] * m
@@ -201,7 +204,7 @@ class StageExecutor:
             shapes = [_resize(shape, batch_dims[0], sizes[0], n) for n in sizes]
             for k in range(m):
                 inputs[k] = self._buffer("act", k, shapes[k], dtype)
-                input_works[k] = self.p2p.irecv(inputs[k], prev_rank, _tag("act", k), watch=True)
+                input_works[k] = self.p2p.irecv(inputs[k], prev_rank, _tag("act", k), watch=asks_arrival)
             input_shape = shapes
 
         def input_ready(k: int) -> bool:
@@ -274,7 +277,7 @@ class StageExecutor:
                     wire = self.wire_dtype if self.wire_dtype is not None and out.is_floating_point() else out.dtype
                     buffer = self._buffer("grad", k, out.shape, wire)
                     grads[k] = buffer
-                    grad_works[k] = self.p2p.irecv(buffer, next_rank, _tag("grad", k), watch=True)
+                    grad_works[k] = self.p2p.irecv(buffer, next_rank, _tag("grad", k), watch=asks_arrival)
             if train and not no_grad_forward:
                 outputs[k] = out
                 self.stats.graph(+1)
