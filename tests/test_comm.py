@@ -20,3 +20,12 @@ def test_watched_transfers_report_completion_without_a_wait_and_a_missing_messag
     assert receiver["received"] == [0.0, 1.0, 2.0, 3.0]
     assert "no answer within p2p_timeout=2s" in receiver["timeout_error"], receiver
     assert 1.5 < receiver["timeout_after"] < 10, receiver
+
+
+def test_a_middle_stage_runs_a_ready_forward_while_its_gradient_is_late(tmp_path: Path) -> None:
+    # P=3 with a slow last backward: the middle stage's gradients are late and its inputs are there, so Varuna's
+    # rule must move forwards there (it never did on gloo before the transfers were watched)
+    torchrun("opportunistic.py", str(tmp_path), nproc=3, timeout=180)
+    moves = [json.loads((tmp_path / f"opportunistic.rank{r}.json").read_text())["moves"] for r in range(3)]
+    assert moves[1] > 0, moves
+    assert moves[2] == 0, moves  # the last stage has nothing to move
