@@ -222,8 +222,9 @@ class _Watcher:
     It lives for one step: no thread outlives the transfers it watches (a thread still inside a gloo wait when
     the interpreter exits can abort the process).
 
-    Transfers between two ranks in one direction complete in the order they were posted, so waiting on them
-    in that order finds each one as soon as it is done. After a failure every later transfer fails with it.
+    The watched transfers between two ranks in one direction (activations, or gradients; not the step's header
+    and summary) complete in the order they were posted, so waiting on them in that order finds each one as
+    soon as it is done. After a failure every later transfer fails with it.
     """
 
     def __init__(self, name: str, timeout: timedelta) -> None:
