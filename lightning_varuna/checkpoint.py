@@ -97,9 +97,25 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's state, flat and keyed by parameter name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``).
 
-    Flat per-parameter keys are what makes it reshardable: any rank can load any parameter's entries.
+    Flat per-parameter keys are what makes it reshardable: any rank can load any parameter's entries. Once
+    every parameter has state (after the first step) the entries are read directly, sharing storage with the
+    optimizer, as torch's ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` names them; a save
+    pays no more than a dictionary walk. Before that, torch's function initializes the missing state first.
     """
-    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    names = {id(p): name for name, p in module.named_parameters()}
+    flat: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        hyper = [(key, value) for key, value in group.items() if key != "params"]
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            name = names.get(id(param))
+            if not state or name is None:
+                return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+            for key, value in state.items():
+                flat[f"state.{name}.{key}"] = value
+            for key, value in hyper:
+                flat[f"param_groups.{name}.{key}"] = value
+    return flat
 
 
 def load_optimizer_state(module: nn.Module, optimizer: Optimizer, flat: dict[str, Any]) -> None:

@@ -1,10 +1,10 @@
 """Writing checkpoints: every rank's shards with DCP, then ``meta.pt`` and the move into place by rank 0.
 
-:class:`CheckpointWriter` runs that sequence in the calling thread, or, with ``asynchronous=True``, on copies
-of this rank's tensors in a background thread: its collectives (DCP's, and the gathers of the parameter
-record and of the outcome) go over a gloo group of its own, so they never interleave with the training
-thread's. Rank 0 publishes once DCP's coordinator reports every rank's shards written. Every rank learns the
-outcome at the end of each write; a failure is raised at the next save (or at the end of the run).
+:func:`write_job` is that sequence, collective over a process group, ending with every rank's agreement on
+the outcome. :class:`CheckpointWriter` runs it in the calling thread (a blocking save), or, with
+``asynchronous=True``, hands it to this rank's helper process (:mod:`lightning_varuna.checkpoint_process`),
+which runs it over the helpers' own process group while training goes on; a failure is raised at the next
+save (or at the end of the run).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from __future__ import annotations
 import io
 import logging
 import os
-import threading
+import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,45 +33,101 @@ from lightning_varuna.checkpoint import (
     split_shards,
 )
 from lightning_varuna.checkpoint_files import Location
+from lightning_varuna.checkpoint_process import WriterProcess, hollow
 
-__all__ = ["CheckpointWriter", "write_single"]
+__all__ = ["CheckpointWriter", "WriteJob", "write_job", "write_single"]
 
 log = logging.getLogger(__name__)
 
+_DEFAULT_TIMEOUT_S = 1800.0
+
 
 @dataclass
-class _Job:
-    target: Location
-    tmp: Location
+class WriteJob:
+    """One rank's share of a checkpoint write (picklable: it travels to the helper process).
+
+    Attributes:
+        target: Where the checkpoint goes (local path or fsspec URL, as given).
+        shards: ``{"state_dict": ..., "optimizer_0": ...}`` held by this rank, optimizer states without the
+            per-parameter copies of the group hyper-parameters.
+        meta: Rank 0: ``meta.pt``'s content without the parameter record; ``None`` elsewhere.
+        groups: This rank's optimizer groups by parameter name.
+        hyper: Each of this rank's optimizer groups' hyper-parameters.
+        param_names: The full model's parameter names in ``named_parameters()`` order.
+        problem: Found before the write: every rank fails the save alike.
+    """
+
+    target: str
     shards: dict[str, Any]
-    meta: bytes | None  # rank 0 publishes
+    meta: bytes | None
     groups: Groups
     hyper: list[list[dict | None]]
     param_names: list[str]
-    problem: str | None = None  # found before the write (rank 0): every rank fails the save alike
+    problem: str | None = None
+
+
+def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
+    """Writes a checkpoint (collective over ``group``) and returns the error every rank agrees on, if any.
+
+    Rank 0 first puts back what an interrupted replacement left and clears the temporary directory; every
+    rank then writes its shards with DCP under the temporary name, and rank 0 adds ``meta.pt`` (with the
+    parameter record of every rank's groups) and moves it into place once DCP's coordinator reports every
+    rank's shards written.
+    """
+    target = Location.of(job.target)
+    tmp = target.with_suffix(files.TMP_SUFFIX)
+    problem = job.problem
+    if job.meta is not None and problem is None:
+        try:
+            files.recover(target)
+            tmp.remove()
+        except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+            problem = f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
+    try:
+        world = dist.get_world_size(group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (job.target, job.groups, job.hyper, problem), group=group)
+        paths = sorted({path for path, _, _, _ in gathered})
+        problem = next((p for _, _, _, p in gathered if p is not None), None)
+        if problem is not None:  # seen alike by every rank: no write, no further collective
+            return problem
+        if len(paths) > 1:
+            return f"the ranks were given different paths ({', '.join(paths)}); give every rank the same one"
+        error = None
+        try:
+            dcp.save(job.shards, storage_writer=tmp.writer(), process_group=group)
+            if job.meta is not None:
+                # DCP's coordinator returns only after every rank's write: all shards are in
+                metadata = torch.load(io.BytesIO(job.meta), weights_only=False)
+                record = make_record(job.param_names, [(g, h) for _, g, h, _ in gathered])
+                files.publish(tmp, target, files.to_bytes({**metadata, RECORD: record}))
+        except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+            log.debug("checkpoint write failed", exc_info=True)
+            error = f"{type(err).__name__}: {err}"
+        errors: list[Any] = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+    except Exception as err:  # noqa: BLE001 - a peer lost during the collectives
+        return f"{type(err).__name__}: {err}"
 
 
 class CheckpointWriter:
-    """Writes one strategy's checkpoints (collective calls), blocking or in the background.
+    """Writes one strategy's checkpoints (collective calls), blocking or by a helper process per rank.
 
     Args:
-        asynchronous: ``save`` copies this rank's tensors and returns; a background thread writes them, over a
-            process group of its own, and rank 0 publishes the checkpoint once every rank's shards are written.
-            A second save waits for the first; :meth:`remove` calls for older checkpoints wait until the write
-            in flight has succeeded (they are dropped if it fails).
-        timeout: Timeout of the background writes' process group.
+        asynchronous: ``save`` copies this rank's tensors into shared memory and returns; this rank's helper
+            process (started by :meth:`start`) writes them, and rank 0's helper publishes the checkpoint once
+            every rank's shards are written. A second save waits for the first; :meth:`remove` calls for
+            older checkpoints take effect once the write in flight has succeeded (they are dropped if it fails).
+        timeout: Timeout of the helpers' process group (default 30 minutes).
     """
 
     def __init__(self, asynchronous: bool = False, timeout: timedelta | None = None) -> None:
         self.asynchronous = asynchronous
         self._timeout = timeout
-        self._group: dist.ProcessGroup | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._future: Future | None = None
-        self._lock = threading.Lock()
+        self._process: WriterProcess | None = None
         self._busy = False
         self._error: str | None = None
-        self._removals: list[Location] = []
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (a pickled or deep-copied strategy) starts with nothing in flight
@@ -83,10 +137,25 @@ class CheckpointWriter:
         self.__init__(**state)  # type: ignore[misc]
 
     @property
+    def _timeout_s(self) -> float:
+        return self._timeout.total_seconds() if self._timeout is not None else _DEFAULT_TIMEOUT_S
+
+    def start(self) -> None:
+        """Starts this rank's helper process, if asynchronous and not started (collective: every rank calls it).
+
+        The helper imports torch and joins the others while training goes on; call it early (the strategy does,
+        at the start of ``fit``) so that the first save does not wait for that.
+        """
+        if not self.asynchronous or self._process is not None:
+            return
+        token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(token, 0)
+        self._process = WriterProcess(dist.get_rank(), dist.get_world_size(), token[0], self._timeout_s)
+
+    @property
     def in_flight(self) -> bool:
         """Whether a background write has not finished yet."""
-        with self._lock:
-            return self._busy
+        return not self.wait(0)
 
     def save(
         self,
@@ -112,107 +181,67 @@ class CheckpointWriter:
         error = self._take_error()  # agreed by every rank at the end of that write
         if error is not None:
             raise CheckpointError(f"The previous checkpoint could not be written: {error}")
-        rank = dist.get_rank()
-        target = Location.of(path)
-        tmp = target.with_suffix(files.TMP_SUFFIX)
         meta, problem = None, None
-        if rank == 0:
-            # before any rank writes; a failure here travels with the job's first collective, so that every
-            # rank raises it instead of waiting for rank 0
+        if dist.get_rank() == 0:
             try:
-                files.recover(target)
-                tmp.remove()
                 meta = files.to_bytes(metadata)
             except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
                 problem = f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
         groups = [g for i, g in enumerate(groups) if f"optimizer_{i}" in shards]  # none with save_weights_only
         shards, hyper = split_shards(shards, groups)
+        target = Location.of(path).text
+        job = WriteJob(target, shards, meta, list(groups), hyper, list(param_names), problem)
         if not self.asynchronous:
-            job = _Job(target, tmp, shards, meta, list(groups), hyper, list(param_names), problem)
-            self._run(job, None)
-            error = self._take_error()
+            error = write_job(job, None)
             if error is not None:
+                log.error(f"Writing checkpoint {target} failed ({error}); older checkpoints are kept.")
                 raise CheckpointError(f"Could not write checkpoint {target}: {error}")
             return
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="varuna-checkpoint")
-        assert self._executor is not None
-        job = _Job(target, tmp, _staged(shards), meta, list(groups), hyper, list(param_names), problem)
-        with self._lock:
-            self._busy = True
-        self._future = self._executor.submit(self._run, job, self._group)
-
-    def _run(self, job: _Job, group: dist.ProcessGroup | None) -> None:
-        """Writes, publishes (rank 0) and agrees on the outcome; in the background thread if asynchronous."""
-        error = None
+        self.start()
+        assert self._process is not None
+        tensors: list[Tensor] = []
+        job.shards = hollow(shards, tensors)
+        loc = Location.of(target)
         try:
-            world = dist.get_world_size(group)
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, (job.target.text, job.groups, job.hyper, job.problem), group=group)
-            paths = sorted({path for path, _, _, _ in gathered})
-            problem = next((p for _, _, _, p in gathered if p is not None), None)
-            if problem is not None:  # seen alike by every rank: no write, no further collective
-                error = problem
-            elif len(paths) > 1:
-                error = f"the ranks were given different paths ({', '.join(paths)}); give every rank the same one"
-            else:
-                if job.meta is not None:
-                    metadata = torch.load(io.BytesIO(job.meta), weights_only=False)
-                    record = make_record(job.param_names, [(g, h) for _, g, h, _ in gathered])
-                    job.meta = files.to_bytes({**metadata, RECORD: record})
-                error = self._write(job, group)
-                errors: list[Any] = [None] * world
-                dist.all_gather_object(errors, error, group=group)
-                error = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
-        except Exception as err:  # noqa: BLE001 - a peer lost during the collectives: reported at the next call
-            error = error or f"{type(err).__name__}: {err}"
-        with self._lock:
-            self._error = error
-            self._busy = False
-            removals, self._removals = self._removals, []
-        if error is not None:
-            log.error(f"Writing checkpoint {job.target} failed ({error}); older checkpoints are kept.")
+            self._process.submit(job, tensors, type(loc.fs) if loc.url else None)
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        except OSError:
+            # this rank's helper is gone: the other helpers' write fails too, and every rank raises at the next save
+            self._error = self._process.ended()
+            log.error(f"Writing checkpoint {target} failed ({self._error}); older checkpoints are kept.")
             return
-        for loc in removals:
-            files.remove_quietly(loc)
-
-    def _write(self, job: _Job, group: dist.ProcessGroup | None) -> str | None:
-        try:
-            dcp.save(job.shards, storage_writer=job.tmp.writer(), process_group=group)
-            if job.meta is not None:
-                # DCP's coordinator returns only after every rank's write: all shards are in
-                files.publish(job.tmp, job.target, job.meta)
-        except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
-            log.debug("checkpoint write failed", exc_info=True)
-            return f"{type(err).__name__}: {err}"
-        return None
+        self._busy = True
 
     def _take_error(self) -> str | None:
-        with self._lock:
-            error, self._error = self._error, None
+        error, self._error = self._error, None
         return error
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for the background write in flight, if any; returns whether none is left running."""
-        future = self._future
-        if future is None:
+        if not self._busy:
             return True
-        try:
-            future.result(timeout)
-        except FutureTimeout:
+        assert self._process is not None
+        done, error = self._process.outcome(timeout)
+        if not done:
             return False
-        self._future = None
+        self._busy = False
+        self._error = error
+        if error is not None:
+            log.error(f"Writing a checkpoint failed ({error}); older checkpoints are kept.")
         return True
 
     def remove(self, path: str | os.PathLike) -> None:
         """Deletes a checkpoint (call on rank 0); while a write is in flight, once it has succeeded."""
         loc = Location.of(path)
-        with self._lock:
-            if self._busy:
-                self._removals.append(loc)
-                return
-        files.remove_quietly(loc)
+        if self.wait(0):
+            if self._error is None:
+                files.remove_quietly(loc)
+            else:  # the write that was to replace it failed (raised at the next save): keep it
+                log.warning(f"Keeping checkpoint {loc}: the checkpoint written after it failed.")
+        else:
+            assert self._process is not None
+            self._process.remove_after(loc.text)
 
     def flush(self) -> None:
         """Waits for the background write in flight (if any) to be written and published.
@@ -226,7 +255,7 @@ class CheckpointWriter:
             raise CheckpointError(f"The checkpoint could not be written: {error}")
 
     def close(self, interrupted: bool = False) -> None:
-        """Waits for the write in flight (at the end of a run); reports its failure.
+        """Waits for the write in flight (at the end of a run), stops the helper, reports a failure.
 
         Args:
             interrupted: The run ends with an exception: a failure is logged instead of raised.
@@ -234,8 +263,12 @@ class CheckpointWriter:
         Raises:
             CheckpointError: The last background write failed (not ``interrupted``).
         """
-        timeout = self._timeout.total_seconds() if self._timeout is not None else None
-        if not self.wait(timeout):
+        finished = self.wait(self._timeout_s)
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+            self._busy = False
+        if not finished:
             log.error("A background checkpoint write did not finish in time; it stays unpublished (not loadable).")
             return
         error = self._take_error()
@@ -263,14 +296,3 @@ def write_single(
     with single_process_quiet():
         dcp.save(shards, storage_writer=tmp.writer(), no_dist=True)
     files.publish(tmp, target, files.to_bytes({**metadata, RECORD: make_record(param_names, [(groups, hyper)])}))
-
-
-def _staged(value: Any) -> Any:
-    """A copy of every tensor (on the CPU), so that training can go on changing the originals."""
-    if isinstance(value, Tensor):
-        return value.detach().clone() if value.device.type == "cpu" else value.detach().to("cpu")
-    if isinstance(value, dict):
-        return {k: _staged(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_staged(v) for v in value)
-    return value

@@ -101,9 +101,10 @@ class VarunaStrategy(ParallelStrategy):
             ``lightning_varuna.preemption.HTTPNotice`` for a cloud metadata endpoint). Whatever the notice,
             ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
             ``last.ckpt`` in the ``ModelCheckpoint``'s directory and exits with status 143.
-        async_checkpoint: Checkpoint saves copy this rank's tensors and return; the files are written in the
-            background (over a process group of their own) while training goes on, and the checkpoint appears
-            once every rank's part is written. A save waits for the one before; fit's end waits for the last.
+        async_checkpoint: Checkpoint saves copy this rank's tensors into shared memory and return; a helper
+            process per rank (started with ``fit``, at idle CPU priority, in a process group of its own) writes
+            them while training goes on, and the checkpoint appears once every rank's part is written. A save
+            waits for the one before; fit's end waits for the last.
         accelerator: The accelerator (set by the Trainer).
         parallel_devices: The devices of this node (set by the Trainer).
         cluster_environment: The cluster environment (set by the Trainer).
@@ -300,6 +301,7 @@ class VarunaStrategy(ParallelStrategy):
             self._mark_train_data_setup(trainer)
             self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device)
             self._preemption.attach()
+            self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
 
     def _setup_pipeline(self, trainer: Trainer) -> None:
         module = self.lightning_module

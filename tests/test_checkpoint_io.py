@@ -237,6 +237,8 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
     assert all(s["complete"] for s in train["seen"][first:]), train["seen"]
     assert all(set(s["complete"]) == {n for n in s["names"] if n.endswith(".ckpt")} for s in train["seen"])
     assert sorted(os.listdir(folder)) == ["epoch=1-step=6.ckpt", "last.ckpt"]
+    pids = [json.loads((tmp_path / f"train.rank{r}.json").read_text())["writer_pid"] for r in range(4)]
+    assert all(pid is not None and _writer_gone(pid) for pid in pids), pids  # stopped with the run
     final = _merged(tmp_path, "train", "final")
 
     # to a plain file: loads into the LightningModule, and resumes under Lightning's default strategy
@@ -331,3 +333,51 @@ def test_optimizer_state_loads_into_a_stage_that_holds_no_parameter_of_a_group()
     for p in module.parameters():
         for key, value in saved.state[p].items():
             assert torch.equal(fresh.state[p][key], value), key
+
+
+def test_optimizer_state_read_directly_equals_torchs_flat_state_dict() -> None:
+    """The direct read (after the first step) names and holds what torch's ``get_optimizer_state_dict`` gives."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from lightning_varuna.checkpoint import optimizer_state
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 5))
+    module[2].weight = module[0].weight  # tied: one parameter, two names
+    optimizer = torch.optim.AdamW([{"params": [module[0].weight, module[2].bias], "weight_decay": 0.1},
+                                   {"params": list(module[1].parameters()), "lr": 0.01, "betas": (0.8, 0.9)}])
+    module(torch.tensor([[1, 2, 3]])).sum().backward()
+    optimizer.step()
+    direct = optimizer_state(module, optimizer)
+    torchs = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert direct.keys() == torchs.keys()
+    for key, value in torchs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(direct[key], value), key
+        else:
+            assert direct[key] == value, key
+
+
+def _writer_gone(pid: int) -> bool:
+    try:
+        return "checkpoint_process" not in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+def test_a_lost_writer_process_fails_every_rank_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpts"
+    torchrun("checkpoint_io.py", str(tmp_path),
+             f"kill_writer:pipeline_parallel_size=2,async_checkpoint=true,folder=localdisk://{folder},p2p_timeout=30",
+             timeout=300)
+    results = [json.loads((tmp_path / f"kill_writer.rank{r}.json").read_text()) for r in range(4)]
+    # rank 1's save at step 4 finds its writer gone; the other writers' write fails without it; every rank
+    # raises at the next save (ModelCheckpoint's save of last.ckpt, at the same step)
+    assert [r["error_step"] for r in results] == [4] * 4, results
+    assert "checkpoint writer process ended" in results[1]["error"], results[1]["error"]
+    assert all("could not be written" in r["error"] for r in results), [r["error"] for r in results]
+    # the step-2 checkpoints stay complete: nothing replaced or removed them
+    assert is_complete(folder / "last.ckpt") and is_complete(folder / "epoch=0-step=2.ckpt"), os.listdir(folder)
+    assert checkpoint_files.read_meta(folder / "last.ckpt")["global_step"] == 2
+    assert all(_writer_gone(r["writer_pid"]) for r in results)

@@ -5,16 +5,19 @@
 SCENARIO is ``name:key=value,...`` with ``name`` one of:
 
 - ``train``: P=2 x D=2, ``async_checkpoint=True``, a ``ModelCheckpoint`` (every 2 steps, ``save_top_k=1``,
-  ``save_last=True``) whose ``dirpath`` is a ``localdisk://`` URL, so the writes go through fsspec. Rank 0's
+  ``save_last=True``) whose ``dirpath`` is a ``localdisk://`` URL, so the writes go through fsspec. The
   publication of every checkpoint is held back by ``delay`` seconds, so that training demonstrably goes on
-  while a checkpoint is in flight. Records what rank 0 sees in the folder at every step start.
+  while a checkpoint is in flight. Records what rank 0 sees in the folder at every step start, and the
+  process ids of the writer processes.
+- ``kill_writer``: as ``train``, but once the step-2 checkpoint is written, rank 1's writer process is killed;
+  records the ``CheckpointError`` every rank raises (at the save after the next one).
 - ``resume``: ``fit(ckpt_path=...)`` (``ckpt=last`` asks for ``"last"``); records the step it resumes at, the
   weights and one optimizer state entry it starts from, and the warnings raised.
 - ``bad``: ``fit`` from a checkpoint that must fail; records the ``CheckpointError`` every rank raised.
 
 Every rank writes ``OUT/<name>.rank<r>.json``.
 
-``localdisk://`` is an fsspec filesystem registered here, backed by the local disk: an fsspec URL that every
+``localdisk://`` (``localdisk.py``) is an fsspec filesystem backed by the local disk: an fsspec URL that every
 process of the job can reach (``memory://`` cannot be shared between processes), and that Lightning does
 not take for a local path (``ModelCheckpoint`` turns a ``file://`` dirpath into a relative local path).
 """
@@ -24,14 +27,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
-import fsspec
 import lightning.pytorch as pl
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -40,27 +40,13 @@ from models import RandomTokens, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402
-from lightning_varuna import checkpoint, checkpoint_files  # noqa: E402
+from lightning_varuna import checkpoint  # noqa: E402
 
 WATCHED = "blocks.1.mlp.0.weight"
 """A parameter whose optimizer state the resume scenarios record."""
 
 
-class LocalDisk(LocalFileSystem):
-    """The local disk behind ``localdisk://`` URLs."""
-
-    protocol = ("localdisk",)
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = str(path)
-        return super()._strip_protocol(path[len("localdisk://"):] if path.startswith("localdisk://") else path)
-
-    def unstrip_protocol(self, name: str) -> str:
-        return f"localdisk://{self._strip_protocol(name)}"
-
-
-fsspec.register_implementation("localdisk", LocalDisk, clobber=True)
+from localdisk import LocalDisk  # noqa: E402,F401 - registers localdisk://
 
 
 class GroupedGPT(TinyGPT):
@@ -79,12 +65,16 @@ class GroupedGPT(TinyGPT):
 class Watch(pl.Callback):
     """Records the step the run starts at, its first weights and optimizer state, and rank 0's view of the folder."""
 
-    def __init__(self, folder: str | None) -> None:
+    def __init__(self, folder: str | None, kill_writer: bool = False) -> None:
         self.folder = folder
+        self.kill_writer = kill_writer
         self.start: dict = {}
         self.seen: list[dict] = []
+        self.writer_pid: int | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
+        writer = trainer.strategy._checkpoints._process
+        self.writer_pid = writer._process.pid if writer is not None else None
         optimizer = trainer.optimizers[0]
         names = {id(p): n for n, p in pl_module.named_parameters()}
         state = {names[id(p)]: s for p, s in optimizer.state.items() if id(p) in names}
@@ -96,6 +86,12 @@ class Watch(pl.Callback):
         }
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.kill_writer and trainer.global_step == 3:
+            trainer.strategy.wait_for_checkpoint()  # the step-2 checkpoint is complete; none is in flight
+            if trainer.global_rank == 1:
+                process = trainer.strategy._checkpoints._process._process
+                process.kill()
+                process.wait()
         if self.folder is None or not trainer.is_global_zero:
             return
         root = checkpoint.Location.of(self.folder)
@@ -106,29 +102,18 @@ class Watch(pl.Callback):
                           "names": names, "complete": complete})
 
 
-def slow_publish(delay: float) -> None:
-    """Holds back rank 0's publication of every checkpoint by ``delay`` seconds (after the shards are written)."""
-    original = checkpoint_files.publish
-
-    def publish(tmp, target, meta):
-        time.sleep(delay)
-        original(tmp, target, meta)
-
-    checkpoint_files.publish = publish
-
-
 def run(out: Path, spec: str) -> None:
     name, options = parse_spec(spec)
     kind = options.pop("kind", name)
     folder = options.pop("folder", None)
     ckpt = options.pop("ckpt", None)
     steps = options.pop("steps", 6)
-    delay = options.pop("delay", 0.0)
-    if delay:
-        slow_publish(delay)
+    # seconds by which the writer processes hold back each publication (see localdisk.py)
+    os.environ["LOCALDISK_PUBLISH_DELAY"] = str(options.pop("delay", 0.0))
     torch.manual_seed(0)
     model = GroupedGPT(n_layer=4, sync_dist=True)
-    callbacks: list[pl.Callback] = [Watch(folder if kind == "train" else None)]
+    callbacks: list[pl.Callback] = [Watch(folder if kind in ("train", "kill_writer") else None,
+                                          kill_writer=kind == "kill_writer")]
     if folder is not None:
         callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=1, save_last=True))
     trainer = pl.Trainer(
@@ -150,12 +135,13 @@ def run(out: Path, spec: str) -> None:
         try:
             trainer.fit(model, loader, ckpt_path=ckpt)
         except checkpoint.CheckpointError as err:
-            if kind != "bad":
+            if kind not in ("bad", "kill_writer"):
                 raise
             result["error"] = str(err)
+            result["error_step"] = trainer.global_step
     result["warnings"] = [str(w.message) for w in caught if "checkpoint" in str(w.message).lower()]
     watch = callbacks[0]
-    result.update(start=watch.start, seen=watch.seen)
+    result.update(start=watch.start, seen=watch.seen, writer_pid=watch.writer_pid)
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -1,0 +1,318 @@
+"""The asynchronous checkpoint writer: a helper process per rank, at idle CPU priority.
+
+A background *thread* would share the GIL and the cores with training: on a busy host its DCP planning and
+pickling (tens of milliseconds per write) come straight out of the step. So each rank starts one helper
+(a fresh ``python`` running :func:`main`, not a fork of the training process, and not
+``multiprocessing``'s spawn, which would re-import the user's script). The helpers form a gloo process group
+of their own (a rendezvous through the job's TCP store, under a prefix agreed at start) and run exactly what a
+blocking save runs: DCP's collective save, rank 0's publication, the agreement on the outcome.
+
+A save copies this rank's tensors into a staging buffer in shared memory (allocated once, reused while the
+tensors keep their shapes) and sends the rest of the job, pickled, over a socket pair. The helper runs under
+``SCHED_IDLE`` (nice 19 where that is missing), so on a host whose cores training keeps busy it only takes
+the time training leaves idle; on a GPU node the host's cores are free anyway. It ends with its training
+process: on Linux by a parent-death signal, elsewhere at the closed socket.
+"""
+
+from __future__ import annotations
+
+import importlib
+import mmap
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+from torch import Tensor
+
+__all__ = ["Slot", "WriterProcess", "fill", "hollow"]
+
+_ALIGN = 64
+# the package's own __init__ imports Lightning (seconds of CPU): the helper loads only the modules it needs
+_BOOT = (
+    "import sys, types; package = types.ModuleType('lightning_varuna'); package.__path__ = [{folder!r}];"
+    " sys.modules['lightning_varuna'] = package; from lightning_varuna.checkpoint_process import main; main()"
+)
+_STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Stands for the staged tensor at ``index`` in a job's state (the tensors travel through shared memory)."""
+
+    index: int
+
+
+def hollow(value: Any, tensors: list[Tensor]) -> Any:
+    """``value`` with every tensor replaced by a :class:`Slot`, appended to ``tensors`` in that order."""
+    if isinstance(value, Tensor):
+        tensors.append(value)
+        return Slot(len(tensors) - 1)
+    if isinstance(value, dict):
+        return {k: hollow(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(hollow(v, tensors) for v in value)
+    return value
+
+
+def fill(value: Any, tensors: list[Tensor]) -> Any:
+    """The reverse of :func:`hollow`."""
+    if isinstance(value, Slot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(fill(v, tensors) for v in value)
+    return value
+
+
+Layout = list[tuple[torch.dtype, tuple[int, ...]]]
+
+
+class _Staging:
+    """Tensors of a fixed layout, back to back (64-byte aligned) in one shared-memory file."""
+
+    def __init__(self, layout: Layout, fd: int | None = None) -> None:
+        self.layout = layout
+        offsets, size = [], 0
+        for dtype, shape in layout:
+            offsets.append(size)
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        if fd is None:
+            fd = _anonymous_shared_file(size)
+        self.fd = fd
+        self._map = mmap.mmap(fd, max(size, 1))
+        base = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.views = []
+        for (dtype, shape), offset in zip(layout, offsets):
+            count = torch.Size(shape).numel()
+            nbytes = count * torch.empty((), dtype=dtype).element_size()
+            self.views.append(base[offset : offset + nbytes].view(dtype).view(shape))
+
+    def close(self) -> None:
+        self.views = []
+        try:
+            self._map.close()
+        except BufferError:  # a view is still referenced somewhere: the mapping goes with it
+            pass
+        os.close(self.fd)
+
+
+def _anonymous_shared_file(size: int) -> int:
+    """A file descriptor of ``size`` bytes of shared memory with no name left behind."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("lightning-varuna-checkpoint")
+    else:
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="lightning-varuna-checkpoint-", dir=folder)
+        os.unlink(path)
+    os.ftruncate(fd, max(size, 1))
+    return fd
+
+
+class WriterProcess:
+    """The training side of one rank's helper: starts it, stages jobs, collects their outcomes.
+
+    Args:
+        rank: This rank in the default process group; the helper takes the same rank in its own.
+        world_size: The number of ranks (and helpers).
+        token: The same fresh string on every rank: the helpers' rendezvous prefix.
+        timeout_s: Timeout of the helpers' process group and of their rendezvous.
+    """
+
+    def __init__(self, rank: int, world_size: int, token: str, timeout_s: float) -> None:
+        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not address or not port:
+            raise RuntimeError(
+                "async_checkpoint needs MASTER_ADDR and MASTER_PORT (set by Lightning, torchrun and SLURM) to start"
+                " its writer processes; set them, or use async_checkpoint=False."
+            )
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # what this process can import, the helper can (fsspec filesystems registered here are sent over)
+        package_root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (package_root, *sys.path) if p))
+        env["OMP_NUM_THREADS"] = "1"
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _BOOT.format(folder=str(Path(__file__).resolve().parent)), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        _send(self._conn, (rank, world_size, address, int(port), token, timeout_s))
+        self._staging: _Staging | None = None
+        self._filesystems: dict[str, type] = {}
+
+    def submit(self, job: Any, tensors: list[Tensor], filesystem: type | None = None) -> None:
+        """Copies ``tensors`` into the staging buffer and sends ``job`` (whose state holds their slots).
+
+        Args:
+            job: The job, pickled to the helper.
+            tensors: The tensors its slots stand for.
+            filesystem: The fsspec filesystem class of the job's location: one defined in the main script
+                cannot be imported by the helper.
+
+        Raises:
+            ValueError: ``filesystem`` is defined in the main script.
+        """
+        if filesystem is not None and filesystem.__module__ == "__main__":
+            raise ValueError(
+                f"The fsspec filesystem {filesystem.__qualname__} is defined in the main script, which the"
+                " asynchronous checkpoint writer's process cannot import: define it in a module, or use"
+                " async_checkpoint=False."
+            )
+        registered = {k: v for k, v in fsspec.registry.items() if self._filesystems.get(k) is not v}
+        if registered:
+            _send(self._conn, ("filesystems", {k: (v.__module__, v.__qualname__) for k, v in registered.items()
+                                             if v.__module__ != "__main__"}))
+            self._filesystems.update(registered)
+        layout = [(t.dtype, tuple(t.shape)) for t in tensors]
+        if self._staging is None or self._staging.layout != layout:
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = _Staging(layout)
+            _send(self._conn, ("staging", layout))
+            send_handle(self._conn, self._staging.fd, self._process.pid)
+        with torch.no_grad():
+            for view, tensor in zip(self._staging.views, tensors):
+                view.copy_(tensor)
+        _send(self._conn, ("write", job))
+
+    def outcome(self, timeout: float | None) -> tuple[bool, str | None]:
+        """``(True, error or None)`` once the helper reports the job's outcome; ``(False, None)`` before."""
+        try:
+            if not self._conn.poll(timeout):
+                return False, None
+            kind, error = _receive(self._conn)
+        except (EOFError, OSError):
+            return True, self.ended()
+        assert kind == "done", kind
+        return True, error
+
+    def ended(self) -> str:
+        """What to report once the helper has gone (it must have, or be about to)."""
+        return f"the checkpoint writer process ended (exit code {self._process.wait()})"
+
+    def remove_after(self, path: str) -> None:
+        """Has the helper delete ``path`` once the job in flight has succeeded (dropped if it fails)."""
+        _send(self._conn, ("remove", path))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops the helper (after the job it is writing, if any, within ``timeout``)."""
+        try:
+            _send(self._conn, ("stop", None))
+            self._process.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            self._process.kill()
+            self._process.wait()
+        self._conn.close()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+
+
+def _send(conn: Connection, message: Any) -> None:
+    # plain pickle: torch's multiprocessing reductions would pass tensors by shared-memory handles
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _lower_priority() -> None:
+    """Idle priority for every thread of this process (gloo's included); later threads inherit it."""
+    threads = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        except (AttributeError, OSError):
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+            except OSError:
+                pass
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+
+
+def serve(conn: Connection, write: Callable[[Any, list[Tensor]], str | None], remove: Callable[[str], None]) -> None:
+    """The helper's loop: stage layouts, writes (``write(job, staged tensors) -> error``), removals, stop."""
+    staging: _Staging | None = None
+    last_error: str | None = None
+    while True:
+        try:
+            kind, payload = _receive(conn)
+        except (EOFError, OSError):
+            return  # the training process is gone
+        if kind == "staging":
+            if staging is not None:
+                staging.close()
+            staging = _Staging(payload, fd=recv_handle(conn))
+        elif kind == "write":
+            assert staging is not None
+            last_error = write(payload, staging.views)
+            _send(conn, ("done", last_error))
+        elif kind == "filesystems":
+            for protocol, (module, name) in payload.items():
+                cls: Any = importlib.import_module(module)
+                for part in name.split("."):
+                    cls = getattr(cls, part)
+                fsspec.register_implementation(protocol, cls, clobber=True)
+        elif kind == "remove":
+            if last_error is None:
+                remove(payload)
+        elif kind == "stop":
+            return
+
+
+def main() -> None:
+    """Entry point of the helper (``FD``, its end of the socket pair, is its one argument)."""
+    _die_with_parent()
+    conn = Connection(int(sys.argv[1]))
+    rank, world_size, address, port, token, timeout_s = _receive(conn)
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_varuna import checkpoint_files as files
+    from lightning_varuna.checkpoint_writer import write_job
+
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+    store = dist.PrefixStore(f"lightning_varuna/checkpoint_writer/{token}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _lower_priority()  # started at normal priority: a starved start would delay the first save's write
+
+    def write(job: Any, staged: list[Tensor]) -> str | None:
+        job.shards = fill(job.shards, staged)
+        return write_job(job, None)
+
+    try:
+        serve(conn, write, lambda path: files.remove_quietly(files.Location.of(path)))
+    finally:
+        dist.destroy_process_group()
