@@ -12,17 +12,19 @@ Model and data: the example GPT (``examples/gpt/model.py``) as in ``examples/gpt
 n_embd 64, n_head 4, block_size 64, vocab 256, tied embedding/head; dropout 0) unless ``--n-layer`` /
 ``--n-embd`` say otherwise, batch 8 per replica, 4 micro-batches, the model's AdamW and schedule.
 
-Modes, each one ``Trainer.fit`` of ``warmup + saves * every`` steps with ``VarunaStrategy(pipeline_parallel_size=2,
-num_microbatches=4)``:
+Modes, each one ``Trainer.fit`` of ``warmup + (saves + 1) * every`` steps with
+``VarunaStrategy(pipeline_parallel_size=2, num_microbatches=4)``:
 
-* ``none``: no checkpoint;
+* ``none``: no checkpoint (its estimate below is the estimator's noise floor);
 * ``blocking``: ``trainer.save_checkpoint(DIR/last.ckpt)`` every ``every`` steps (from a callback, at the end of a
   step, as ``ModelCheckpoint`` does; each save replaces the previous one);
 * ``async``: the same with ``VarunaStrategy(async_checkpoint=True)``.
 
-The first save comes ``every // 2`` steps after the warm-up and the window ends ``every // 2`` steps after the
-last save, so a background write's whole cost falls inside the measured window. Every ``round`` runs the three
-modes, in an order that rotates between rounds, so that they share the machine's background load.
+The saving modes save once during the warm-up (at step 2) and wait for that write before the measured steps, so
+that the writer processes' start and DCP's first call are not measured (the first save's call is reported as
+``first_save_call_s``). The measured saves come ``every // 2`` steps after the warm-up, then every ``every``
+steps; the fit ends a whole interval after the last one. Every ``round`` runs the three modes, in an order that
+rotates between rounds, so that they share the machine's background load.
 
 ``--accelerator-like F_MS``: the same model, optimizer and checkpoint (same parameters, same AdamW state, same
 bytes), but the step's compute mostly leaves the CPU, as on a GPU node, where the training thread waits for
@@ -34,10 +36,12 @@ there is CPU to spare.
 
 Timing: every rank stamps ``time.monotonic()`` (one clock for the host) at the end of each step; step k lasts
 from the latest stamp of step k-1 to the latest of step k (over ranks), so a save made at the end of step k
-counts in step k+1. Lost per checkpoint = (sum of the mode's step times - the same number of ``none`` step times
-at ``none``'s mean) / number of saves; reported as a fraction of ``none``'s mean step (the target for ``async``:
-< 10%). ``save call`` is how long ``save_checkpoint`` kept the training loop (latest rank): for ``async``, the
-copy of the tensors and the agreement collective; the rest of the write overlaps with training.
+counts in step k+1. For each save, lost = the sum of the ``every // 2`` steps after it minus the mean of the sums
+of the half-intervals before it and before the next save (so that a drift of the step time cancels out); lost per
+checkpoint is the mean over the saves, reported as a fraction of the mean step of those second half-intervals
+(the target for ``async``: < 10%). Each mode is measured against its own fit: step times differ by up to 20%
+between fits on a 2-core machine. ``save call`` is how long ``save_checkpoint`` kept the training loop (latest
+rank): for ``async``, the copy of the tensors into shared memory and the hand-over to the writer process.
 """
 
 from __future__ import annotations
