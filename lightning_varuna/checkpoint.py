@@ -43,6 +43,7 @@ from lightning_varuna.checkpoint_files import (
     META,
     PART_SUFFIX,
     TMP_SUFFIX,
+    TRASH_SUFFIX,
     Location,
     is_complete,
     read_meta,
@@ -593,7 +594,8 @@ def last_fallbacks(trainer: Any, bad: str) -> list[str]:
         for entry in root.fs.ls(root.path, detail=False):
             name = entry.rstrip("/").rsplit("/", 1)[-1]
             loc = root.child(name)
-            if name.endswith((TMP_SUFFIX, PART_SUFFIX)) or loc.path == bad_loc.path or not is_complete(loc):
+            skipped = name.endswith((TMP_SUFFIX, PART_SUFFIX, TRASH_SUFFIX)) or loc.path == bad_loc.path
+            if skipped or not is_complete(loc):
                 continue
             if loc.isdir():
                 found[str(loc)] = loc.child(META).modified()

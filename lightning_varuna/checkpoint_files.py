@@ -5,6 +5,7 @@ A :class:`Location` is a local path (DCP's ``FileSystemWriter``) or an fsspec UR
 adds ``meta.pt`` last and moves it into place, after moving aside (``<path>.varuna-old``) the checkpoint it
 replaces, which it deletes only once the new one is in place. :func:`resolve` and :func:`recover` deal with a
 replacement interrupted between the two moves. A directory without ``meta.pt`` is never loaded.
+:func:`remove_quietly` deletes an old one without leaving it half-deleted under its name.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ INDEX = ".metadata"
 """DCP's index of the shards."""
 TMP_SUFFIX = ".varuna-tmp"
 OLD_SUFFIX = ".varuna-old"
+TRASH_SUFFIX = ".varuna-trash"
 PART_SUFFIX = ".part"
 _PROTOCOL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")  # two characters at least: "C:" is a drive
 
@@ -183,8 +185,20 @@ def recover(target: Location) -> None:
 
 
 def remove_quietly(loc: Location) -> None:
-    """Deletes a checkpoint; a failure is logged, not raised."""
+    """Deletes a checkpoint, never leaving it half-deleted under its name; a failure is logged, not raised.
+
+    A local directory is first renamed (``<path>.varuna-trash``, atomic); elsewhere ``meta.pt`` goes first, so
+    that what is left while the rest is deleted is an incomplete checkpoint, never loaded.
+    """
     try:
+        if loc.isdir():
+            if isinstance(loc.fs, LocalFileSystem):
+                trash = loc.with_suffix(TRASH_SUFFIX)
+                trash.remove()
+                loc.fs.mv(loc.path, trash.path)
+                loc = trash
+            else:
+                loc.child(META).remove()
         loc.remove()
     except OSError as err:
         log.warning(f"Could not remove checkpoint {loc}: {err}")

@@ -381,3 +381,22 @@ def test_a_lost_writer_process_fails_every_rank_and_keeps_the_last_good_checkpoi
     assert is_complete(folder / "last.ckpt") and is_complete(folder / "epoch=0-step=2.ckpt"), os.listdir(folder)
     assert checkpoint_files.read_meta(folder / "last.ckpt")["global_step"] == 2
     assert all(_writer_gone(r["writer_pid"]) for r in results)
+
+
+def test_removing_a_checkpoint_never_leaves_it_half_deleted_under_its_name(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = GroupedGPT(n_layer=2)
+    optimizer = _trained(model, steps=1)
+    for path in (tmp_path / "old.ckpt", "memory://remove-test/old.ckpt"):
+        _save(path, model, optimizer)
+        loc = checkpoint_files.Location.of(path)
+        moves: list[tuple[str, str]] = []
+        original = loc.fs.mv
+        loc.fs.mv = lambda a, b, *args, **kw: (moves.append((a, b)), original(a, b, *args, **kw))[1]
+        try:
+            checkpoint_files.remove_quietly(loc)
+        finally:
+            del loc.fs.mv
+        assert not loc.exists() and not loc.with_suffix(checkpoint_files.TRASH_SUFFIX).exists()
+        if isinstance(path, Path):  # locally, renamed away in one step before the files go
+            assert moves == [(loc.path, loc.with_suffix(checkpoint_files.TRASH_SUFFIX).path)]

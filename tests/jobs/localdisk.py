@@ -2,7 +2,8 @@
 
 In a module of its own (not the job script) so that the asynchronous checkpoint writer's processes can import
 it. ``LOCALDISK_PUBLISH_DELAY`` (seconds, in the environment, which the writer processes inherit) holds back
-every move of a finished ``.varuna-tmp`` directory into place: the publication of a checkpoint.
+the publication of every checkpoint: once its shards are written, before ``meta.pt`` goes in and the
+directory is moved into place.
 """
 
 import os
@@ -27,7 +28,7 @@ class LocalDisk(LocalFileSystem):
 
     def mv(self, path1, path2, *args, **kwargs):
         delay = float(os.environ.get("LOCALDISK_PUBLISH_DELAY", "0"))
-        if delay and str(path1).rstrip("/").endswith(".varuna-tmp"):
+        if delay and str(path2).endswith(".varuna-tmp/meta.pt"):  # the last file in: publication begins
             time.sleep(delay)
         return super().mv(path1, path2, *args, **kwargs)
 
