@@ -392,7 +392,11 @@ def test_removing_a_checkpoint_never_leaves_it_half_deleted_under_its_name(tmp_p
         loc = checkpoint_files.Location.of(path)
         moves: list[tuple[str, str]] = []
         original = loc.fs.mv
-        loc.fs.mv = lambda a, b, *args, **kw: (moves.append((a, b)), original(a, b, *args, **kw))[1]
+        def recorded(a, b, *args, moves=moves, original=original, **kw):
+            moves.append((a, b))
+            return original(a, b, *args, **kw)
+
+        loc.fs.mv = recorded
         try:
             checkpoint_files.remove_quietly(loc)
         finally:
@@ -400,3 +404,15 @@ def test_removing_a_checkpoint_never_leaves_it_half_deleted_under_its_name(tmp_p
         assert not loc.exists() and not loc.with_suffix(checkpoint_files.TRASH_SUFFIX).exists()
         if isinstance(path, Path):  # locally, renamed away in one step before the files go
             assert moves == [(loc.path, loc.with_suffix(checkpoint_files.TRASH_SUFFIX).path)]
+
+
+def test_the_async_writer_refuses_a_filesystem_defined_in_the_main_script() -> None:
+    """The writer processes cannot import ``__main__``'s classes: said before anything is sent to them."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from lightning_varuna.checkpoint_process import WriterProcess
+
+    in_main = type("ScriptFS", (LocalFileSystem,), {"__module__": "__main__"})
+    writer = WriterProcess.__new__(WriterProcess)  # no process: the check comes first
+    with pytest.raises(ValueError, match="defined in the main script.*async_checkpoint=False"):
+        writer.submit(None, [], in_main)
