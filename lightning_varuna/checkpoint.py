@@ -71,7 +71,9 @@ __all__ = [
 ]
 
 RECORD = "varuna"
-"""Key in ``meta.pt`` of the parameter record: ``{"param_names": [...], "optimizers": [[[names]]], "hyper": [[{}]]}``.
+"""Key of the parameter record, ``{"param_names": [...], "optimizers": [[[names]]], "hyper": [[{}]]}``, in what
+:func:`~lightning_varuna.checkpoint_files.read_meta` returns (a checkpoint keeps it in ``record.pt``, or, if
+written by :func:`~lightning_varuna.checkpoint_writer.write_single` or an earlier version, in ``meta.pt``).
 
 ``optimizers``: per optimizer, per parameter group, the names of the group's parameters (the order a plain
 checkpoint numbers them in); ``hyper``: each group's hyper-parameters (``lr``, ``betas``, ...). They are kept

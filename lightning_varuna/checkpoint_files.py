@@ -25,14 +25,16 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 __all__ = [
-    "INDEX", "META", "Location", "is_complete", "publish", "read_meta", "recover", "remove_quietly", "resolve",
-    "to_bytes",
+    "INDEX", "META", "RECORD_FILE", "Location", "is_complete", "publish", "read_meta", "recover", "remove_quietly",
+    "resolve", "to_bytes",
 ]
 
 log = logging.getLogger(__name__)
 
 META = "meta.pt"
 """Lightning's state without weights and optimizer states, written by rank 0 once every shard is in."""
+RECORD_FILE = "record.pt"
+"""The parameter record (``checkpoint.RECORD``), written just before ``meta.pt``; merged into it on reading."""
 INDEX = ".metadata"
 """DCP's index of the shards."""
 TMP_SUFFIX = ".varuna-tmp"
@@ -164,8 +166,14 @@ def resolve(loc: Location) -> tuple[Location, str | None]:
     return loc, None
 
 
-def publish(tmp: Location, target: Location, meta: bytes) -> None:
-    """Completes a written checkpoint: ``meta.pt`` in, then in place of ``target`` (rank 0 only)."""
+def publish(tmp: Location, target: Location, meta: bytes, record: bytes | None = None) -> None:
+    """Completes a written checkpoint: ``record.pt`` and ``meta.pt`` in, then in place of ``target`` (rank 0 only).
+
+    ``record`` is kept apart from ``meta`` so that the writer never unpickles Lightning's state (whose classes
+    may live in the user's script, and whose tensors may be on a GPU).
+    """
+    if record is not None:
+        tmp.child(RECORD_FILE).write_bytes(record)
     tmp.child(META).write_bytes(meta)
     old = target.with_suffix(OLD_SUFFIX)
     old.remove()
@@ -212,6 +220,15 @@ def to_bytes(obj: Any) -> bytes:
 
 
 def read_meta(path: str | os.PathLike | Location, weights_only: bool | None = None) -> dict[str, Any]:
-    """The ``meta.pt`` of a sharded checkpoint: Lightning's state without weights and optimizer states."""
-    data = Location.of(path).child(META).read_bytes()
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    """A sharded checkpoint's ``meta.pt`` (Lightning's state without weights and optimizer states).
+
+    The parameter record of ``record.pt``, where there is one, is put under its key.
+    """
+    loc = Location.of(path)
+    meta = torch.load(io.BytesIO(loc.child(META).read_bytes()), map_location="cpu", weights_only=weights_only)
+    record = loc.child(RECORD_FILE)
+    if record.exists():
+        from lightning_varuna.checkpoint import RECORD
+
+        meta[RECORD] = torch.load(io.BytesIO(record.read_bytes()), map_location="cpu", weights_only=weights_only)
+    return meta

@@ -40,8 +40,13 @@ __all__ = ["Slot", "WriterProcess", "fill", "hollow"]
 
 _ALIGN = 64
 # the package's own __init__ imports Lightning (seconds of CPU): the helper loads only the modules it needs
+_JOB_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                if hasattr(signal, name)}
+# signals first: the training process decides when the job ends (see main)
 _BOOT = (
-    "import sys, types; package = types.ModuleType('lightning_varuna'); package.__path__ = [{folder!r}];"
+    "import signal, sys, types; [signal.signal(getattr(signal, name), signal.SIG_IGN) for name in"
+    " ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2') if hasattr(signal, name)];"
+    " package = types.ModuleType('lightning_varuna'); package.__path__ = [{folder!r}];"
     " sys.modules['lightning_varuna'] = package; from lightning_varuna.checkpoint_process import main; main()"
 )
 _STARTUP_TIMEOUT_S = 600.0
@@ -145,10 +150,19 @@ class WriterProcess:
         package_root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in (package_root, *sys.path) if p))
         env["OMP_NUM_THREADS"] = "1"
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", _BOOT.format(folder=str(Path(__file__).resolve().parent)), str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-        )
+        # a session of its own: a signal to the job's process group (torchrun stopping its workers, SLURM's
+        # preemption warning, Ctrl-C) must not end the writer before the training process has saved. The
+        # signals are blocked around the start, so that the child begins with them blocked (the mask survives
+        # exec) until it ignores them; this thread gets any that arrive meanwhile once they are unblocked.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOOT.format(folder=str(Path(__file__).resolve().parent)),
+                 str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         theirs.close()
         self._conn = Connection(ours.detach())
         _send(self._conn, (rank, world_size, address, int(port), token, timeout_s))
@@ -166,6 +180,8 @@ class WriterProcess:
 
         Raises:
             ValueError: ``filesystem`` is defined in the main script.
+            pickle.PicklingError: The job cannot be pickled (nothing was sent).
+            ConnectionError: The helper is gone.
         """
         if filesystem is not None and filesystem.__module__ == "__main__":
             raise ValueError(
@@ -173,22 +189,29 @@ class WriterProcess:
                 " asynchronous checkpoint writer's process cannot import: define it in a module, or use"
                 " async_checkpoint=False."
             )
+        try:
+            message = pickle.dumps(("write", job), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # noqa: BLE001 - any failure to pickle, reported as one
+            raise pickle.PicklingError(f"{type(err).__name__}: {err}") from err
         registered = {k: v for k, v in fsspec.registry.items() if self._filesystems.get(k) is not v}
         if registered:
             _send(self._conn, ("filesystems", {k: (v.__module__, v.__qualname__) for k, v in registered.items()
                                              if v.__module__ != "__main__"}))
             self._filesystems.update(registered)
         layout = [(t.dtype, tuple(t.shape)) for t in tensors]
-        if self._staging is None or self._staging.layout != layout:
+        if tensors and (self._staging is None or self._staging.layout != layout):
             if self._staging is not None:
                 self._staging.close()
+                self._staging = None
             self._staging = _Staging(layout)
             _send(self._conn, ("staging", layout))
             send_handle(self._conn, self._staging.fd, self._process.pid)
-        with torch.no_grad():
-            for view, tensor in zip(self._staging.views, tensors):
-                view.copy_(tensor)
-        _send(self._conn, ("write", job))
+        if tensors:
+            assert self._staging is not None
+            with torch.no_grad():
+                for view, tensor in zip(self._staging.views, tensors):
+                    view.copy_(tensor)
+        self._conn.send_bytes(message)
 
     def outcome(self, timeout: float | None) -> tuple[bool, str | None]:
         """``(True, error or None)`` once the helper reports the job's outcome; ``(False, None)`` before."""
@@ -201,9 +224,14 @@ class WriterProcess:
         assert kind == "done", kind
         return True, error
 
-    def ended(self) -> str:
-        """What to report once the helper has gone (it must have, or be about to)."""
-        return f"the checkpoint writer process ended (exit code {self._process.wait()})"
+    def ended(self, timeout: float = 10.0) -> str:
+        """What to report once the helper has gone (one that has not within ``timeout`` is killed)."""
+        try:
+            code = self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            code = self._process.wait()
+        return f"the checkpoint writer process ended (exit code {code})"
 
     def remove_after(self, path: str) -> None:
         """Has the helper delete ``path`` once the job in flight has succeeded (dropped if it fails)."""
@@ -273,8 +301,7 @@ def serve(conn: Connection, write: Callable[[Any, list[Tensor]], str | None], re
                 staging.close()
             staging = _Staging(payload, fd=recv_handle(conn))
         elif kind == "write":
-            assert staging is not None
-            last_error = write(payload, staging.views)
+            last_error = write(payload, staging.views if staging is not None else [])
             _send(conn, ("done", last_error))
         elif kind == "filesystems":
             for protocol, (module, name) in payload.items():
@@ -290,7 +317,12 @@ def serve(conn: Connection, write: Callable[[Any, list[Tensor]], str | None], re
 
 
 def main() -> None:
-    """Entry point of the helper (``FD``, its end of the socket pair, is its one argument)."""
+    """Entry point of the helper (``FD``, its end of the socket pair, is its one argument).
+
+    It ignores the signals that end or preempt a job: the training process, which gets them, saves and then
+    stops its writer; a writer whose training process is gone is ended by the parent-death signal or the
+    closed socket.
+    """
     _die_with_parent()
     conn = Connection(int(sys.argv[1]))
     rank, world_size, address, port, token, timeout_s = _receive(conn)

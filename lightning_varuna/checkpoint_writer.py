@@ -9,16 +9,15 @@ save (or at the end of the run).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
+import pickle
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
@@ -98,9 +97,8 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
             dcp.save(job.shards, storage_writer=tmp.writer(), process_group=group)
             if job.meta is not None:
                 # DCP's coordinator returns only after every rank's write: all shards are in
-                metadata = torch.load(io.BytesIO(job.meta), weights_only=False)
                 record = make_record(job.param_names, [(g, h) for _, g, h, _ in gathered])
-                files.publish(tmp, target, files.to_bytes({**metadata, RECORD: record}))
+                files.publish(tmp, target, job.meta, files.to_bytes(record))
         except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
             log.debug("checkpoint write failed", exc_info=True)
             error = f"{type(err).__name__}: {err}"
@@ -190,23 +188,26 @@ class CheckpointWriter:
         groups = [g for i, g in enumerate(groups) if f"optimizer_{i}" in shards]  # none with save_weights_only
         shards, hyper = split_shards(shards, groups)
         target = Location.of(path).text
-        job = WriteJob(target, shards, meta, list(groups), hyper, list(param_names), problem)
-        if not self.asynchronous:
+        job = WriteJob(target, shards, meta, list(groups), _on_cpu(hyper), list(param_names), problem)
+        if not self.asynchronous or self._process is None:  # outside fit (no writer started): blocking
             error = write_job(job, None)
             if error is not None:
                 log.error(f"Writing checkpoint {target} failed ({error}); older checkpoints are kept.")
                 raise CheckpointError(f"Could not write checkpoint {target}: {error}")
             return
-        self.start()
-        assert self._process is not None
         tensors: list[Tensor] = []
         job.shards = hollow(shards, tensors)
         loc = Location.of(target)
         try:
-            self._process.submit(job, tensors, type(loc.fs) if loc.url else None)
+            try:
+                self._process.submit(job, tensors, type(loc.fs) if loc.url else None)
+            except pickle.PicklingError as err:
+                # the other ranks' writers are about to wait for this one: it joins them with the problem instead
+                problem = f"rank {dist.get_rank()} could not hand its state to the writer: {err}"
+                self._process.submit(WriteJob(target, {}, None, [], [], [], problem), [])
         except ValueError as err:
             raise CheckpointError(str(err)) from None
-        except OSError:
+        except (ConnectionError, EOFError):
             # this rank's helper is gone: the other helpers' write fails too, and every rank raises at the next save
             self._error = self._process.ended()
             log.error(f"Writing checkpoint {target} failed ({self._error}); older checkpoints are kept.")
@@ -274,6 +275,17 @@ class CheckpointWriter:
         error = self._take_error()
         if error is not None and not interrupted:
             raise CheckpointError(f"The last checkpoint could not be written: {error}")
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with its tensors on the CPU (a tensor hyper-parameter must not bring CUDA into the writer)."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 def write_single(

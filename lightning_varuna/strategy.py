@@ -794,7 +794,13 @@ class VarunaStrategy(ParallelStrategy):
         """Gives the model its own forwards back and releases the process resources."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
+        try:
+            self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
+        finally:
+            self._teardown_rest()
+
+    def _teardown_rest(self) -> None:
+        """What teardown does after the checkpoint writer has closed, whether or not that raised."""
         if self._preemption is not None:
             self._preemption.detach()
             self._preemption = None

@@ -10,7 +10,8 @@ SCENARIO is ``name:key=value,...`` with ``name`` one of:
   while a checkpoint is in flight. Records what rank 0 sees in the folder at every step start, and the
   process ids of the writer processes.
 - ``kill_writer``: as ``train``, but once the step-2 checkpoint is written, rank 1's writer process is killed;
-  records the ``CheckpointError`` every rank raises (at the save after the next one).
+  records the ``CheckpointError`` every rank raises (at the save after the next one). Its callback state holds
+  an instance of a class of this script, which only this script can unpickle.
 - ``resume``: ``fit(ckpt_path=...)`` (``ckpt=last`` asks for ``"last"``); records the step it resumes at, the
   weights and one optimizer state entry it starts from, and the warnings raised.
 - ``bad``: ``fit`` from a checkpoint that must fail; records the ``CheckpointError`` every rank raised.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -62,12 +64,20 @@ class GroupedGPT(TinyGPT):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class ScriptState:
+    """Callback state of a class defined in the training script (``__main__``), as user code often has."""
+
+    def __init__(self, trainer_steps: int) -> None:
+        self.trainer_steps = trainer_steps
+
+
 class Watch(pl.Callback):
     """Records the step the run starts at, its first weights and optimizer state, and rank 0's view of the folder."""
 
     def __init__(self, folder: str | None, kill_writer: bool = False) -> None:
         self.folder = folder
         self.kill_writer = kill_writer
+        self.restored: object = None
         self.start: dict = {}
         self.seen: list[dict] = []
         self.writer_pid: int | None = None
@@ -85,7 +95,19 @@ class Watch(pl.Callback):
             "lr": [g["lr"] for g in optimizer.param_groups],
         }
 
+    def state_dict(self) -> dict:
+        if not self.kill_writer:
+            return {}
+        return {"marker": ScriptState(trainer_steps=len(self.seen))}  # a class of this script in meta.pt
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.restored = type(state_dict["marker"]).__name__ if "marker" in state_dict else None
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.writer_pid is not None and trainer.global_step == 1 and not self.kill_writer:
+            # signals that end or preempt a job are the training process's to act on, not its writer's
+            for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+                os.kill(self.writer_pid, sig)
         if self.kill_writer and trainer.global_step == 3:
             trainer.strategy.wait_for_checkpoint()  # the step-2 checkpoint is complete; none is in flight
             if trainer.global_rank == 1:
@@ -141,7 +163,10 @@ def run(out: Path, spec: str) -> None:
             result["error_step"] = trainer.global_step
     result["warnings"] = [str(w.message) for w in caught if "checkpoint" in str(w.message).lower()]
     watch = callbacks[0]
-    result.update(start=watch.start, seen=watch.seen, writer_pid=watch.writer_pid)
+    result.update(start=watch.start, seen=watch.seen, writer_pid=watch.writer_pid, restored=watch.restored)
+    if options.get("async_checkpoint") and kind == "train":  # after fit, no writer runs: a save is blocking
+        trainer.save_checkpoint(f"{folder}-after/after.ckpt")
+        result["after_complete"] = checkpoint.is_complete(f"{folder}-after/after.ckpt")
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
