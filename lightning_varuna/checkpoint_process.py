@@ -158,7 +158,7 @@ class WriterProcess:
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _BOOT.format(folder=str(Path(__file__).resolve().parent)),
-                 str(theirs.fileno())],
+                 str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:
@@ -283,7 +283,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:  # the parent is already gone
+    if os.getppid() != int(sys.argv[2]):  # the parent is already gone (re-parented to init or a subreaper)
         os._exit(1)
 
 
@@ -317,7 +317,7 @@ def serve(conn: Connection, write: Callable[[Any, list[Tensor]], str | None], re
 
 
 def main() -> None:
-    """Entry point of the helper (``FD``, its end of the socket pair, is its one argument).
+    """Entry point of the helper (arguments: ``FD``, its end of the socket pair, and its parent's pid).
 
     It ignores the signals that end or preempt a job: the training process, which gets them, saves and then
     stops its writer; a writer whose training process is gone is ended by the parent-death signal or the
