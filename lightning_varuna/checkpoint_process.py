@@ -35,17 +35,18 @@ from typing import Any
 import fsspec
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map_only
 
 __all__ = ["Slot", "WriterProcess", "fill", "hollow"]
 
 _ALIGN = 64
-# the package's own __init__ imports Lightning (seconds of CPU): the helper loads only the modules it needs
-_JOB_SIGNALS = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
-                if hasattr(signal, name)}
-# signals first: the training process decides when the job ends (see main)
+_JOB_SIGNAL_NAMES = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+_JOB_SIGNALS = {getattr(signal, name) for name in _JOB_SIGNAL_NAMES if hasattr(signal, name)}
+# signals first: the training process decides when the job ends (see main). The package's own __init__
+# imports Lightning (seconds of CPU): the helper loads only the modules it needs.
 _BOOT = (
     "import signal, sys, types; [signal.signal(getattr(signal, name), signal.SIG_IGN) for name in"
-    " ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2') if hasattr(signal, name)];"
+    " {signals!r} if hasattr(signal, name)];"
     " package = types.ModuleType('lightning_varuna'); package.__path__ = [{folder!r}];"
     " sys.modules['lightning_varuna'] = package; from lightning_varuna.checkpoint_process import main; main()"
 )
@@ -61,25 +62,17 @@ class Slot:
 
 def hollow(value: Any, tensors: list[Tensor]) -> Any:
     """``value`` with every tensor replaced by a :class:`Slot`, appended to ``tensors`` in that order."""
-    if isinstance(value, Tensor):
-        tensors.append(value)
+
+    def slot(tensor: Tensor) -> Slot:
+        tensors.append(tensor)
         return Slot(len(tensors) - 1)
-    if isinstance(value, dict):
-        return {k: hollow(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(hollow(v, tensors) for v in value)
-    return value
+
+    return tree_map_only(Tensor, slot, value)
 
 
 def fill(value: Any, tensors: list[Tensor]) -> Any:
     """The reverse of :func:`hollow`."""
-    if isinstance(value, Slot):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: fill(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(fill(v, tensors) for v in value)
-    return value
+    return tree_map_only(Slot, lambda slot: tensors[slot.index], value)
 
 
 Layout = list[tuple[torch.dtype, tuple[int, ...]]]
@@ -90,21 +83,18 @@ class _Staging:
 
     def __init__(self, layout: Layout, fd: int | None = None) -> None:
         self.layout = layout
-        offsets, size = [], 0
+        spans, size = [], 0  # (offset, bytes) of each tensor
         for dtype, shape in layout:
-            offsets.append(size)
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            spans.append((size, nbytes))
             size += -(-nbytes // _ALIGN) * _ALIGN
         if fd is None:
             fd = _anonymous_shared_file(size)
         self.fd = fd
         self._map = mmap.mmap(fd, max(size, 1))
         base = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.views = []
-        for (dtype, shape), offset in zip(layout, offsets):
-            count = torch.Size(shape).numel()
-            nbytes = count * torch.empty((), dtype=dtype).element_size()
-            self.views.append(base[offset : offset + nbytes].view(dtype).view(shape))
+        self.views = [base[offset : offset + nbytes].view(dtype).view(shape)
+                      for (dtype, shape), (offset, nbytes) in zip(layout, spans)]
 
     def close(self) -> None:
         self.views = []
@@ -154,11 +144,11 @@ class WriterProcess:
         # preemption warning, Ctrl-C) must not end the writer before the training process has saved. The
         # signals are blocked around the start, so that the child begins with them blocked (the mask survives
         # exec) until it ignores them; this thread gets any that arrive meanwhile once they are unblocked.
+        boot = _BOOT.format(signals=_JOB_SIGNAL_NAMES, folder=str(Path(__file__).resolve().parent))
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _BOOT.format(folder=str(Path(__file__).resolve().parent)),
-                 str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-c", boot, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:

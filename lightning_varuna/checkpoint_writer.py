@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.utils._pytree import tree_map_only
 
 from lightning_varuna import checkpoint_files as files
 from lightning_varuna.checkpoint import (
@@ -69,9 +70,9 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
     """Writes a checkpoint (collective over ``group``) and returns the error every rank agrees on, if any.
 
     Rank 0 first puts back what an interrupted replacement left and clears the temporary directory; every
-    rank then writes its shards with DCP under the temporary name, and rank 0 adds ``meta.pt`` (with the
-    parameter record of every rank's groups) and moves it into place once DCP's coordinator reports every
-    rank's shards written.
+    rank then writes its shards with DCP under the temporary name, and rank 0 adds ``record.pt`` (the
+    parameter record of every rank's groups) and ``meta.pt`` and moves it into place once DCP's coordinator
+    reports every rank's shards written.
     """
     target = Location.of(job.target)
     tmp = target.with_suffix(files.TMP_SUFFIX)
@@ -188,7 +189,9 @@ class CheckpointWriter:
         groups = [g for i, g in enumerate(groups) if f"optimizer_{i}" in shards]  # none with save_weights_only
         shards, hyper = split_shards(shards, groups)
         target = Location.of(path).text
-        job = WriteJob(target, shards, meta, list(groups), _on_cpu(hyper), list(param_names), problem)
+        # a tensor hyper-parameter (a scheduler's lr) must not bring CUDA into the writer process
+        hyper = tree_map_only(Tensor, lambda t: t.detach().cpu(), hyper)
+        job = WriteJob(target, shards, meta, list(groups), hyper, list(param_names), problem)
         if not self.asynchronous or self._process is None:  # outside fit (no writer started): blocking
             error = write_job(job, None)
             if error is not None:
@@ -275,17 +278,6 @@ class CheckpointWriter:
         error = self._take_error()
         if error is not None and not interrupted:
             raise CheckpointError(f"The last checkpoint could not be written: {error}")
-
-
-def _on_cpu(value: Any) -> Any:
-    """``value`` with its tensors on the CPU (a tensor hyper-parameter must not bring CUDA into the writer)."""
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_cpu(v) for v in value)
-    return value
 
 
 def write_single(

@@ -796,20 +796,16 @@ class VarunaStrategy(ParallelStrategy):
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         try:
             self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
-        finally:
-            self._teardown_rest()
-
-    def _teardown_rest(self) -> None:
-        """What teardown does after the checkpoint writer has closed, whether or not that raised."""
-        if self._preemption is not None:
-            self._preemption.detach()
-            self._preemption = None
-        if self._original_clip is not None:
-            del self.precision_plugin.clip_grad_by_norm
-            self._original_clip = None
-        # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
-        # later validate/test/predict calls
-        super().teardown()
+        finally:  # the rest of teardown happens even if that write failed
+            if self._preemption is not None:
+                self._preemption.detach()
+                self._preemption = None
+            if self._original_clip is not None:
+                del self.precision_plugin.clip_grad_by_norm
+                self._original_clip = None
+            # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
+            # later validate/test/predict calls
+            super().teardown()
 
 
 def _accumulating(trainer: Trainer) -> bool:
