@@ -33,6 +33,10 @@ __all__ = [
 ]
 
 
+TIMED_RUNS = 3
+"""How many times the dry run times a micro-batch's forward; each segment's fastest run counts."""
+
+
 class PartitionError(ValueError):
     """The model cannot be split as asked; the message says what to change."""
 
@@ -233,13 +237,17 @@ def trace_step(
         cuts.append(CutInfo(name, tuple(large.shape), large.dtype, _batch_dim(small, large, name)))
     seconds: list[float] = []
     if timed_step is not None and cuts:
-        timer = _Timer()
-        with forward_handler(timer), torch.no_grad():
-            start = time.perf_counter()
-            timed_step()
-            end = time.perf_counter()
-        marks = [start, *timer.marks, end]
-        seconds = [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
+        # The plan is only as good as these times, and one run on a busy machine can be preempted inside any
+        # segment: take each segment's fastest of a few runs (the first also pays one-off warm-up costs).
+        for _ in range(TIMED_RUNS):
+            timer = _Timer()
+            with forward_handler(timer), torch.no_grad():
+                start = time.perf_counter()
+                timed_step()
+                end = time.perf_counter()
+            marks = [start, *timer.marks, end]
+            run = [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
+            seconds = run if not seconds else [min(a, b) for a, b in zip(seconds, run)]
     numel = {name: p.numel() for name, p in module.named_parameters()}
     trace = Trace(
         cuts=cuts,

@@ -9,6 +9,7 @@ group has not been initialized" instead of the expected message.
 from __future__ import annotations
 
 import os
+import time
 from unittest import mock
 
 import pytest
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy
 from lightning_varuna.comm import Topology
 from lightning_varuna.cut import install_cut_at
-from lightning_varuna.partition import balance, make_plan, trace_step
+from lightning_varuna.partition import TIMED_RUNS, balance, make_plan, trace_step
 
 CPU = torch.device("cpu")
 
@@ -389,6 +390,30 @@ def test_balance_and_plan_arguments() -> None:
     result, _ = trace(Chain(2))
     with pytest.raises(PartitionError, match="partition='flops': use 'time' or 'params'"):
         make_plan(result, 2, by="flops")
+
+
+def test_one_slow_timed_run_does_not_skew_the_plan() -> None:
+    """A preemption inside one segment during one timed run must not move the stage boundaries."""
+
+    class Hiccup(nn.Module):
+        # on the first timed run only, the last segment is stalled as a busy machine would stall it
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: Tensor) -> Tensor:
+            self.calls += 1
+            if self.calls == 3:  # calls 1 and 2 are the traced forwards on 1 and 2 samples
+                time.sleep(0.5)
+            return x
+
+    model = Chain(4, width=512)
+    model.layers[3] = nn.Sequential(model.layers[3], Hiccup())
+    batch = torch.randn(256, 512)
+    result, _ = trace_step(model, lambda n: model(batch[:n]), lambda: model(batch))
+    assert model.layers[3][1].calls == 2 + TIMED_RUNS
+    assert max(result.segment_seconds) < 0.25, result.segment_seconds
+    assert [len(s.segments) for s in make_plan(result, 2).stages] == [2, 2]
 
 
 def test_global_batch_size_must_be_a_positive_int() -> None:
