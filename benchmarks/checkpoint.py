@@ -23,8 +23,13 @@ Modes, each one ``Trainer.fit`` of ``warmup + (saves + 1) * every`` steps with
 The saving modes save once during the warm-up (at step 2) and wait for that write before the measured steps, so
 that the writer processes' start and DCP's first call are not measured (the first save's call is reported as
 ``first_save_call_s``). The measured saves come ``every // 2`` steps after the warm-up, then every ``every``
-steps; the fit ends a whole interval after the last one. Every ``round`` runs the three modes, in an order that
+steps; the fit ends a whole interval after the last one. Every ``round`` runs every mode once, in an order that
 rotates between rounds, so that they share the machine's background load.
+
+``--idle-cpu-ms N[,N...]``: one more mode per ``N``, ``idle-cpu-N``, which saves nothing: instead, at each save
+point, a helper process per rank (started with the fit, at idle CPU priority like the checkpoint writers) spends
+``N`` ms of CPU in a busy loop. It measures what background CPU work costs the training processes on this
+machine, whatever the work is: the asynchronous writers' share of the loss is their CPU time per write.
 
 ``--accelerator-like F_MS``: the same model, optimizer and checkpoint (same parameters, same AdamW state, same
 bytes), but the step's compute mostly leaves the CPU, as on a GPU node, where the training thread waits for
@@ -110,6 +115,38 @@ def sleep_in_blocks(model, forward_ms: float) -> None:
         block.register_forward_hook(hook)
 
 
+_IDLE_CPU_HELPER = """
+import os, sys, time
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+seconds = float(sys.argv[1]) / 1e3
+while sys.stdin.buffer.read(1):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    sys.stdout.buffer.write(b".")
+    sys.stdout.flush()
+"""
+
+
+class IdleCpu:
+    """A helper process at idle CPU priority that spends ``ms`` of CPU each time it is poked."""
+
+    def __init__(self, ms: float) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", _IDLE_CPU_HELPER, str(ms)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+
+    def poke(self) -> None:
+        self.process.stdin.write(b"x")
+        self.process.stdin.flush()
+
+    def wait_for(self, count: int) -> None:
+        self.process.stdout.read(count)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
 def run_mode(mode: str, args, folder: Path) -> dict:
     """One ``Trainer.fit``; returns this rank's step-end stamps and save-call durations."""
     import lightning.pytorch as pl
@@ -122,6 +159,13 @@ def run_mode(mode: str, args, folder: Path) -> dict:
     calls: list[float] = []
 
     first_call: list[float] = []
+    idle_cpu = IdleCpu(float(mode.removeprefix("idle-cpu-"))) if mode.startswith("idle-cpu-") else None
+
+    def save(trainer) -> None:
+        if idle_cpu is not None:
+            idle_cpu.poke()
+        else:
+            trainer.save_checkpoint(folder / "last.ckpt")
 
     class Saver(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -131,13 +175,16 @@ def run_mode(mode: str, args, folder: Path) -> dict:
                 return
             if step == WARMUP_SAVE_STEP:  # first use: the writer's start, DCP's first call (not measured)
                 start = time.monotonic()
-                trainer.save_checkpoint(folder / "last.ckpt")
+                save(trainer)
                 first_call.append(time.monotonic() - start)
             elif step == args.warmup - 1:  # that first write done before the window (which starts after this step)
-                trainer.strategy.wait_for_checkpoint()
+                if idle_cpu is not None:
+                    idle_cpu.wait_for(1)
+                else:
+                    trainer.strategy.wait_for_checkpoint()
             elif first_save <= step < first_save + args.saves * args.every and (step - first_save) % args.every == 0:
                 start = time.monotonic()
-                trainer.save_checkpoint(folder / "last.ckpt")
+                save(trainer)
                 calls.append(time.monotonic() - start)
 
     strategy = VarunaStrategy(pipeline_parallel_size=2, num_microbatches=MICROBATCHES,
@@ -151,7 +198,11 @@ def run_mode(mode: str, args, folder: Path) -> dict:
         loader = make_loader(steps + 2, 2, batch=MICROBATCHES, length=8)
     else:
         loader = make_loader(steps + 2, 2)
-    trainer.fit(model, loader)
+    try:
+        trainer.fit(model, loader)
+    finally:
+        if idle_cpu is not None:
+            idle_cpu.close()
     return {"stamps": stamps, "calls": calls, "first_call": first_call}
 
 
@@ -180,6 +231,10 @@ def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
+def modes_of(args) -> list[str]:
+    return MODES + [f"idle-cpu-{n}" for n in args.idle_cpu_ms]
+
+
 def worker(args) -> dict | None:
     import torch
     import torch.distributed as dist
@@ -195,8 +250,9 @@ def worker(args) -> dict | None:
     rounds = []
     size = 0
     started = time.monotonic()
+    modes = modes_of(args)
     for r in range(args.rounds):
-        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+        order = modes[r % len(modes):] + modes[: r % len(modes)]
         results = {}
         for mode in order:
             folder = base / f"{r}-{mode}"
@@ -235,11 +291,11 @@ def render(out: dict) -> str:
 
     rows = ["| mode | step, 1st half of an interval (ms) | step, 2nd half (ms) | save call (ms) |"
             " step time lost per checkpoint (ms) | lost / step |", "|---|---:|---:|---:|---:|---:|"]
-    for mode in MODES:
+    for mode in out["rounds"][0]:
         per = [r[mode] for r in out["rounds"]]
         first_half = cell([p["saving_mean_step_s"] for p in per])
         second_half = cell([p["quiet_mean_step_s"] for p in per])
-        calls = cell([statistics.fmean(p["save_call_s"]) for p in per]) if mode != "none" else "-"
+        calls = cell([statistics.fmean(p["save_call_s"]) for p in per]) if mode in ("blocking", "async") else "-"
         lost = cell([p["lost_per_checkpoint_s"] for p in per])
         frac = cell([p["lost_fraction_of_step"] for p in per], scale=100, fmt=".0f")
         rows.append(f"| `{mode}` | {first_half} | {second_half} | {calls} | {lost} | {frac} % |")
@@ -258,6 +314,8 @@ def main(argv=None) -> int:
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--accelerator-like", type=float, default=0.0, metavar="F_MS",
                    help="sleep F_MS per micro-batch forward (2x in backward) instead of most real compute (see above)")
+    p.add_argument("--idle-cpu-ms", type=lambda v: [int(n) for n in v.split(",")], default=[], metavar="N[,N...]",
+                   help="extra modes: an idle-priority helper per rank spends N ms of CPU per save point (see above)")
     p.add_argument("--smoke", action="store_true", help="1 round, 2 saves 4 steps apart: checks that it runs")
     args = p.parse_args(argv)
     if args.smoke:
@@ -271,7 +329,7 @@ def main(argv=None) -> int:
         command=" ".join(["torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py",
                           *(argv or sys.argv[1:])]),
         config={k: getattr(args, k) for k in ("rounds", "warmup", "every", "saves", "n_layer", "n_embd",
-                                              "accelerator_like")},
+                                              "accelerator_like", "idle_cpu_ms")},
         package_commit=_git("rev-parse", "HEAD"),
         package_uncommitted_changes=_git("status", "--porcelain", "--", "lightning_varuna"),
         loadavg=os.getloadavg(),
