@@ -8,6 +8,7 @@ once per step, sit on different nodes.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import traceback
@@ -25,6 +26,7 @@ _HEADER = 10  # dtype code, ndim, up to 8 dims
 HEADER_BYTES = _HEADER * 8
 _ERROR_KEY = "lightning_varuna/error/"
 _WATCH_MARGIN_S = 5.0
+_exit = {"registered": False, "failed": False}
 
 
 class PipelineError(RuntimeError):
@@ -103,6 +105,7 @@ class Topology:
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         cls.check(world, pipeline_size)
+        destroy_process_groups_at_exit()
         from torch.distributed.device_mesh import DeviceMesh
 
         if isinstance(timeout, (int, float)):
@@ -135,6 +138,28 @@ class Topology:
         return self._shared_groups[stages]
 
 
+def destroy_process_groups_at_exit() -> None:
+    """Destroys every process group when the interpreter exits, unless this rank failed (registered once).
+
+    Neither Lightning nor torchrun destroys the process groups. A gloo group that is still alive when the
+    interpreter finalizes can abort the process ("terminate called without an active exception": its worker
+    threads release tensors after Python is gone), turning a finished job into a failed one. A rank that
+    failed skips it: destroying a group can wait on transfers that a lost peer will never complete.
+    """
+    if not _exit["registered"]:
+        _exit["registered"] = True
+        atexit.register(_destroy_process_groups)
+
+
+def _destroy_process_groups() -> None:
+    if _exit["failed"] or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
 def report_failure(error: BaseException) -> None:
     """Leaves this rank's error in the job's store, so peers that lose contact can say what happened.
 
@@ -142,6 +167,7 @@ def report_failure(error: BaseException) -> None:
     for errors of the user's code or model (the cause) and for :class:`PipelineError` (a rank that lost a
     peer), so that peers quote the cause rather than another rank's report of it.
     """
+    _exit["failed"] = True
     try:
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()

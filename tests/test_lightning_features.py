@@ -183,6 +183,13 @@ def test_each_rank_holds_only_its_stage_parameters(results: Path, name: str) -> 
 
 
 @pytest.mark.slow
+def test_process_groups_are_destroyed_at_exit(results: Path) -> None:
+    """The job ran six fits, each with its own strategy and groups; none is left alive at exit (gloo aborts)."""
+    for rank in range(WORLD):
+        assert json.loads((results / f"exit.rank{rank}.json").read_text()) is False, f"rank {rank}"
+
+
+@pytest.mark.slow
 def test_variable_sequence_length_matches_plain_run(results: Path) -> None:
     reference = _load(results, "reference-varlen")
     assert len(set(reference["lengths"])) > 1, f"the lengths did not vary: {reference['lengths']}"

@@ -203,10 +203,24 @@ def steps(out: Path, name: str, options: dict, reference: bool) -> dict:
     }
 
 
+def record_groups_at_exit(directory: Path) -> None:
+    """Registered before any strategy exists, so it runs after the strategy's own exit handler."""
+    import atexit
+
+    import torch.distributed as dist
+
+    def record() -> None:
+        if "RANK" in os.environ:
+            (directory / f"exit.rank{os.environ['RANK']}.json").write_text(json.dumps(dist.is_initialized()))
+
+    atexit.register(record)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     directory = Path(sys.argv[1])
     directory.mkdir(parents=True, exist_ok=True)
+    record_groups_at_exit(directory)
     for spec in sys.argv[2:]:
         name, options = parse_spec(spec)
         kind = options.pop("kind")
