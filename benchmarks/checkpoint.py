@@ -189,7 +189,8 @@ def run_mode(mode: str, args, folder: Path) -> dict:
 
     strategy = VarunaStrategy(pipeline_parallel_size=2, num_microbatches=MICROBATCHES,
                               async_checkpoint=mode == "async")
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", 4))
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Saver()], num_sanity_val_steps=0)
     model = build_gpt(args.n_layer, args.n_embd)

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map_only
 
 from lightning_varuna import checkpoint_files as files
+from lightning_varuna import checkpoint_format
 from lightning_varuna.checkpoint import (
     RECORD,
     CheckpointError,
@@ -70,9 +71,9 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
     """Writes a checkpoint (collective over ``group``) and returns the error every rank agrees on, if any.
 
     Rank 0 first puts back what an interrupted replacement left and clears the temporary directory; every
-    rank then writes its shards with DCP under the temporary name, and rank 0 adds ``record.pt`` (the
-    parameter record of every rank's groups) and ``meta.pt`` and moves it into place once DCP's coordinator
-    reports every rank's shards written.
+    rank then writes the shards it is assigned under the temporary name (:mod:`~lightning_varuna.checkpoint_format`:
+    DCP's format, without DCP's planning protocol), and rank 0 writes DCP's index, adds ``record.pt`` (the
+    parameter record of every rank's groups) and ``meta.pt`` and moves it into place.
     """
     target = Location.of(job.target)
     tmp = target.with_suffix(files.TMP_SUFFIX)
@@ -83,31 +84,75 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
             tmp.remove()
         except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
             problem = f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
+    flat, held = None, None
     try:
-        world = dist.get_world_size(group)
+        flat = checkpoint_format.flatten(job.shards)
+        held = checkpoint_format.inventory(flat)
+    except checkpoint_format.UnsupportedState:
+        pass  # this rank's state is written by dcp.save, and so every rank's
+    try:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (job.target, job.groups, job.hyper, problem), group=group)
-        paths = sorted({path for path, _, _, _ in gathered})
-        problem = next((p for _, _, _, p in gathered if p is not None), None)
+        dist.all_gather_object(gathered, (job.target, job.groups, job.hyper, problem, held), group=group)
+        paths = sorted({path for path, *_ in gathered})
+        problem = next((p for _, _, _, p, _ in gathered if p is not None), None)
         if problem is not None:  # seen alike by every rank: no write, no further collective
             return problem
         if len(paths) > 1:
             return f"the ranks were given different paths ({', '.join(paths)}); give every rank the same one"
-        error = None
+        inventories = [h for *_, h in gathered]
+        record = make_record(job.param_names, [(g, h) for _, g, h, _, _ in gathered]) if job.meta is not None else None
+        if any(h is None for h in inventories):
+            return _write_with_dcp(job, tmp, target, record, group)
+        part, error = None, None
         try:
-            dcp.save(job.shards, storage_writer=tmp.writer(), process_group=group)
-            if job.meta is not None:
-                # DCP's coordinator returns only after every rank's write: all shards are in
-                record = make_record(job.param_names, [(g, h) for _, g, h, _ in gathered])
-                files.publish(tmp, target, job.meta, files.to_bytes(record))
+            mine = checkpoint_format.assign(inventories)[rank]
+            part = checkpoint_format.write_items(tmp, rank, flat, mine)  # type: ignore[arg-type]
         except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
             log.debug("checkpoint write failed", exc_info=True)
             error = f"{type(err).__name__}: {err}"
-        errors: list[Any] = [None] * world
-        dist.all_gather_object(errors, error, group=group)
-        return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+        # rank 0 (the one with meta) alone reads the parts, publishes, and tells every rank the outcome
+        root = dist.get_global_rank(group, 0) if group is not None else 0
+        written: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object((part, error), written, dst=root, group=group)
+        outcome: list[str | None] = [None]
+        if written is not None:
+            outcome[0] = next((f"rank {r}: {e}" for r, (_, e) in enumerate(written) if e is not None), None)
+            if outcome[0] is None:
+                try:
+                    expected = {key for held in inventories for key, _ in held}
+                    checkpoint_format.write_index(tmp, [p for p, _ in written], expected)
+                    files.publish(tmp, target, job.meta, files.to_bytes(record))  # type: ignore[arg-type]
+                except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+                    log.debug("checkpoint publication failed", exc_info=True)
+                    outcome[0] = f"rank 0: {type(err).__name__}: {err}"
+        dist.broadcast_object_list(outcome, src=root, group=group)
+        return outcome[0]
     except Exception as err:  # noqa: BLE001 - a peer lost during the collectives
         return f"{type(err).__name__}: {err}"
+
+
+def _write_with_dcp(
+    job: WriteJob, tmp: Location, target: Location, record: dict | None, group: dist.ProcessGroup | None
+) -> str | None:
+    """The write of a state that :mod:`~lightning_varuna.checkpoint_format` does not flatten: DCP's own save."""
+    error = None
+    try:
+        dcp.save(job.shards, storage_writer=tmp.writer(), process_group=group)
+        if job.meta is not None:
+            # DCP's coordinator returns only after every rank's write: all shards are in
+            files.publish(tmp, target, job.meta, files.to_bytes(record))
+    except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+        log.debug("checkpoint write failed", exc_info=True)
+        error = f"{type(err).__name__}: {err}"
+    return _agree(error, group)
+
+
+def _agree(error: str | None, group: dist.ProcessGroup | None) -> str | None:
+    """The first rank's error, on every rank (collective)."""
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
 
 
 class CheckpointWriter:
@@ -297,6 +342,12 @@ def write_single(
     tmp = target.with_suffix(files.TMP_SUFFIX)
     tmp.remove()
     shards, hyper = split_shards(shards, groups)
-    with single_process_quiet():
-        dcp.save(shards, storage_writer=tmp.writer(), no_dist=True)
+    try:
+        flat = checkpoint_format.flatten(shards)
+    except checkpoint_format.UnsupportedState:
+        with single_process_quiet():
+            dcp.save(shards, storage_writer=tmp.writer(), no_dist=True)
+    else:
+        part = checkpoint_format.write_items(tmp, 0, flat, set(flat))
+        checkpoint_format.write_index(tmp, [part], flat)
     files.publish(tmp, target, files.to_bytes({**metadata, RECORD: make_record(param_names, [(groups, hyper)])}))

@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -36,6 +35,7 @@ from forked import marked_time, run_ranks  # noqa: E402
 from models import RandomTokens, TinyGPT  # noqa: E402
 
 import lightning_varuna  # noqa: E402
+from lightning_varuna import checkpoint_format  # noqa: E402
 from lightning_varuna.preemption import HTTPNotice  # noqa: E402
 
 WORLD = 4
@@ -88,17 +88,16 @@ class Faulty(TinyGPT):
 
 
 def _kill_in_checkpoint_write(trainer: pl.Trainer, step: int) -> None:
-    """The rank dies as its DCP write of last.ckpt at ``step`` starts; the other ranks are writing theirs."""
-    save = dcp.save
+    """The rank dies as its write of last.ckpt's shards at ``step`` starts; the other ranks are writing theirs."""
+    write_items = checkpoint_format.write_items
 
-    def die_or_save(state, *args, **kwargs):
-        target = kwargs.get("checkpoint_id") or getattr(kwargs.get("storage_writer"), "path", "")
-        if trainer.global_step == step and Path(str(target)).name.startswith("last"):
+    def die_or_write(directory, *args, **kwargs):
+        if trainer.global_step == step and Path(directory.path).name.startswith("last"):
             print(f"{FAULT_MARK} {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return save(state, *args, **kwargs)
+        return write_items(directory, *args, **kwargs)
 
-    dcp.save = die_or_save
+    checkpoint_format.write_items = die_or_write
 
 
 def train(out: Path, run: str, url: str, rank: int) -> None:
