@@ -4,6 +4,9 @@ Run from the repository root (4 gloo processes, 1 thread each; P=2 stages x D=2 
 
     torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py --out benchmarks/results/checkpoint.json
 
+With ``--nproc-per-node=2`` it runs P=2 x D=1: one process per core on a 2-core machine, as on a GPU node where
+each process has its device and host cores to spare (no replica shares the writing).
+
 Smoke size (seconds, for checking that it runs)::
 
     torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py --smoke
@@ -327,8 +330,9 @@ def main(argv=None) -> int:
     if out is None:
         return 0
     out.update(
-        command=" ".join(["torchrun --standalone --nproc-per-node=4 benchmarks/checkpoint.py",
+        command=" ".join([f"torchrun --standalone --nproc-per-node={os.environ['WORLD_SIZE']} benchmarks/checkpoint.py",
                           *(argv or sys.argv[1:])]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         config={k: getattr(args, k) for k in ("rounds", "warmup", "every", "saves", "n_layer", "n_embd",
                                               "accelerator_like", "idle_cpu_ms")},
         package_commit=_git("rev-parse", "HEAD"),
