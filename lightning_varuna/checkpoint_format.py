@@ -224,7 +224,8 @@ def _record(value: Any) -> memoryview:
             value = value.cpu()
         if value.untyped_storage().nbytes() != value.nbytes or not value.is_contiguous():
             value = value.clone(memory_format=torch.contiguous_format)
-        if type(value) is Tensor and value.layout is torch.strided and not value.is_conj() and not value.is_neg():
+        plain = value.layout is torch.strided and not (value.is_conj() or value.is_neg() or value.has_names())
+        if type(value) is Tensor and plain:
             return _TENSOR_RECORDS.record(value)
     return _torch_save(value)
 
