@@ -90,6 +90,8 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
         held = checkpoint_format.inventory(flat)
     except checkpoint_format.UnsupportedState:
         pass  # this rank's state is written by dcp.save, and so every rank's
+    except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+        problem = problem or f"rank {dist.get_rank(group)} could not list its state: {type(err).__name__}: {err}"
     try:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         gathered: list[Any] = [None] * world
@@ -101,9 +103,9 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
         if len(paths) > 1:
             return f"the ranks were given different paths ({', '.join(paths)}); give every rank the same one"
         inventories = [h for *_, h in gathered]
-        record = make_record(job.param_names, [(g, h) for _, g, h, _, _ in gathered]) if job.meta is not None else None
+        members = [(g, h) for _, g, h, _, _ in gathered]
         if any(h is None for h in inventories):
-            return _write_with_dcp(job, tmp, target, record, group)
+            return _write_with_dcp(job, tmp, target, members, group)
         part, error = None, None
         try:
             mine = checkpoint_format.assign(inventories)[rank]
@@ -122,7 +124,8 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
                 try:
                     expected = {key for held in inventories for key, _ in held}
                     checkpoint_format.write_index(tmp, [p for p, _ in written], expected)
-                    files.publish(tmp, target, job.meta, files.to_bytes(record))  # type: ignore[arg-type]
+                    record = files.to_bytes(make_record(job.param_names, members))
+                    files.publish(tmp, target, job.meta, record)  # type: ignore[arg-type]
                 except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
                     log.debug("checkpoint publication failed", exc_info=True)
                     outcome[0] = f"rank 0: {type(err).__name__}: {err}"
@@ -133,7 +136,7 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
 
 
 def _write_with_dcp(
-    job: WriteJob, tmp: Location, target: Location, record: dict | None, group: dist.ProcessGroup | None
+    job: WriteJob, tmp: Location, target: Location, members: list[tuple[Groups, Any]], group: dist.ProcessGroup | None
 ) -> str | None:
     """The write of a state that :mod:`~lightning_varuna.checkpoint_format` does not flatten: DCP's own save."""
     error = None
@@ -141,7 +144,7 @@ def _write_with_dcp(
         dcp.save(job.shards, storage_writer=tmp.writer(), process_group=group)
         if job.meta is not None:
             # DCP's coordinator returns only after every rank's write: all shards are in
-            files.publish(tmp, target, job.meta, files.to_bytes(record))
+            files.publish(tmp, target, job.meta, files.to_bytes(make_record(job.param_names, members)))
     except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
         log.debug("checkpoint write failed", exc_info=True)
         error = f"{type(err).__name__}: {err}"

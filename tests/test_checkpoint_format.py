@@ -164,9 +164,55 @@ def test_tensor_records_are_torch_saves_bytes_without_pickling_each_tensor() -> 
 
     records = fmt._TensorRecords()
     for tensor in (torch.randn(7, 5), torch.arange(6, dtype=torch.int64), torch.tensor(2.5), torch.empty(0, 4),
-                   torch.randn(3, dtype=torch.bfloat16), torch.tensor([True, False])):
+                   torch.randn(3, dtype=torch.bfloat16), torch.tensor([True, False]), torch.randn(1, 4)):
         for values in (tensor, tensor.clone().fill_(1) if tensor.dtype != torch.bool else ~tensor):
-            expected = io.BytesIO()
+            expected, written = io.BytesIO(), io.BytesIO()
             torch.save(values, expected)
-            assert bytes(records.record(values)) == expected.getvalue()
-        assert records._pickles[(tensor.dtype, tuple(tensor.shape))] is not None  # rebuilt, not torch.save
+            records.write(written, values)
+            assert written.getvalue() == expected.getvalue()
+        assert records._pickles[(tensor.dtype, tuple(tensor.shape), tensor.stride())] is not None  # rebuilt
+
+
+def test_every_kind_of_tensor_reads_back_as_written() -> None:
+    """What the rebuilt records skip (views, quantized, conjugate, negative, grad) goes through torch.save."""
+    import io
+
+    base = torch.randn(12)
+    complex_values = torch.randn(3, dtype=torch.complex64)
+    tensors = [
+        base[2:8].view(2, 3), torch.randn(4, 3).t(), torch.randn(2, 2, requires_grad=True),
+        torch.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.1, 0, torch.qint8),
+        torch.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.5, 3, torch.qint8),  # same layout, other scale
+        complex_values.conj(), torch.randn(3)._neg_view(), torch.randn(1, 4).expand(3, 4),
+    ]
+    for tensor in tensors:
+        sink = io.BytesIO()
+        fmt._write_record(fmt._Sink(sink), tensor)
+        loaded = torch.load(io.BytesIO(sink.getvalue()), weights_only=False)
+        expected = tensor.detach().resolve_conj().resolve_neg()
+        if tensor.is_quantized:
+            assert (loaded.q_scale(), loaded.q_zero_point()) == (tensor.q_scale(), tensor.q_zero_point())
+            expected, loaded = expected.dequantize(), loaded.dequantize()
+        assert loaded.shape == tensor.shape and torch.equal(loaded.resolve_conj().resolve_neg(), expected)
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_writing_and_agree_on_failures(tmp_path: Path) -> None:
+    import json
+
+    from launch import torchrun
+
+    torchrun("checkpoint_format.py", str(tmp_path), nproc=2, timeout=180)
+    ranks = [json.loads((tmp_path / f"format.rank{r}.json").read_text()) for r in range(2)]
+    shared = ranks[0]["shared"]
+    assert [r["shared"]["error"] for r in ranks] == [None, None] and shared["complete"]
+    assert shared["keys"] == ["state_dict.only0", "state_dict.only1", "state_dict.shared"]
+    assert shared["files"] == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote a share
+    assert shared["values"] == {"shared": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "only0": [0.0, 0.0], "only1": [1.0, 1.0]}
+    for scenario, who in (("write-fails", "rank 1: RuntimeError: injected"),
+                          ("publish-fails", "rank 0: RuntimeError: injected")):
+        assert [r[scenario]["error"] for r in ranks] == [who, who]
+        assert not ranks[0][scenario]["complete"]
+    fallback = ranks[0]["list-on-one-rank"]
+    assert [r["list-on-one-rank"]["error"] for r in ranks] == [None, None] and fallback["complete"]
+    assert "state_dict.shared" in fallback["keys"]
