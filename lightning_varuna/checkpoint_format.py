@@ -1,13 +1,13 @@
 """DCP's on-disk format, written without DCP's planning protocol: one file per rank, one index by rank 0.
 
 ``dcp.save`` plans every write collectively (local plans, a reduce-scatter of them, a global plan, a gather of
-the results) and builds a dataclass per item at each step: for the example model's 3 MiB that is 20-30 ms of
-CPU per rank and write, which an asynchronous writer takes from the training processes on a small host. The
-checkpoints written here hold only whole tensors and small objects, keyed by name, so the plan is known
-without that protocol:
+the results), builds a dataclass per item at each step and pickles each tensor: for the example model's
+3 MiB that is 25-45 ms of CPU per rank and write, which an asynchronous writer takes from the training
+processes on a small host. The checkpoints written here hold only whole tensors and small objects, keyed by
+name, so the plan is known without that protocol:
 
-* :func:`inventory` flattens a rank's state exactly as DCP's ``DefaultSavePlanner`` does (nested mappings,
-  keys joined by dots) and lists each item's size;
+* :func:`flatten` flattens a rank's state exactly as DCP's ``DefaultSavePlanner`` does (nested mappings,
+  keys joined by dots), and :func:`inventory` lists each item's size;
 * :func:`assign` gives every item to one of the ranks that hold it (replicas share the writing), the same
   on every rank, from every rank's inventory;
 * :func:`write_items` writes a rank's items into ``__<rank>_0.distcp`` (a ``torch.save`` record per item,
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_varuna.checkpoint_files import INDEX, Location
 
-__all__ = ["IndexPart", "UnsupportedState", "assign", "inventory", "write_index", "write_items"]
+__all__ = ["IndexPart", "UnsupportedState", "assign", "flatten", "inventory", "write_index", "write_items"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ Inventory = list[tuple[str, int]]
 
 
 class UnsupportedState(ValueError):
-    """A state that DCP would flatten otherwise than :func:`inventory` does (``dcp.save`` is used instead)."""
+    """A state that :func:`flatten` does not take (``dcp.save`` is used instead)."""
 
 
 @dataclasses.dataclass
