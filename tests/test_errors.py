@@ -395,21 +395,22 @@ def test_balance_and_plan_arguments() -> None:
 def test_one_slow_timed_run_does_not_skew_the_plan() -> None:
     """A preemption inside one segment during one timed run must not move the stage boundaries."""
 
-    class Hiccup(nn.Module):
-        # on the first timed run only, the last segment is stalled as a busy machine would stall it
-        def __init__(self) -> None:
+    class Takes(nn.Module):
+        # a segment's compute as a fixed time, so that the plan does not depend on how loaded the machine is;
+        # with ``stall_on``, that call (a timed run) is stalled as a busy machine would stall it
+        def __init__(self, seconds: float, stall_on: int | None = None) -> None:
             super().__init__()
-            self.calls = 0
+            self.seconds, self.stall_on, self.calls = seconds, stall_on, 0
 
         def forward(self, x: Tensor) -> Tensor:
             self.calls += 1
-            if self.calls == 3:  # calls 1 and 2 are the traced forwards on 1 and 2 samples
-                time.sleep(0.5)
+            time.sleep(0.5 if self.calls == self.stall_on else self.seconds)
             return x
 
-    model = Chain(4, width=512)
-    model.layers[3] = nn.Sequential(model.layers[3], Hiccup())
-    batch = torch.randn(256, 512)
+    model = Chain(4, width=8)
+    for i in range(4):  # calls 1 and 2 are the traced forwards on 1 and 2 samples; call 3 the first timed run
+        model.layers[i] = nn.Sequential(model.layers[i], Takes(0.02, stall_on=3 if i == 3 else None))
+    batch = torch.randn(4, 8)
     result, _ = trace_step(model, lambda n: model(batch[:n]), lambda: model(batch))
     assert model.layers[3][1].calls == 2 + TIMED_RUNS
     assert max(result.segment_seconds) < 0.25, result.segment_seconds
