@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, serialization
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -181,15 +182,13 @@ def write_index(directory: Location, parts: Sequence[IndexPart], expected: Itera
     if "storage_meta" in fields:
         metadata.storage_meta = StorageMeta(checkpoint_id=directory.text, save_id=str(uuid.uuid4()))
     if "version" in fields:
-        from torch.distributed.checkpoint import filesystem
-
-        metadata.version = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+        metadata.version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
     directory.fs.makedirs(directory.path, exist_ok=True)
-    part = directory.child(INDEX + ".tmp")
-    with _open_for_writing(part) as stream:
+    unfinished = directory.child(INDEX + ".tmp")
+    with _open_for_writing(unfinished) as stream:
         pickle.dump(metadata, stream)
         _sync(stream)
-    directory.fs.mv(part.path, directory.child(INDEX).path)
+    directory.fs.mv(unfinished.path, directory.child(INDEX).path)
 
 
 def _describe(value: Any) -> TensorStorageMetadata | BytesStorageMetadata:

@@ -122,7 +122,7 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
             outcome[0] = next((f"rank {r}: {e}" for r, (_, e) in enumerate(written) if e is not None), None)
             if outcome[0] is None:
                 try:
-                    expected = {key for held in inventories for key, _ in held}
+                    expected = {key for listed in inventories for key, _ in listed}
                     checkpoint_format.write_index(tmp, [p for p, _ in written], expected)
                     record = files.to_bytes(make_record(job.param_names, members))
                     files.publish(tmp, target, job.meta, record)  # type: ignore[arg-type]
