@@ -40,6 +40,10 @@ def free_parameter(root: nn.Module, name: str) -> None:
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple | None:
+    """The cache key of a call: the structure of its arguments, tensors by shape and dtype (None: unhashable)."""
+    if not kwargs and all(isinstance(arg, Tensor) for arg in args):
+        # the usual call, block(x): skip the pytree walk, which costs more than the rest of the stand-in
+        return tuple((arg.shape, arg.dtype) for arg in args)
     leaves, spec = tree_flatten((args, kwargs))
     key: list[Any] = [spec]
     for leaf in leaves:
@@ -68,6 +72,8 @@ class StandIn:
         self.segment = segment
         self.device = device
         self._cache: dict[tuple, tuple[list, Any]] = {}
+        """Per call signature: the output's leaves as (shape, dtype) or (value, None), and its tree structure
+        (None for a single tensor)."""
         self._zeros: dict[torch.dtype, Tensor] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +87,9 @@ class StandIn:
             if key is not None and len(self._cache) < 64:
                 self._cache[key] = entry
         specs, tree = entry
+        if tree is None:  # a single tensor
+            shape, dtype = specs[0]
+            return self._zero(dtype).expand(shape)
         leaves = [self._zero(d).expand(s) if isinstance(s, tuple) else s for s, d in specs]
         return tree_unflatten(leaves, tree)
 
@@ -100,6 +109,8 @@ class StandIn:
         # call the module's own forward (not __call__): its hooks, cut points included, belong to the real call
         with _reparametrize_module(self.module, state):
             out = self.forward(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        if isinstance(out, Tensor):
+            return [(tuple(out.shape), out.dtype)], None
         leaves, tree = tree_flatten(out)
         specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
         return specs, tree
