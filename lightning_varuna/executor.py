@@ -2,9 +2,10 @@
 
 Receives are posted ahead (all of a step's activations once their shape is known, each gradient as soon as
 the forward that it answers has been sent); sends are asynchronous and only waited for at the end of the
-step. A recompute or backward whose gradient is late lets the next forward go first if its input is there
-(Varuna's opportunistic rule, :func:`~lightning_varuna.schedules.next_task`): forwards keep their order, as
-do recomputes and backwards, so message order holds.
+step. A recompute or backward whose gradient is late, or that would leave the next stage without work, lets
+the next forward go first if its input is there (Varuna's opportunistic rule and ours,
+:func:`~lightning_varuna.schedules.next_task`): forwards keep their order, as do recomputes and backwards, so
+message order holds.
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ class StageExecutor:
         """The dtype the model had at this stage's first cut (received activations are cast back to it)."""
         self.current: _StageForward | None = None
         self.opportunistic_moves = 0
+        self.executed: list[Task] = []
+        """The tasks of the last step, in the order they ran (the run-time rules may move forwards)."""
+        self.feed_next_stage = True
+        """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
+        (see :func:`~lightning_varuna.schedules.next_task`); False keeps Varuna's rule alone."""
         self.summary: Tensor | None = None
         self._pool: dict[tuple[str, int], Tensor] = {}
 
@@ -325,11 +331,13 @@ class StageExecutor:
 
         last_b = next((t.microbatch for t in reversed(tasks) if t.kind is Kind.B), None) if train else None
         pending = list(tasks)
+        self.executed = []
         completed = False
         try:
             while pending:
-                index = next_task(pending, arrived, forwards_stash=no_grad_forward) if train else 0
+                index = next_task(pending, arrived, no_grad_forward, self.feed_next_stage) if train else 0
                 task = pending.pop(index)
+                self.executed.append(task)
                 self.opportunistic_moves += index > 0
                 if task.kind is Kind.F:
                     run_forward(task.microbatch)

@@ -100,6 +100,7 @@ def simulate(
     comm: float = 0.0,
     jitter: Jitter | None = None,
     opportunistic: bool = False,
+    feed_next_stage: bool = True,
 ) -> SimResult:
     """Simulate the execution of a schedule in continuous time.
 
@@ -110,7 +111,8 @@ def simulate(
     With ``opportunistic=True`` the executor's runtime rule applies (Varuna's opportunistic rule,
     :func:`~lightning_varuna.schedules.next_task`): a stage whose next recompute or backward waits for a late
     gradient runs its next forward first if that forward's input is there (for a backward, only on a stage
-    with recompute tasks, whose forwards the executor runs without autograd). Forwards keep their order, as
+    with recompute tasks, whose forwards the executor runs without autograd); with ``feed_next_stage`` it
+    does so too while the next stage has nothing left to do. Forwards keep their order, as
     do recomputes and backwards, so every message between two stages is still sent in the same order.
 
     Args:
@@ -119,6 +121,8 @@ def simulate(
         comm: Base delay of every message.
         jitter: Optional extra delay per message.
         opportunistic: Whether to apply Varuna's runtime rule.
+        feed_next_stage: With ``opportunistic``, whether a forward also goes first while the next stage has
+            finished everything this stage sent it (see :func:`~lightning_varuna.schedules.next_task`).
 
     Returns:
         The timing result.
@@ -144,7 +148,9 @@ def simulate(
             for stage in range(num_stages):
                 if free_at[stage] > now or not pending[stage]:
                     continue
-                index = _pick(stage, num_stages, pending[stage], arrivals, now, opportunistic, stashes[stage])
+                index = _pick(
+                    stage, num_stages, pending[stage], arrivals, now, opportunistic, stashes[stage], feed_next_stage
+                )
                 if index is None:
                     continue
                 task = pending[stage].pop(index)
@@ -168,12 +174,13 @@ def _ready(stage: int, num_stages: int, task: Task, arrivals: _Arrivals, now: fl
 
 def _pick(
     stage: int, num_stages: int, tasks: list[Task], arrivals: _Arrivals, now: float, opportunistic: bool,
-    forwards_stash: bool,
+    forwards_stash: bool, feed_next_stage: bool,
 ) -> int | None:
     """Index in ``tasks`` of the task to start now, or ``None`` to wait."""
     index = 0
     if opportunistic:
-        index = next_task(tasks, lambda task: _ready(stage, num_stages, task, arrivals, now), forwards_stash)
+        ready = lambda task: _ready(stage, num_stages, task, arrivals, now)  # noqa: E731
+        index = next_task(tasks, ready, forwards_stash, feed_next_stage)
     return index if _ready(stage, num_stages, tasks[index], arrivals, now) else None
 
 

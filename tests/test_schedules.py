@@ -234,3 +234,20 @@ def test_next_task_moves_a_ready_forward_ahead_of_a_recompute_or_backward_whose_
     assert next_task(pending[1:], arrived_only("F3"), forwards_stash=False) == 0
     # a forward head is never moved, whatever has arrived
     assert next_task(list(tasks("F3 R1 B1")), arrived_only("B1"), forwards_stash=True) == 0
+
+
+def test_next_task_feeds_a_next_stage_that_has_run_out_of_work() -> None:
+    def arrived_only(text: str):
+        there = set(tasks(text))
+        return lambda task: task in there
+
+    pending = list(tasks("R3 B3 R4 B4 F6 R5 B5"))  # F0..F5 have run
+    # B3's gradient is on time, but so is B5's: the next stage has finished all it got and waits for F6
+    assert next_task(pending, arrived_only("F6 B3 B4 B5"), forwards_stash=True) == 4
+    # ... also ahead of a backward, where forwards stash
+    assert next_task(pending[1:], arrived_only("F6 B3 B4 B5"), forwards_stash=True) == 3
+    # the next stage still has work (B5's gradient not back): the list's order holds
+    assert next_task(pending, arrived_only("F6 B3 B4"), forwards_stash=True) == 0
+    # F6's input not there, or the rule off: the list's order holds
+    assert next_task(pending, arrived_only("B3 B4 B5"), forwards_stash=True) == 0
+    assert next_task(pending, arrived_only("F6 B3 B4 B5"), forwards_stash=True, feed_next_stage=False) == 0

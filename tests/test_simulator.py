@@ -113,6 +113,32 @@ def test_opportunistic_without_jitter_is_no_worse() -> None:
     assert eager.makespan <= plain.makespan
 
 
+def test_feeding_the_next_stage_reaches_the_critical_stage_bound() -> None:
+    # With recompute, stage P-2 does m * (F + R + B) = 4m units; it cannot start before its first input
+    # (P-2 ticks) and its last backward still has to cross P-2 stages (2 ticks each): P=4, m=8 gives 38.
+    schedule = make_schedule("varuna", 4, 8, recompute=True)
+    varuna_rule_alone = simulate(schedule, unit_costs(4), opportunistic=True, feed_next_stage=False)
+    fed = simulate(schedule, unit_costs(4), opportunistic=True)
+    assert varuna_rule_alone.makespan == 39.0
+    assert fed.makespan == 2 + 4 * 8 + 2 * 2
+    # stage 2 no longer holds F6 behind R5 B5 while the last stage waits for it
+    assert fed.order[2].index(Task(Kind.F, 6)) < fed.order[2].index(Task(Kind.B, 5))
+    assert_message_order_kept(fed, 8)
+    validate_schedule(fed.order, 8, recompute=True)
+
+
+def test_feeding_the_next_stage_is_never_worse_and_reaches_the_bound_with_unit_costs() -> None:
+    for num_stages in range(2, 9):
+        for num_microbatches in range(1, 33):
+            schedule = make_schedule("varuna", num_stages, num_microbatches, recompute=True)
+            alone = simulate(schedule, unit_costs(num_stages), opportunistic=True, feed_next_stage=False)
+            fed = simulate(schedule, unit_costs(num_stages), opportunistic=True)
+            assert fed.makespan <= alone.makespan, (num_stages, num_microbatches)
+            if num_stages >= 3 and num_microbatches >= 3:  # stage P-2's bound, as above
+                bound = (num_stages - 2) + 4 * num_microbatches + 2 * (num_stages - 2)
+                assert fed.makespan == bound, (num_stages, num_microbatches)
+
+
 def assert_message_order_kept(result: SimResult, num_microbatches: int) -> None:
     for order in result.order:
         assert subsequence(order, Kind.F) == list(range(num_microbatches))
