@@ -18,7 +18,7 @@ def test_watched_transfers_report_completion_without_a_wait_and_a_missing_messag
     torchrun("comm.py", str(tmp_path), nproc=2, timeout=120)
     sender = json.loads((tmp_path / "comm.rank0.json").read_text())
     receiver = json.loads((tmp_path / "comm.rank1.json").read_text())
-    assert sender == {"send_completed_without_wait": True}
+    assert sender == {"send_completed_without_wait": True, "posted_by": ["varuna-send-1"]}
     assert receiver["completed_before_send"] is False
     assert receiver["completed_without_wait"] is True
     assert receiver["received"] == [0.0, 1.0, 2.0, 3.0]
