@@ -61,10 +61,13 @@ Per configuration, per step (after warm-up steps; a barrier before each step, so
   ratio (m+P-1)/m and idle (P-1)/(m+P-1).
 * memory, per stage, from glibc heap bytes in use (``mallinfo2``: ``uordblks + hblkhd``; torch's CPU
   allocator is malloc-based and does not cache), sampled at every op boundary (each layer's forward and
-  backward after its allocations, and in the gates):
+  backward after its allocations, and in the gates) in *memory steps*: ``--memory-steps`` more steps per
+  configuration after the timed ones, interleaved the same way and not timed. The timed steps do not sample:
+  one ``mallinfo2`` call walks every malloc arena's free lists and cost 40-50 us in the torch peers' processes
+  but 150-170 us in ours (more threads, so more arenas), 5-6 vs 18-26 ms of a step, which skewed the times.
   - peak[s] = max over the step's samples - the figure at the step's start (after ``zero_grad`` and
     ``gc.collect``): live autograd graphs (saved activations), stashed inputs, outputs kept for backward,
-    gradients and temporaries. Max over measured steps. Sampled, not continuous: a transient between two
+    gradients and temporaries. Max over the memory steps. Sampled, not continuous: a transient between two
     ops can be missed (at most about one activation).
   - held[s] = the figure after the warm-up step(s) (after ``zero_grad`` and ``gc.collect``) - the figure
     before the configuration's stage and schedule objects were built: buffers a framework keeps between
@@ -147,14 +150,18 @@ class Runtime:
     n_fwd: int = 0
     n_bwd: int = 0
     peak: int = 0
+    gauge: bool = False  # sample the heap at op boundaries (memory steps only: the probe costs time)
     extra: dict = field(default_factory=dict)
 
-    def reset(self) -> None:
+    def reset(self, gauge: bool) -> None:
         self.busy_s = self.jitter_wait_s = 0.0
         self.n_fwd = self.n_bwd = 0
-        self.peak = heap_in_use()
+        self.gauge = gauge
+        self.peak = heap_in_use() if gauge else 0
 
     def sample(self) -> None:
+        if not self.gauge:
+            return
         b = heap_in_use()
         if b > self.peak:
             self.peak = b
@@ -339,6 +346,7 @@ class System:
     framework: str  # "torch" | "ours"
     schedule: str  # "1f1b" | "gpipe" | "varuna"
     recompute: bool
+    feed_next_stage: bool = True  # ours: the run-time rule that feeds a starving next stage (schedules.next_task)
 
 
 SYSTEMS = {
@@ -349,6 +357,7 @@ SYSTEMS = {
         System("torch-gpipe", "torch", "gpipe", False),
         System("torch-gpipe-ckpt", "torch", "gpipe", True),
         System("ours-varuna-rc", "ours", "varuna", True),
+        System("ours-varuna-rc-classic", "ours", "varuna", True, feed_next_stage=False),  # Varuna's rule alone
         System("ours-1f1b-rc", "ours", "1f1b", True),
         System("ours-1f1b", "ours", "1f1b", False),
         System("ours-gpipe", "ours", "gpipe", False),
@@ -421,16 +430,12 @@ def ours_importable() -> str | None:
 def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: tuple[int, ...]):
     """Our engine (lightning_varuna.engine.PipelineEngine) on the same emulated model.
 
-    TODO(engine): the engine is still landing; this adapts to both API shapes seen so far and should be
-    re-checked when it settles:
-      announced: PipelineEngine(module, step_fn, pipeline_parallel_size=P, num_microbatches=m,
-                 schedule=..., recompute=...); engine.setup(batch); engine.train_step(batch)
-                 with step_fn(module, microbatch) -> loss
-      on disk:   PipelineEngine(module, pipeline_parallel_size=P, num_microbatches=m, schedule=...,
-                 recompute=...); engine.setup(batch, step); engine.train_step(batch, step)
-                 with step(microbatch) -> loss
-    The model's blocks are NOT checkpointed here: the engine does its own recompute. Jitter and memory
-    sampling live in the blocks (InGate/OutGate/SleepLayer), so they apply to the engine unchanged.
+    ``PipelineEngine(module, pipeline_parallel_size=P, num_microbatches=m, schedule=..., recompute=...)``,
+    ``engine.setup(batch, step)``, ``engine.train_step(batch, step)`` with ``step(microbatch) -> loss``. (It
+    also adapts to an older announced shape, ``PipelineEngine(module, step_fn, ...)`` with
+    ``engine.setup(batch)``, so that the benchmark can measure earlier commits.) The model's blocks are NOT
+    checkpointed here: the engine does its own recompute. Jitter and memory sampling live in the blocks
+    (InGate/OutGate/SleepLayer), so they apply to the engine unchanged.
     Raises NotImplementedError while the engine is not importable (the rows are then skipped with a note).
     """
     reason = ours_importable()
@@ -462,6 +467,8 @@ def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: 
         engine.setup(sample)
     takes_step = "step" in inspect.signature(engine.train_step).parameters
     executor = getattr(engine, "executor", None)
+    if not sysm.feed_next_stage:
+        executor.feed_next_stage = False
     if rt.jitter_mode == "deadline" and executor is not None:
         _arrive_at_deadlines(executor.p2p, rt)
 
@@ -511,13 +518,15 @@ RUNNERS = {"torch": run_torch, "ours": run_varuna}
 
 
 # --------------------------------------------------------------------------------------------- driver
-def _one_step(fns, rt: Runtime, batch: torch.Tensor, m: int, i: int, barrier: bool = True) -> list:
-    """One barrier-aligned step; returns this rank's record."""
+def _one_step(
+    fns, rt: Runtime, batch: torch.Tensor, m: int, i: int, barrier: bool = True, gauge: bool = False
+) -> list:
+    """One barrier-aligned step; returns this rank's record (its peak is 0 unless ``gauge``)."""
     step, zero_grad, _ = fns
     make_batch(batch, m, step=i)  # key = i*1000 + micro-batch: the same messages, the same jitter
     zero_grad()
     gc.collect()
-    rt.reset()
+    rt.reset(gauge)
     start_mem = rt.peak
     if barrier:
         dist.barrier(group=_GROUP[0])
@@ -561,20 +570,28 @@ def measure_group(entries: list[tuple[System, float]], args, rank: int, world: i
         gc.collect()
         built.append((sysm, jf, rt, fns, heap_in_use() - base_mem, time.monotonic() - t0))
     recs: list[list] = [[] for _ in built]
-    for k in range(args.steps):
+    peaks: list[int] = [0 for _ in built]
+    for k in range(args.steps + args.memory_steps):
+        gauge = k >= args.steps  # timed steps first, then the memory steps
         for j in range(len(built)):
             idx = (j + k) % len(built)
             rt, fns = built[idx][2], built[idx][3]
-            recs[idx].append(_one_step(fns, rt, batch, m, args.warmup + k))
+            rec = _one_step(fns, rt, batch, m, args.warmup + k, gauge=gauge)
+            if gauge:
+                peaks[idx] = max(peaks[idx], rec[6])
+            else:
+                recs[idx].append(rec)
     for b in built:
         b[3][2]()
     gathered = [None] * world
-    dist.all_gather_object(gathered, [(r, b[4]) for r, b in zip(recs, built, strict=True)], group=_GROUP[0])
+    mine = [(r, b[4], p) for r, b, p in zip(recs, built, peaks, strict=True)]
+    dist.all_gather_object(gathered, mine, group=_GROUP[0])
     rows = []
     P = world
     for j, (sysm, jf, rt, _, _, build_s) in enumerate(built if rank == 0 else []):
         out = [gathered[r][j][0] for r in range(P)]
         held = [gathered[r][j][1] for r in range(P)]
+        peak = [gathered[r][j][2] for r in range(P)]
         n = len(out[0])
         step_s = [max(out[r][k][1] for r in range(P)) - min(out[r][k][0] for r in range(P)) for k in range(n)]
         med = statistics.median(step_s)
@@ -610,7 +627,7 @@ def measure_group(entries: list[tuple[System, float]], args, rank: int, world: i
                 "jitter_wait_s_per_stage": per_stage(3),
                 "fwd_ops_per_stage": per_stage(4, max),
                 "bwd_ops_per_stage": per_stage(5, max),
-                "peak_mib_per_stage": [v / 2**20 for v in per_stage(6, max)],
+                "peak_mib_per_stage": [v / 2**20 for v in peak],
                 "held_mib_per_stage": [v / 2**20 for v in held],
                 "op_overrun": overrun,
                 "build_warmup_s": build_s,
@@ -679,6 +696,10 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--steps", type=int, default=4, help="measured steps per configuration (median)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--memory-steps", type=int, default=1,
+        help="steps per configuration, after the timed ones, that sample the heap for the peak (not timed)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=120.0, help="gloo timeout (a hang becomes an error)")
     args = p.parse_args(argv)
@@ -735,7 +756,8 @@ def main(argv=None) -> int:
         "warmup": args.warmup,
         "jitter_mode": args.jitter_mode,
         "seed": args.seed,
-        "memory_method": "glibc mallinfo2 (uordblks+hblkhd) sampled at every op boundary",
+        "memory_steps": args.memory_steps,
+        "memory_method": "glibc mallinfo2 (uordblks+hblkhd) sampled at every op boundary, in memory steps only",
         "ideal": "m*(F+B): useful work per stage; recompute not counted as work",
     }
     results = {"meta": meta, "rows": [], "skipped": skipped}

@@ -15,6 +15,7 @@ SYSTEM_ORDER = [
     "torch-gpipe",
     "torch-gpipe-ckpt",
     "ours-varuna-rc",
+    "ours-varuna-rc-classic",
     "ours-1f1b-rc",
     "ours-1f1b",
     "ours-gpipe",
@@ -45,7 +46,12 @@ def render(results: dict) -> str:
         f"Emulated compute: P={P} stages (one per process, gloo, CPU), F={F:g} ms, B={B:g} ms per stage and "
         f"micro-batch, {meta['layers_per_stage']} layers per stage, activations {shape} fp32 "
         f"({meta['activation_mib']:g} MiB). Median of {meta['steps']} steps after {meta['warmup']} warm-up "
-        f"step(s). Jitter: per-message delay U(0, frac)*F, `{meta['jitter_mode']}` model, "
+        + (
+            f"step(s); peaks from {meta['memory_steps']} separate, untimed memory step(s). "
+            if meta.get("memory_steps")
+            else "step(s); peaks sampled in the timed steps. "
+        )
+        + f"Jitter: per-message delay U(0, frac)*F, `{meta['jitter_mode']}` model, "
         f"seed {meta['seed']}. "
         f"Wall time {meta.get('wall_s', float('nan')):.0f} s (after start-up); load average at start/end "
         f"{meta['loadavg_start'][0]:.1f}/{meta.get('loadavg_end', [float('nan')])[0]:.1f} "
