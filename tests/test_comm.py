@@ -47,6 +47,8 @@ def test_a_stage_sends_a_forward_early_when_its_next_stage_runs_out_of_work(tmp_
     assert predicted[2].index(Task(Kind.F, 6)) < predicted[2].index(Task(Kind.B, 5))
     fed = [[_task(text) for text in order["fed"]] for order in orders]
     assert fed[2].index(Task(Kind.F, 6)) < fed[2].index(Task(Kind.B, 5)), fed[2]
+    alone = [_task(text) for text in orders[2]["varuna_rule_alone"]]
+    assert alone.index(Task(Kind.F, 6)) > alone.index(Task(Kind.B, 5)), alone  # the switch is obeyed
     for run in ("fed", "varuna_rule_alone"):
         executed = tuple(tuple(_task(text) for text in order[run]) for order in orders)
         validate_schedule(executed, 8, recompute=True)

@@ -36,15 +36,26 @@ class Sleep(torch.autograd.Function):
         return grad
 
 
+class SleepyLinear(nn.Module):
+    """A module, so that stages that do not own it stand in for it and do not sleep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Sleep.apply(self.linear(x))
+
+
 class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.layers = nn.ModuleList(SleepyLinear() for _ in range(4))
         self.cuts = nn.ModuleList(CutPoint() for _ in range(3))
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
-            x = Sleep.apply(layer(x))
+            x = layer(x)
             if i < len(self.cuts):
                 x = self.cuts[i](x)
         return x.pow(2).mean()
