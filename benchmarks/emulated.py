@@ -468,6 +468,8 @@ def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: 
     takes_step = "step" in inspect.signature(engine.train_step).parameters
     executor = getattr(engine, "executor", None)
     if not sysm.feed_next_stage:
+        if executor is None:
+            raise NotImplementedError("this engine has no executor to switch the feed_next_stage rule off")
         executor.feed_next_stage = False
     if rt.jitter_mode == "deadline" and executor is not None:
         _arrive_at_deadlines(executor.p2p, rt)

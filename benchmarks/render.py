@@ -49,6 +49,8 @@ def render(results: dict) -> str:
         + (
             f"step(s); peaks from {meta['memory_steps']} separate, untimed memory step(s). "
             if meta.get("memory_steps")
+            else "step(s); no memory steps (peaks 0). "
+            if "memory_steps" in meta
             else "step(s); peaks sampled in the timed steps. "
         )
         + f"Jitter: per-message delay U(0, frac)*F, `{meta['jitter_mode']}` model, "
@@ -83,7 +85,8 @@ def render(results: dict) -> str:
         "system's without jitter.",
         "- idle (measured): 1 - (time in compute ops, recompute included) / step time, mean over stages.",
         "- peak: heap bytes in use above the step's start (graphs, stashes, grads, temporaries), max over "
-        "steps; held: kept between steps (e.g. receive buffers). Stages s0/s1/s2/s3.",
+        "the memory steps (or the timed steps, in runs before they were separate); held: kept between steps "
+        "(e.g. receive buffers). Stages s0/s1/s2/s3.",
         "- op overrun: how much longer the compute ops took than asked (median over stages and steps): "
         "sleep wake-up latency and real tensor work, i.e. how loaded the shared machine was for that row. "
         "About 1-3% on a quiet machine; compare rows with similar overrun.",

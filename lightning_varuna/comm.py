@@ -254,9 +254,14 @@ class _Watcher:
     It lives for one step: no thread outlives the transfers it watches (a thread still inside a gloo wait when
     the interpreter exits can abort the process).
 
-    The watched transfers between two ranks in one direction (activations, or gradients; not the step's header
-    and summary) complete in the order they were posted, so waiting on them in that order finds each one as
-    soon as it is done. After a failure every later transfer fails with it.
+    The watched transfers between two ranks in one direction (activations, or gradients, and the step's summary;
+    not the activation header) complete in the order they were posted, so waiting on them in that order finds
+    each one as soon as it is done. After a failure every later transfer fails with it.
+
+    A send handed over unposted (:meth:`P2P.isend`) is posted here once the previous transfer in the queue is
+    done. A gloo send is done once the peer has posted the matching receive, so a queued send waits for the
+    receives of those before it: the executor posts every receive ahead (activations when the header arrives,
+    each gradient after its forward, the summary at the step's start).
     """
 
     def __init__(self, name: str, timeout: timedelta) -> None:
