@@ -416,10 +416,10 @@ class FullModel(nn.Module):
 
 
 def ours_importable() -> str | None:
-    """None if `lightning_varuna.engine.PipelineEngine` imports, else the reason."""
+    """None if `lightning_varuna.pipeline.engine.PipelineEngine` imports, else the reason."""
     try:
         import lightning_varuna
-        from lightning_varuna.engine import PipelineEngine  # noqa: F401
+        from lightning_varuna.pipeline.engine import PipelineEngine  # noqa: F401
 
         lightning_varuna.CutPoint  # noqa: B018
     except Exception as e:  # noqa: BLE001
@@ -428,7 +428,7 @@ def ours_importable() -> str | None:
 
 
 def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: tuple[int, ...]):
-    """Our engine (lightning_varuna.engine.PipelineEngine) on the same emulated model.
+    """Our engine (lightning_varuna.pipeline.engine.PipelineEngine) on the same emulated model.
 
     ``PipelineEngine(module, pipeline_parallel_size=P, num_microbatches=m, schedule=..., recompute=...)``,
     ``engine.setup(batch, step)``, ``engine.train_step(batch, step)`` with ``step(microbatch) -> loss``. (It
@@ -440,11 +440,11 @@ def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: 
     """
     reason = ours_importable()
     if reason is not None:
-        raise NotImplementedError(f"lightning_varuna.engine not importable ({reason})")
+        raise NotImplementedError(f"lightning_varuna.pipeline.engine not importable ({reason})")
     import inspect
 
     import lightning_varuna
-    from lightning_varuna.engine import PipelineEngine
+    from lightning_varuna.pipeline.engine import PipelineEngine
 
     model = FullModel(world, shape[-1], rt, lightning_varuna.CutPoint)
 
@@ -733,7 +733,7 @@ def main(argv=None) -> int:
         dist.all_gather_object(reasons, ours_importable(), group=_GROUP[0])
         reason = next((r for r in reasons if r), None)
         failed = (
-            {s.name: f"lightning_varuna.engine not importable: {reason}" for s in ours}
+            {s.name: f"lightning_varuna.pipeline.engine not importable: {reason}" for s in ours}
             if reason
             else preflight_ours(ours, args, rank, world, base[0])
         )

@@ -124,7 +124,7 @@ class Config:
     def __init__(self, compute: str, P: int, args) -> None:
         import torch.distributed as dist
 
-        from lightning_varuna.engine import PipelineEngine
+        from lightning_varuna.pipeline.engine import PipelineEngine
 
         world = dist.get_world_size()
         self.compute, self.P, self.D = compute, P, world // P

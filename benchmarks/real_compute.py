@@ -275,7 +275,7 @@ class BareEngine:
     """Our ``PipelineEngine`` without Lightning: the engine's own loop (docstring of engine.py) on the GPT."""
 
     def __init__(self, name: str, steps: int, breakdown: bool):
-        from lightning_varuna.engine import PipelineEngine
+        from lightning_varuna.pipeline.engine import PipelineEngine
 
         schedule = name.split("-")[1]
         gpt = build_gpt()

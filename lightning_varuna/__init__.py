@@ -1,10 +1,7 @@
 """lightning-varuna: Varuna-style pipeline parallelism for PyTorch Lightning."""
 
 from lightning_varuna.checkpoint import CheckpointError
-from lightning_varuna.comm import PipelineError
-from lightning_varuna.cut import CutPoint, CutPointError
-from lightning_varuna.engine import PipelineEngine
-from lightning_varuna.partition import PartitionError
+from lightning_varuna.pipeline import CutPoint, CutPointError, PartitionError, PipelineEngine, PipelineError
 
 __all__ = [
     "CheckpointError", "CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError",

@@ -20,6 +20,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_varuna.patches import replaced_log
+
 __all__ = ["LogCapture", "LogBroadcaster", "reduce_records", "replay"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
@@ -48,11 +50,8 @@ class LogCapture:
                 value = _MetricLog(value, _detached(getattr(value, "_forward_cache", None)))
             self.records.append((self.microbatch, name, value, kwargs))
 
-        self.module.log = log  # type: ignore[method-assign]
-        try:
+        with replaced_log(self.module, log):
             yield self
-        finally:
-            del self.module.log
 
 
 @dataclass(frozen=True)

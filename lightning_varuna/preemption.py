@@ -28,6 +28,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_varuna.patches import InstancePatches, take_over_sigterm
+
 __all__ = [
     "PREEMPTED_EXIT_CODE",
     "FileNotice",
@@ -48,9 +50,6 @@ the pod; SLURM requeues on it where ``RequeueExit`` lists it."""
 
 _TERMINATE, _REQUEUE = 1, 2
 """Flag values, agreed with MAX: a requeue signal (SLURM) wins over any other warning."""
-
-
-_UNSET = object()
 
 
 class Preempted(SystemExit):
@@ -252,23 +251,11 @@ class PreemptionGuard:
             requeue = (environment.requeue_signal,)
         terminate = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if s not in (None, *requeue))
         self.watch = PreemptionWatch(notice, terminate, requeue)
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._patches = InstancePatches()
 
     def attach(self) -> None:
         """Replaces Lightning's signal handling for this fit and starts watching."""
-        trainer = self.trainer
-        epoch_loop = trainer.fit_loop.epoch_loop
-        self._patch(trainer._signal_connector, "register_signal_handlers", lambda: None)
-        self._patch(epoch_loop, "_broadcast_sigterm_tensor", self.agree)
-        if trainer.world_size == 1 or not hasattr(type(epoch_loop), "_broadcast_sigterm_tensor"):
-            # Lightning calls the hook only with more than one process (and only since 2.5.2)
-            advance = epoch_loop.advance
-
-            def agree_then_advance(data_fetcher: Any) -> None:
-                self.agree()
-                advance(data_fetcher)
-
-            self._patch(epoch_loop, "advance", agree_then_advance)
+        take_over_sigterm(self._patches, self.trainer, self.agree)
         if self.checkpoint_callback() is None:
             rank_zero_warn(
                 f"VarunaStrategy: no ModelCheckpoint callback, so a preemption writes its checkpoint to"
@@ -280,16 +267,7 @@ class PreemptionGuard:
     def detach(self) -> None:
         """Stops watching and gives Lightning its signal handling back."""
         self.watch.stop()
-        for obj, name, previous in reversed(self._patched):
-            if previous is _UNSET:
-                vars(obj).pop(name, None)
-            else:
-                setattr(obj, name, previous)
-        self._patched = []
-
-    def _patch(self, obj: Any, name: str, value: Any) -> None:
-        self._patched.append((obj, name, vars(obj).get(name, _UNSET)))
-        setattr(obj, name, value)
+        self._patches.undo()
 
     def checkpoint_callback(self) -> ModelCheckpoint | None:
         """The first ``ModelCheckpoint`` (``ckpt_path="last"`` searches its ``dirpath``)."""

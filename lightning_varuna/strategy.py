@@ -47,16 +47,20 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import Metric
 
-from lightning_varuna import checkpoint
-from lightning_varuna.checkpoint_writer import CheckpointWriter
-from lightning_varuna.comm import PipelineError, Topology, peer_error, report_failure
-from lightning_varuna.cut import forward_handler, install_cut_at
+from lightning_varuna.checkpoint import load as checkpoint
+from lightning_varuna.checkpoint import state as checkpoint_state
+from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import resumable_training_loader
-from lightning_varuna.engine import PipelineEngine, default_loss, first_samples
-from lightning_varuna.executor import SUMMARY_SIZE
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
+from lightning_varuna.patches import install_ckpt_path_recorder
+from lightning_varuna.pipeline.cut import forward_handler, install_cut_at
+from lightning_varuna.pipeline.engine import PipelineEngine, default_loss, first_samples
+from lightning_varuna.pipeline.executor import SUMMARY_SIZE
+from lightning_varuna.pipeline.failures import PipelineError, peer_error, report_failure
+from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
+from lightning_varuna.resume import last_fallbacks
 
 __all__ = ["VarunaStrategy"]
 
@@ -178,7 +182,7 @@ class VarunaStrategy(ParallelStrategy):
         self._timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         self.async_checkpoint = async_checkpoint
         self._checkpoints = CheckpointWriter(asynchronous=async_checkpoint, timeout=self._timeout)
-        checkpoint.remember_requested_ckpt_path()
+        install_ckpt_path_recorder()
         self.num_nodes = 1
         self.engine: PipelineEngine | None = None
         self.topology: Topology | None = None
@@ -708,12 +712,12 @@ class VarunaStrategy(ParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This stage's weights, keyed by full-model name."""
-        return checkpoint.model_state(self.lightning_module)
+        return checkpoint_state.model_state(self.lightning_module)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This stage's optimizer state, keyed by parameter name."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return checkpoint.optimizer_state(self.lightning_module, optimizer)
+        return checkpoint_state.optimizer_state(self.lightning_module, optimizer)
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Writes a sharded checkpoint directory at ``filepath``, a local path or fsspec URL (collective; atomic).
@@ -728,7 +732,7 @@ class VarunaStrategy(ParallelStrategy):
         for i, state in enumerate(checkpoint_dict.pop("optimizer_states", [])):
             shards[f"optimizer_{i}"] = state
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        groups = checkpoint.param_groups_by_name(self.lightning_module, optimizers)
+        groups = checkpoint_state.param_groups_by_name(self.lightning_module, optimizers)
         names = list(self.engine.plan.trace.param_numel) if self.engine and self.engine.plan else []
         self._checkpoints.save(path, shards, checkpoint_dict, groups, names)
 
@@ -752,7 +756,7 @@ class VarunaStrategy(ParallelStrategy):
         path = self.broadcast(str(checkpoint_path))
         # with ckpt_path="last", a bad checkpoint falls back to the newest good one of the run
         trainer = self.lightning_module.trainer
-        fallbacks = self.broadcast(checkpoint.last_fallbacks(trainer, path) if self.is_global_zero else None)
+        fallbacks = self.broadcast(last_fallbacks(trainer, path) if self.is_global_zero else None)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         names = list(self.engine.plan.trace.param_numel)
         return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only, fallbacks)

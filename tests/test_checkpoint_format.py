@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_varuna import checkpoint_format as fmt
-from lightning_varuna.checkpoint_files import INDEX, Location
+from lightning_varuna.checkpoint import format as fmt
+from lightning_varuna.checkpoint.storage import INDEX, Location
 
 
 def _state() -> dict:
@@ -134,8 +134,8 @@ def test_write_job_publishes_a_checkpoint_dcp_loads(tmp_path: Path, lists_tensor
     """``write_job`` over a one-rank group: this module's writer, or DCP's save for a state it does not flatten."""
     import torch.distributed as dist
 
-    from lightning_varuna.checkpoint_files import is_complete, to_bytes
-    from lightning_varuna.checkpoint_writer import WriteJob, write_job
+    from lightning_varuna.checkpoint.job import WriteJob, write_job
+    from lightning_varuna.checkpoint.storage import is_complete, to_bytes
 
     state = {"state_dict": {"w": torch.randn(3, 2)}, "optimizer_0": {"state.w.exp_avg": torch.randn(3, 2)}}
     if lists_tensors:

@@ -25,9 +25,11 @@ from launch import JOBS, ROOT, _env, torchrun
 from models import RandomTokens, TinyGPT
 from torch.utils.data import DataLoader
 
-from lightning_varuna import checkpoint, checkpoint_files, convert
-from lightning_varuna.checkpoint import CheckpointError, is_complete
-from lightning_varuna.checkpoint_writer import write_single
+from lightning_varuna.checkpoint import CheckpointError, convert, is_complete
+from lightning_varuna.checkpoint import load as checkpoint_load
+from lightning_varuna.checkpoint import state as checkpoint
+from lightning_varuna.checkpoint import storage as checkpoint_files
+from lightning_varuna.checkpoint.job import write_single
 
 _spec = importlib.util.spec_from_file_location("checkpoint_io_job", JOBS / "checkpoint_io.py")
 job = importlib.util.module_from_spec(_spec)
@@ -55,7 +57,7 @@ def _save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 def _load(path: Path, model: torch.nn.Module) -> dict:
     optimizer = model.configure_optimizers()["optimizer"]
-    return checkpoint.load(path, model, [optimizer], [n for n, _ in model.named_parameters()])
+    return checkpoint_load.load(path, model, [optimizer], [n for n, _ in model.named_parameters()])
 
 
 @pytest.fixture
@@ -74,7 +76,7 @@ def test_good_checkpoint_loads(saved) -> None:
     path, model = saved
     fresh = GroupedGPT(n_layer=2)
     optimizer = fresh.configure_optimizers()["optimizer"]
-    meta = checkpoint.load(path, fresh, [optimizer], [n for n, _ in fresh.named_parameters()])
+    meta = checkpoint_load.load(path, fresh, [optimizer], [n for n, _ in fresh.named_parameters()])
     assert meta == {"global_step": 2}
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
@@ -129,7 +131,7 @@ def test_bad_checkpoints_raise_what_is_wrong(saved) -> None:
     # another optimizer
     sgd = TinyGPT(n_layer=2)
     with pytest.raises(CheckpointError, match="no optimizer state .* saved with another optimizer"):
-        checkpoint.load(path, sgd, [torch.optim.SGD(sgd.parameters(), lr=0.1, momentum=0.9)], [])
+        checkpoint_load.load(path, sgd, [torch.optim.SGD(sgd.parameters(), lr=0.1, momentum=0.9)], [])
 
 
 def test_fallbacks_skip_bad_checkpoints(saved) -> None:
@@ -139,7 +141,7 @@ def test_fallbacks_skip_bad_checkpoints(saved) -> None:
     fresh = GroupedGPT(n_layer=2)
     optimizer = fresh.configure_optimizers()["optimizer"]
     with pytest.warns(UserWarning, match=f"{re.escape(str(bad))}.*missing.*Falling back to {re.escape(str(path))}"):
-        checkpoint.load(bad, fresh, [optimizer], [], fallbacks=[str(path)])
+        checkpoint_load.load(bad, fresh, [optimizer], [], fallbacks=[str(path)])
     assert torch.equal(fresh.wte.weight, model.wte.weight)
 
 
@@ -314,7 +316,7 @@ def test_strategy_with_async_checkpoint_pickles() -> None:
 
 def test_optimizer_state_loads_into_a_stage_that_holds_no_parameter_of_a_group() -> None:
     """A stage may hold none of a group's parameters (e.g. only biases of a 'decay' / 'no decay' split)."""
-    from lightning_varuna.checkpoint import load_optimizer_state, optimizer_state
+    from lightning_varuna.checkpoint.state import load_optimizer_state, optimizer_state
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.LayerNorm(4))
@@ -342,7 +344,7 @@ def test_optimizer_state_read_directly_equals_torchs_flat_state_dict() -> None:
     """The direct read (after the first step) names and holds what torch's ``get_optimizer_state_dict`` gives."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from lightning_varuna.checkpoint import optimizer_state
+    from lightning_varuna.checkpoint.state import optimizer_state
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 5))
@@ -418,7 +420,7 @@ def test_the_async_writer_refuses_a_filesystem_defined_in_the_main_script() -> N
     """The writer processes cannot import ``__main__``'s classes: said before anything is sent to them."""
     from fsspec.implementations.local import LocalFileSystem
 
-    from lightning_varuna.checkpoint_process import WriterProcess
+    from lightning_varuna.checkpoint.background import WriterProcess
 
     in_main = type("ScriptFS", (LocalFileSystem,), {"__module__": "__main__"})
     writer = WriterProcess.__new__(WriterProcess)  # no process: the check comes first

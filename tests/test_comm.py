@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from launch import torchrun
 
-from lightning_varuna.schedules import Kind, Task, make_schedule, validate_schedule
-from lightning_varuna.simulator import StageCosts, simulate
+from lightning_varuna.pipeline.schedules import Kind, Task, make_schedule, validate_schedule
+from lightning_varuna.pipeline.simulator import StageCosts, simulate
 
 
 def test_watched_transfers_report_completion_without_a_wait_and_a_missing_message_times_out(tmp_path: Path) -> None:

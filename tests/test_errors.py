@@ -19,9 +19,9 @@ from models import RandomTokens, TinyGPT
 from torch import Tensor, nn
 
 from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy
-from lightning_varuna.comm import Topology
-from lightning_varuna.cut import install_cut_at
-from lightning_varuna.partition import TIMED_RUNS, balance, make_plan, trace_step
+from lightning_varuna.pipeline import Topology
+from lightning_varuna.pipeline.cut import install_cut_at
+from lightning_varuna.pipeline.partition import TIMED_RUNS, balance, make_plan, trace_step
 
 CPU = torch.device("cpu")
 

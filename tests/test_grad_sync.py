@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_varuna import grad_sync
-from lightning_varuna.comm import Topology
-from lightning_varuna.grad_sync import GradientSync, default_bucket_bytes
 from lightning_varuna.hook_logs import _plan, merge
+from lightning_varuna.pipeline import Topology, grad_sync
+from lightning_varuna.pipeline.grad_sync import GradientSync, default_bucket_bytes
 
 
 class _Done:

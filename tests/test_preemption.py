@@ -21,7 +21,8 @@ import torch
 from launch import python
 
 from lightning_varuna import VarunaStrategy
-from lightning_varuna.checkpoint import META, is_complete
+from lightning_varuna.checkpoint import is_complete
+from lightning_varuna.checkpoint.storage import META
 from lightning_varuna.preemption import (
     PREEMPTED_EXIT_CODE,
     FileNotice,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_varuna.schedules import (
+from lightning_varuna.pipeline.schedules import (
     SCHEDULES,
     Kind,
     Schedule,

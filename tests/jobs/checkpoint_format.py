@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lightning_varuna import checkpoint_files, checkpoint_format
-from lightning_varuna.checkpoint_writer import WriteJob, write_job
+from lightning_varuna.checkpoint import format as checkpoint_format
+from lightning_varuna.checkpoint import storage as checkpoint_files
+from lightning_varuna.checkpoint.job import WriteJob, write_job
 
 
 def _state(rank: int, scenario: str) -> dict:

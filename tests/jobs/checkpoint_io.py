@@ -42,7 +42,7 @@ from models import RandomTokens, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402
-from lightning_varuna import checkpoint  # noqa: E402
+from lightning_varuna import checkpoint  # noqa: E402  (is_complete)
 
 WATCHED = "blocks.1.mlp.0.weight"
 """A parameter whose optimizer state the resume scenarios record."""

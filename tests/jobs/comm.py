@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_varuna.comm import P2P, PipelineError, Topology
+from lightning_varuna.pipeline import PipelineError, Topology
+from lightning_varuna.pipeline.p2p import P2P
 
 TIMEOUT = 2.0
 

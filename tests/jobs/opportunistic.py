@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_varuna import CutPoint
-from lightning_varuna.engine import PipelineEngine
+from lightning_varuna.pipeline.engine import PipelineEngine
 
 SLOW_BACKWARD_S = 0.05
 

@@ -228,7 +228,7 @@ def read_meta(path: str | os.PathLike | Location, weights_only: bool | None = No
     meta = torch.load(io.BytesIO(loc.child(META).read_bytes()), map_location="cpu", weights_only=weights_only)
     record = loc.child(RECORD_FILE)
     if record.exists():
-        from lightning_varuna.checkpoint import RECORD
+        from lightning_varuna.checkpoint.state import RECORD
 
         meta[RECORD] = torch.load(io.BytesIO(record.read_bytes()), map_location="cpu", weights_only=weights_only)
     return meta

@@ -26,13 +26,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_varuna.comm import P2P, Topology
-from lightning_varuna.cut import CutPoint, CutPointError, install_cut_at
-from lightning_varuna.executor import MemoryStats, StageExecutor
-from lightning_varuna.grad_sync import GradientSync
-from lightning_varuna.partition import Plan, check_pipeline_size, make_plan, trace_step
-from lightning_varuna.schedules import SCHEDULES, Schedule, make_schedule
-from lightning_varuna.stage import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
+from lightning_varuna.pipeline.executor import MemoryStats, StageExecutor
+from lightning_varuna.pipeline.grad_sync import GradientSync
+from lightning_varuna.pipeline.p2p import P2P
+from lightning_varuna.pipeline.partition import Plan, check_pipeline_size, make_plan, trace_step
+from lightning_varuna.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "default_loss"]
 
@@ -102,7 +103,7 @@ class PipelineEngine:
         wire_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype
             (e.g. ``torch.bfloat16`` under bf16 autocast: half the bytes) and are cast back on arrival.
         grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
-            gradient, within 64 KiB-25 MiB; see :func:`~lightning_varuna.grad_sync.default_bucket_bytes`).
+            gradient, within 64 KiB-25 MiB; see :func:`~lightning_varuna.pipeline.grad_sync.default_bucket_bytes`).
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
@@ -264,7 +265,7 @@ class PipelineEngine:
 
         With ``start_sync`` (on the batch before an optimizer step, when ``.grad`` then holds the whole
         gradient), the gradient reductions start during the step: each data-parallel bucket as soon as this
-        stage's last backward has made it final (see :class:`~lightning_varuna.grad_sync.GradientSync`), the
+        stage's last backward has made it final (see :class:`~lightning_varuna.pipeline.grad_sync.GradientSync`), the
         rest right after the schedule. :meth:`sync_gradients` then only waits for them.
         """
         return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale,

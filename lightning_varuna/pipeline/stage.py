@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_varuna.cut import zero_like_shape
-from lightning_varuna.partition import Plan
+from lightning_varuna.pipeline.cut import zero_like_shape
+from lightning_varuna.pipeline.partition import Plan
 
 __all__ = ["StandIn", "apply_plan", "free_parameter"]
 

@@ -4,7 +4,7 @@ Receives are posted ahead (all of a step's activations once their shape is known
 the forward that it answers has been sent); sends are asynchronous and only waited for at the end of the
 step. A recompute or backward whose gradient is late, or that would leave the next stage without work, lets
 the next forward go first if its input is there (Varuna's opportunistic rule and ours,
-:func:`~lightning_varuna.schedules.next_task`): forwards keep their order, as do recomputes and backwards, so
+:func:`~lightning_varuna.pipeline.schedules.next_task`): forwards keep their order, as do recomputes and backwards, so
 message order holds.
 """
 
@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_varuna.comm import HEADER_BYTES, P2P, PipelineError, Topology
-from lightning_varuna.cut import CutPoint, CutPointError, StageOutputReady, forward_handler
-from lightning_varuna.schedules import Kind, Task, next_task
+from lightning_varuna.pipeline.cut import CutPoint, CutPointError, StageOutputReady, forward_handler
+from lightning_varuna.pipeline.failures import PipelineError
+from lightning_varuna.pipeline.p2p import HEADER_BYTES, P2P
+from lightning_varuna.pipeline.schedules import Kind, Task, next_task
+from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["StageExecutor", "MemoryStats", "StepFunction"]
 
@@ -124,7 +126,7 @@ class StageExecutor:
         """The tasks of the last step, in the order they ran (the run-time rules may move forwards)."""
         self.feed_next_stage = True
         """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
-        (see :func:`~lightning_varuna.schedules.next_task`); False keeps Varuna's rule alone."""
+        (see :func:`~lightning_varuna.pipeline.schedules.next_task`); False keeps Varuna's rule alone."""
         self.summary: Tensor | None = None
         self._pool: dict[tuple[str, int], Tensor] = {}
 
@@ -183,7 +185,7 @@ class StageExecutor:
                 that every stage receives (training only).
             last_backward: A context manager factory that this stage's last backward task of the step runs in
                 (the backward and the posting of its input-gradient send), e.g.
-                :meth:`GradientSync.overlapping <lightning_varuna.grad_sync.GradientSync.overlapping>`.
+                :meth:`GradientSync.overlapping <lightning_varuna.pipeline.grad_sync.GradientSync.overlapping>`.
         """
         topo = self.topology
         m = len(sizes)

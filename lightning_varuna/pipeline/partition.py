@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_varuna.cut import CutPoint, CutPointError, forward_handler
+from lightning_varuna.pipeline.cut import CutPoint, CutPointError, forward_handler
 
 __all__ = [
     "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "balance", "make_plan", "check_pipeline_size",

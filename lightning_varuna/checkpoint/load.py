@@ -1,17 +1,8 @@
-"""Checkpoints keyed by parameter name, so that one written under any P x D loads under any other.
+"""Loading a checkpoint into a partitioned model, whatever P x D wrote it.
 
-A checkpoint is a directory written with ``torch.distributed.checkpoint`` (DCP): every stage writes the
-tensors it holds (weights and optimizer state under full-model parameter names; a tensor held by several
-ranks, such as a replica's copy or a tied parameter, is written once), and rank 0 adds ``meta.pt`` with
-Lightning's own state (loops, callbacks, LR schedulers, precision, hyper-parameters) and a record of the
-model's parameter names and optimizer groups (:data:`RECORD`). Writing, in the calling thread or in the
-background, is :mod:`lightning_varuna.checkpoint_writer`; storage and the atomic move into place are
-:mod:`lightning_varuna.checkpoint_files`.
-
-This module has the format (name-keyed flat optimizer state, the record, the plain single-file format's
-positions) and loading. Before a load every rank checks the checkpoint (files present and long enough,
-keys and shapes fitting the model) and the ranks agree on the outcome, so a bad checkpoint raises the same
-:class:`CheckpointError` everywhere, or is skipped for the next candidate (``ckpt_path="last"``).
+Before a load every rank checks the checkpoint (files present and long enough, keys and shapes fitting the
+model) and the ranks agree on the outcome, so a bad checkpoint raises the same :class:`CheckpointError`
+everywhere, or is skipped for the next candidate (``ckpt_path="last"``).
 
 A plain single-file Lightning checkpoint (from a run without this strategy) loads as well: each rank takes
 its own parameters' weights and optimizer state from it.
@@ -32,224 +23,28 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-)
 from torch.optim import Optimizer
 
-from lightning_varuna.checkpoint_files import (
+from lightning_varuna.checkpoint.state import (
+    RECORD,
+    CheckpointError,
+    flat_name,
+    load_optimizer_state,
+    merge_groups,
+    model_state,
+    optimizer_state,
+    param_groups_by_name,
+    plain_to_flat,
+)
+from lightning_varuna.checkpoint.storage import (
     INDEX,
     META,
-    PART_SUFFIX,
-    TMP_SUFFIX,
-    TRASH_SUFFIX,
     Location,
-    is_complete,
     read_meta,
     resolve,
 )
 
-__all__ = [
-    "META",
-    "RECORD",
-    "CheckpointError",
-    "Location",
-    "check_files",
-    "flat_to_plain",
-    "is_complete",
-    "last_fallbacks",
-    "load",
-    "make_record",
-    "merge_groups",
-    "model_state",
-    "optimizer_state",
-    "param_groups_by_name",
-    "plain_to_flat",
-    "remember_requested_ckpt_path",
-    "split_hyper",
-]
-
-RECORD = "varuna"
-"""Key of the parameter record, ``{"param_names": [...], "optimizers": [[[names]]], "hyper": [[{}]]}``, in what
-:func:`~lightning_varuna.checkpoint_files.read_meta` returns (a checkpoint keeps it in ``record.pt``, or, if
-written by :func:`~lightning_varuna.checkpoint_writer.write_single` or an earlier version, in ``meta.pt``).
-
-``optimizers``: per optimizer, per parameter group, the names of the group's parameters (the order a plain
-checkpoint numbers them in); ``hyper``: each group's hyper-parameters (``lr``, ``betas``, ...). They are kept
-here rather than in DCP's files, where the flat format repeats them for every parameter (most of the items
-of a checkpoint, and most of the time it takes to write).
-"""
-Groups = list[list[list[str]]]
-"""Per optimizer, per parameter group, the parameter names in the group's order."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, damaged or does not fit the model."""
-
-
-
-def model_state(module: nn.Module) -> dict[str, Tensor]:
-    """This rank's parameters and persistent buffers by full-model name (sharing storage with the model)."""
-    return dict(module.state_dict())
-
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The optimizer's state, flat and keyed by parameter name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``).
-
-    Flat per-parameter keys are what makes it reshardable: any rank can load any parameter's entries. Once
-    every parameter has state (after the first step) the entries are read directly, sharing storage with the
-    optimizer, as torch's ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` names them; a save
-    pays no more than a dictionary walk. Before that, torch's function initializes the missing state first.
-    """
-    names = {id(p): name for name, p in module.named_parameters()}
-    flat: dict[str, Any] = {}
-    for group in optimizer.param_groups:
-        hyper = [(key, value) for key, value in group.items() if key != "params"]
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            name = names.get(id(param))
-            if not state or name is None:
-                return get_optimizer_state_dict(module, optimizer, options=_FLAT)
-            for key, value in state.items():
-                flat[f"state.{name}.{key}"] = value
-            for key, value in hyper:
-                flat[f"param_groups.{name}.{key}"] = value
-    return flat
-
-
-def load_optimizer_state(module: nn.Module, optimizer: Optimizer, flat: dict[str, Any]) -> None:
-    """Loads a flat, name-keyed optimizer state (:func:`optimizer_state`) into ``optimizer``.
-
-    Unlike torch's own unflattening, a parameter group that holds none of this stage's parameters is fine (a
-    stage may get no parameter of, say, a "no weight decay" group): it keeps its current hyper-parameters, as
-    does any hyper-parameter the state lacks.
-    """
-    names = {id(p): name for name, p in module.named_parameters()}
-    groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    plain = flat_to_plain(flat, groups)
-    for loaded, current in zip(plain["param_groups"], optimizer.param_groups):
-        for key, value in current.items():
-            loaded.setdefault(key, value)
-    optimizer.load_state_dict(plain)
-
-
-def param_groups_by_name(module: nn.Module, optimizers: Sequence[Optimizer]) -> Groups:
-    """For each optimizer and each of its parameter groups, the names of the group's parameters held here."""
-    names = {id(p): name for name, p in module.named_parameters()}  # a shared parameter by its first name, as torch
-    return [[[names[id(p)] for p in group["params"] if id(p) in names] for group in o.param_groups] for o in optimizers]
-
-
-def merge_groups(per_rank: Sequence[Groups], order: Sequence[str]) -> Groups:
-    """The whole model's optimizer groups from every stage's share, each group in ``order`` (full model order)."""
-    position = {name: i for i, name in enumerate(order)}
-    merged: Groups = []
-    for i in range(max((len(groups) for groups in per_rank), default=0)):
-        count = max(len(groups[i]) for groups in per_rank if len(groups) > i)
-        merged.append([])
-        for g in range(count):
-            names = {name for groups in per_rank if len(groups) > i and len(groups[i]) > g for name in groups[i][g]}
-            merged[i].append(sorted(names, key=lambda n: (position.get(n, len(position)), n)))
-    return merged
-
-
-def flat_to_plain(
-    flat: dict[str, Any], groups: Sequence[Sequence[str]], hyper: Sequence[dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    """A flat, name-keyed optimizer state as ``Optimizer.state_dict()`` gives it (parameters by index).
-
-    Args:
-        flat: ``state.<name>.<key>`` (and ``param_groups.<name>.<key>``) entries of the whole model.
-        groups: The optimizer's groups, each a list of parameter names in the optimizer's order.
-        hyper: Each group's hyper-parameters, instead of the ``param_groups`` entries.
-    """
-    state: dict[int, dict[str, Any]] = {}
-    param_groups = []
-    index = 0
-    for g, names in enumerate(groups):
-        ids = list(range(index, index + len(names)))
-        index += len(names)
-        group = dict(hyper[g]) if hyper is not None else {}
-        for i, name in zip(ids, names):
-            entries = _entries(flat, f"state.{name}.")
-            if entries:
-                state[i] = entries
-            group = group or _entries(flat, f"param_groups.{name}.")
-        param_groups.append({**group, "params": ids})
-    return {"state": state, "param_groups": param_groups}
-
-
-def split_hyper(flat: dict[str, Any], groups: Sequence[Sequence[str]]) -> tuple[dict[str, Any], list[dict | None]]:
-    """Takes the per-parameter copies of the group hyper-parameters out of a flat optimizer state.
-
-    Returns:
-        The state entries alone, and each group's hyper-parameters (``None`` for a group with no parameter here).
-    """
-    hyper = [_entries(flat, f"param_groups.{names[0]}.") if names else None for names in groups]
-    return {k: v for k, v in flat.items() if not k.startswith("param_groups.")}, hyper
-
-
-def make_record(param_names: Sequence[str], per_rank: Sequence[tuple[Groups, list[list[dict | None]]]]) -> dict:
-    """The parameter record from every rank's ``(groups, hyper)``."""
-    hyper: list[list[dict]] = []
-    for i, groups in enumerate(merge_groups([g for g, _ in per_rank], param_names)):
-        found = [[h[i][g] for _, h in per_rank if len(h) > i and len(h[i]) > g] for g in range(len(groups))]
-        hyper.append([next((h for h in options if h is not None), {}) for options in found])
-    return {"param_names": list(param_names), "optimizers": merge_groups([g for g, _ in per_rank], param_names),
-            "hyper": hyper}
-
-
-def split_shards(shards: dict[str, Any], groups: Groups) -> tuple[dict[str, Any], list[list[dict | None]]]:
-    shards = dict(shards)
-    hyper = []
-    for i, names in enumerate(groups):
-        key = f"optimizer_{i}"
-        if key in shards:
-            shards[key], h = split_hyper(shards[key], names)
-            hyper.append(h)
-    return shards, hyper
-
-
-def plain_to_flat(plain: dict[str, Any], groups: Sequence[Sequence[str]], where: str = "") -> dict[str, Any]:
-    """The reverse of :func:`flat_to_plain`: a plain optimizer state keyed by parameter name.
-
-    Raises:
-        CheckpointError: The group structure does not match ``groups``.
-    """
-    plain_groups = plain.get("param_groups", [])
-    if len(plain_groups) != len(groups):
-        raise CheckpointError(
-            f"{where}the optimizer state has {len(plain_groups)} parameter group(s), the model's optimizer"
-            f" {len(groups)}. Use the same configure_optimizers as the run that saved it."
-        )
-    flat: dict[str, Any] = {}
-    for g, (group, names) in enumerate(zip(plain_groups, groups)):
-        ids = group["params"]
-        if len(ids) != len(names):
-            raise CheckpointError(
-                f"{where}parameter group {g} of the optimizer state has {len(ids)} parameters, the model's"
-                f" {len(names)}. Use the same configure_optimizers as the run that saved it."
-            )
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        for i, name in zip(ids, names):
-            for key, value in plain.get("state", {}).get(i, {}).items():
-                flat[f"state.{name}.{key}"] = value
-            for key, value in hyper.items():
-                flat[f"param_groups.{name}.{key}"] = value
-    return flat
-
-
-def _entries(flat: dict[str, Any], prefix: str) -> dict[str, Any]:
-    # parameter names never continue past a leaf, and state keys hold no dot: the prefix is unambiguous
-    return {key[len(prefix):]: v for key, v in flat.items() if key.startswith(prefix) and "." not in key[len(prefix):]}
-
-
-def _flat_name(key: str) -> str:
-    """The parameter name in a flat optimizer key (``state.<name>.<key>`` or ``param_groups.<name>.<key>``)."""
-    return key.split(".", 1)[1].rsplit(".", 1)[0]
+__all__ = ["check_files", "load", "single_process_quiet"]
 
 
 @contextlib.contextmanager
@@ -429,7 +224,7 @@ def _apply_hyper(flat: dict[str, Any], groups: Sequence[Sequence[str]], hyper: S
     group_of = {name: g for g, names in enumerate(groups) for name in names}
     for key in list(flat):
         if key.startswith("param_groups."):
-            g = group_of.get(_flat_name(key))
+            g = group_of.get(flat_name(key))
             field = key.rsplit(".", 1)[1]
             if g is not None and field in hyper[g]:
                 flat[key] = hyper[g][field]
@@ -458,7 +253,7 @@ def _check_fit(
         weights = [k[len("state_dict."):] for k in missing if k.startswith("state_dict.")]
         if weights:
             return f"{loc} has no weights for {_few(weights)}. {_OTHER_MODEL}", {}
-        names = sorted({_flat_name(k.split(".", 1)[1]) for k in missing})
+        names = sorted({flat_name(k.split(".", 1)[1]) for k in missing})
         return (
             f"{loc} has no optimizer state for {_few(names)} ({_few([k.split('.', 1)[1] for k in missing])}):"
             " it was saved with another optimizer or without one. Use the optimizer it was saved with.",
@@ -524,9 +319,9 @@ def _load_plain(
         for i, plain in enumerate(checkpoint.get("optimizer_states", [])[: len(optimizers)]):
             flat = plain_to_flat(plain, groups[i], f"{loc}: ")
             params = dict(module.named_parameters())
-            mine = {k: v for k, v in flat.items() if _flat_name(k) in params}
+            mine = {k: v for k, v in flat.items() if flat_name(k) in params}
             for key, value in mine.items():
-                shape = params[_flat_name(key)].shape
+                shape = params[flat_name(key)].shape
                 if key.startswith("state.") and isinstance(value, Tensor) and value.dim() and value.shape != shape:
                     raise CheckpointError(
                         f"{loc}: the optimizer state does not line up with the parameters ({key} has shape"
@@ -550,57 +345,3 @@ def _load_plain(
     for key in ("state_dict", "optimizer_states", RECORD):
         checkpoint.pop(key, None)
     return checkpoint
-
-
-# -- resuming from "last" -----------------------------------------------------------------------------------
-_REQUESTED = "_varuna_requested_ckpt_path"
-
-
-def remember_requested_ckpt_path() -> None:
-    """Makes Lightning's checkpoint connector keep the ``ckpt_path`` the user passed (before ``"last"`` is resolved).
-
-    Lightning resolves ``ckpt_path="last"`` to a path before the strategy sees it; the strategy needs to know
-    whether the user asked for "last" (then a bad checkpoint falls back to an older one) or for a path.
-    """
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
-    original = _CheckpointConnector._select_ckpt_path
-    if getattr(original, "_varuna", False):
-        return
-
-    def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        setattr(self, _REQUESTED, ckpt_path)
-        return original(self, state_fn, ckpt_path, *args, **kwargs)
-
-    select._varuna = True  # type: ignore[attr-defined]
-    _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]
-
-
-def last_fallbacks(trainer: Any, bad: str) -> list[str]:
-    """If the user asked for ``ckpt_path="last"``: the other complete checkpoints of the run, newest first.
-
-    Looked for in every ``ModelCheckpoint``'s ``dirpath`` and next to ``OnExceptionCheckpoint``'s file.
-    """
-    if getattr(trainer._checkpoint_connector, _REQUESTED, None) != "last":
-        return []
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
-
-    folders = {cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)}
-    folders |= {os.path.dirname(cb.ckpt_path) for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)}
-    bad_loc = Location.of(bad)
-    found: dict[str, float] = {}
-    for folder in folders:
-        root = Location.of(folder)
-        if not root.isdir():
-            continue
-        for entry in root.fs.ls(root.path, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            loc = root.child(name)
-            skipped = name.endswith((TMP_SUFFIX, PART_SUFFIX, TRASH_SUFFIX)) or loc.path == bad_loc.path
-            if skipped or not is_complete(loc):
-                continue
-            if loc.isdir():
-                found[str(loc)] = loc.child(META).modified()
-            elif name.endswith(".ckpt"):
-                found[str(loc)] = loc.modified()
-    return sorted(found, key=found.get, reverse=True)  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_varuna.comm import PipelineError, Topology, peer_error
+from lightning_varuna.pipeline.failures import PipelineError, peer_error
+from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["GradientSync", "default_bucket_bytes"]
 

@@ -48,7 +48,7 @@ _BOOT = (
     "import signal, sys, types; [signal.signal(getattr(signal, name), signal.SIG_IGN) for name in"
     " {signals!r} if hasattr(signal, name)];"
     " package = types.ModuleType('lightning_varuna'); package.__path__ = [{folder!r}];"
-    " sys.modules['lightning_varuna'] = package; from lightning_varuna.checkpoint_process import main; main()"
+    " sys.modules['lightning_varuna'] = package; from lightning_varuna.checkpoint.background import main; main()"
 )
 _STARTUP_TIMEOUT_S = 600.0
 
@@ -144,7 +144,7 @@ class WriterProcess:
         # preemption warning, Ctrl-C) must not end the writer before the training process has saved. The
         # signals are blocked around the start, so that the child begins with them blocked (the mask survives
         # exec) until it ignores them; this thread gets any that arrive meanwhile once they are unblocked.
-        boot = _BOOT.format(signals=_JOB_SIGNAL_NAMES, folder=str(Path(__file__).resolve().parent))
+        boot = _BOOT.format(signals=_JOB_SIGNAL_NAMES, folder=str(Path(__file__).resolve().parents[1]))
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
         try:
             self._process = subprocess.Popen(
@@ -320,8 +320,8 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from lightning_varuna import checkpoint_files as files
-    from lightning_varuna.checkpoint_writer import write_job
+    from lightning_varuna.checkpoint import storage as files
+    from lightning_varuna.checkpoint.job import write_job
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=timeout_s)

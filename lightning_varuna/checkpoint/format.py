@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_varuna.checkpoint_files import INDEX, Location
+from lightning_varuna.checkpoint.storage import INDEX, Location
 
 __all__ = ["IndexPart", "UnsupportedState", "assign", "flatten", "inventory", "write_index", "write_items"]
 

@@ -1,215 +1,25 @@
-"""Communication: the P x D process grid, point-to-point transfers with timeouts, and failure reports.
-
-Ranks are laid out replica-major: ``rank = replica * P + stage``. Pipeline neighbours therefore have
-adjacent ranks and share a node whenever P divides the processes per node (Varuna's rule: the chatty
-per-micro-batch p2p traffic stays on the node), while the replicas of a stage, which exchange gradients
-once per step, sit on different nodes.
-"""
+"""Point-to-point transfers between pipeline neighbours, each wait bounded by a timeout."""
 
 from __future__ import annotations
 
-import atexit
 import queue
 import threading
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Topology", "P2P", "PipelineError", "WatchedWork", "report_failure", "peer_error"]
+from lightning_varuna.pipeline.failures import PipelineError, peer_error
+from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["HEADER_BYTES", "P2P", "WatchedWork"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HEADER = 10  # dtype code, ndim, up to 8 dims
 HEADER_BYTES = _HEADER * 8
-_ERROR_KEY = "lightning_varuna/error/"
 _WATCH_MARGIN_S = 5.0
-_exit = {"registered": False, "failed": False}
-
-
-class PipelineError(RuntimeError):
-    """A pipeline peer failed, died or did not answer in time."""
-
-
-@dataclass
-class Topology:
-    """Where this rank sits in the P x D grid, and the process groups it talks over."""
-
-    world_size: int
-    rank: int
-    pipeline_size: int
-    device: torch.device
-    mesh: object = None
-    pipe_group: object = None
-    data_group: object = None
-    timeout: timedelta | None = None
-    """Timeout of collectives in the pipeline, data and shared-parameter groups (None: torch's default)."""
-    _shared_groups: dict = field(default_factory=dict)
-
-    @property
-    def data_size(self) -> int:
-        """D: the number of pipeline replicas."""
-        return self.world_size // self.pipeline_size
-
-    @property
-    def stage(self) -> int:
-        """This rank's pipeline stage."""
-        return self.rank % self.pipeline_size
-
-    @property
-    def replica(self) -> int:
-        """This rank's data-parallel replica."""
-        return self.rank // self.pipeline_size
-
-    @property
-    def is_first(self) -> bool:
-        """Whether this rank runs the first stage."""
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        """Whether this rank runs the last stage."""
-        return self.stage == self.pipeline_size - 1
-
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        """Global rank of ``stage`` in ``replica`` (default: this rank's replica)."""
-        return (self.replica if replica is None else replica) * self.pipeline_size + stage
-
-    @property
-    def pipe_src_rank(self) -> int:
-        """Global rank of this replica's last stage, which broadcasts losses and logged values."""
-        return self.rank_of(self.pipeline_size - 1)
-
-    @staticmethod
-    def check(world_size: int, pipeline_size: int) -> None:
-        """Raises a clear error if ``pipeline_size`` cannot divide the world."""
-        if pipeline_size < 1:
-            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_size}.")
-        if world_size % pipeline_size:
-            raise ValueError(
-                f"The world size ({world_size} processes) is not divisible by pipeline_parallel_size="
-                f"{pipeline_size}. Use a P that divides {world_size}, or change devices/num_nodes."
-            )
-
-    @classmethod
-    def create(
-        cls, pipeline_size: int, device: torch.device, timeout: float | timedelta | None = None
-    ) -> Topology:
-        """Builds the grid over the initialised default process group (a collective call on every rank).
-
-        ``timeout`` (seconds) bounds every collective of the groups made here. Without it a hung peer can
-        hold the others in a gradient all-reduce or log broadcast for torch's default (30 minutes): subgroups
-        do not inherit the default process group's timeout.
-        """
-        world, rank = dist.get_world_size(), dist.get_rank()
-        cls.check(world, pipeline_size)
-        destroy_process_groups_at_exit()
-        from torch.distributed.device_mesh import DeviceMesh
-
-        if isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
-        data_size = world // pipeline_size
-        layout = torch.arange(world).view(data_size, pipeline_size)
-        # every rank creates every group, in the same order
-        pipes = [dist.new_group(row.tolist(), timeout=timeout) for row in layout]
-        datas = [dist.new_group(col.tolist(), timeout=timeout) for col in layout.t()]
-        pipe_group, data_group = pipes[rank // pipeline_size], datas[rank % pipeline_size]
-        mesh = DeviceMesh.from_group(
-            [data_group, pipe_group], device.type, mesh=layout, mesh_dim_names=("data", "pipe")
-        )
-        return cls(
-            world_size=world,
-            rank=rank,
-            pipeline_size=pipeline_size,
-            device=device,
-            mesh=mesh,
-            pipe_group=pipe_group,
-            data_group=data_group,
-            timeout=timeout,
-        )
-
-    def stages_group(self, stages: tuple[int, ...]) -> object:
-        """The group of every replica's copies of ``stages`` (all ranks must call this in the same order)."""
-        if stages not in self._shared_groups:
-            ranks = [self.rank_of(s, d) for d in range(self.data_size) for s in stages]
-            self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
-        return self._shared_groups[stages]
-
-
-def destroy_process_groups_at_exit() -> None:
-    """Destroys every process group when the interpreter exits, unless this rank failed (registered once).
-
-    Neither Lightning nor torchrun destroys the process groups. A gloo group that is still alive when the
-    interpreter finalizes can abort the process ("terminate called without an active exception": its worker
-    threads release tensors after Python is gone), turning a finished job into a failed one. A rank that
-    failed skips it: destroying a group can wait on transfers that a lost peer will never complete.
-    """
-    if not _exit["registered"]:
-        _exit["registered"] = True
-        atexit.register(_destroy_process_groups)
-
-
-def _destroy_process_groups() -> None:
-    if _exit["failed"] or not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
-
-
-def report_failure(error: BaseException) -> None:
-    """Leaves this rank's error in the job's store, so peers that lose contact can say what happened.
-
-    Besides one key per rank, the first error reported in the job is kept (first writer wins), separately
-    for errors of the user's code or model (the cause) and for :class:`PipelineError` (a rank that lost a
-    peer), so that peers quote the cause rather than another rank's report of it.
-    """
-    _exit["failed"] = True
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        rank = dist.get_rank()
-        text = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
-        store.set(f"{_ERROR_KEY}{rank}", text)
-        kind = "peer" if isinstance(error, PipelineError) else "cause"
-        store.compare_set(f"{_ERROR_KEY}first-{kind}", "", f"Rank {rank} failed first with: {text}")
-    except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
-        pass
-
-
-def _peer_failure() -> str:
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        for kind in ("cause", "peer"):
-            key = f"{_ERROR_KEY}first-{kind}"
-            if store.check([key]):
-                return f" {store.get(key).decode()}"
-    except Exception:  # noqa: BLE001 - the store may be gone with rank 0
-        pass
-    return ""
-
-
-def peer_error(
-    topology: Topology, what: str, err: BaseException, timeout: timedelta | None = None
-) -> PipelineError:
-    """The :class:`PipelineError` for a failed wait on peers: this rank, ``what`` it waited for, the cause.
-
-    For any wait on other ranks (p2p, or a collective such as a gradient all-reduce or log broadcast)::
-
-        except Exception as err:
-            raise peer_error(topo, "averaging gradients over ranks [1, 3]", err) from err
-
-    It quotes the first failure reported in the job, when there is one.
-    """
-    me = f"rank {topology.rank} (stage {topology.stage})"
-    timeout = timeout or topology.timeout
-    hint = ""
-    if timeout is not None and ("timed out" in str(err).lower() or "timeout" in str(err).lower()):
-        hint = f" (no answer within p2p_timeout={timeout.total_seconds():g}s: the peer is hung or far behind)"
-    return PipelineError(f"{me}: {what} failed{hint}: {err}.{_peer_failure()}")
 
 
 class WatchedWork:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_varuna.schedules import Kind, Schedule, ScheduleError, Task, next_task
+from lightning_varuna.pipeline.schedules import Kind, Schedule, ScheduleError, Task, next_task
 
 __all__ = ["Jitter", "SimResult", "StageCosts", "ideal_bubble", "simulate"]
 
@@ -109,7 +109,7 @@ def simulate(
     ``max(0, comm + jitter(src, dst, kind, k))`` later.
 
     With ``opportunistic=True`` the executor's runtime rule applies (Varuna's opportunistic rule,
-    :func:`~lightning_varuna.schedules.next_task`): a stage whose next recompute or backward waits for a late
+    :func:`~lightning_varuna.pipeline.schedules.next_task`): a stage whose next recompute or backward waits for a late
     gradient runs its next forward first if that forward's input is there (for a backward, only on a stage
     with recompute tasks, whose forwards the executor runs without autograd); with ``feed_next_stage`` it
     does so too while the next stage has nothing left to do. Forwards keep their order, as
@@ -122,7 +122,7 @@ def simulate(
         jitter: Optional extra delay per message.
         opportunistic: Whether to apply Varuna's runtime rule.
         feed_next_stage: With ``opportunistic``, whether a forward also goes first while the next stage has
-            finished everything this stage sent it (see :func:`~lightning_varuna.schedules.next_task`).
+            finished everything this stage sent it (see :func:`~lightning_varuna.pipeline.schedules.next_task`).
 
     Returns:
         The timing result.

@@ -1,0 +1,203 @@
+"""Writing one strategy's checkpoints: blocking, or handed to a writer process per rank.
+
+:class:`CheckpointWriter` runs :func:`~lightning_varuna.checkpoint.job.write_job` in the calling thread (a blocking
+save), or, with ``asynchronous=True``, hands it to this rank's helper process
+(:mod:`lightning_varuna.checkpoint.background`), which runs it over the helpers' own process group while training
+goes on; a failure is raised at the next save (or at the end of the run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils._pytree import tree_map_only
+
+from lightning_varuna.checkpoint import storage as files
+from lightning_varuna.checkpoint.background import WriterProcess, hollow
+from lightning_varuna.checkpoint.job import WriteJob, write_job
+from lightning_varuna.checkpoint.state import CheckpointError, Groups, split_shards
+from lightning_varuna.checkpoint.storage import Location
+
+__all__ = ["CheckpointWriter"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_TIMEOUT_S = 1800.0
+
+
+class CheckpointWriter:
+    """Writes one strategy's checkpoints (collective calls), blocking or by a helper process per rank.
+
+    Args:
+        asynchronous: ``save`` copies this rank's tensors into shared memory and returns; this rank's helper
+            process (started by :meth:`start`) writes them, and rank 0's helper publishes the checkpoint once
+            every rank's shards are written. A second save waits for the first; :meth:`remove` calls for
+            older checkpoints take effect once the write in flight has succeeded (they are dropped if it fails).
+        timeout: Timeout of the helpers' process group (default 30 minutes).
+    """
+
+    def __init__(self, asynchronous: bool = False, timeout: timedelta | None = None) -> None:
+        self.asynchronous = asynchronous
+        self._timeout = timeout
+        self._process: WriterProcess | None = None
+        self._busy = False
+        self._error: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (a pickled or deep-copied strategy) starts with nothing in flight
+        return {"asynchronous": self.asynchronous, "timeout": self._timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    @property
+    def _timeout_s(self) -> float:
+        return self._timeout.total_seconds() if self._timeout is not None else _DEFAULT_TIMEOUT_S
+
+    def start(self) -> None:
+        """Starts this rank's helper process, if asynchronous and not started (collective: every rank calls it).
+
+        The helper imports torch and joins the others while training goes on; call it early (the strategy does,
+        at the start of ``fit``) so that the first save does not wait for that.
+        """
+        if not self.asynchronous or self._process is not None:
+            return
+        token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(token, 0)
+        self._process = WriterProcess(dist.get_rank(), dist.get_world_size(), token[0], self._timeout_s)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a background write has not finished yet."""
+        return not self.wait(0)
+
+    def save(
+        self,
+        path: str | os.PathLike,
+        shards: dict[str, Any],
+        metadata: dict[str, Any],
+        groups: Groups = (),  # type: ignore[assignment]
+        param_names: Sequence[str] = (),
+    ) -> None:
+        """Writes a checkpoint directory atomically (collective: every rank calls it).
+
+        Args:
+            path: The checkpoint directory to create or replace (local path or fsspec URL).
+            shards: ``{"state_dict": ..., "optimizer_0": ...}`` as held by this rank, keyed by name.
+            metadata: Everything else Lightning saves (only rank 0's is written).
+            groups: This rank's optimizer groups by parameter name (:func:`param_groups_by_name`).
+            param_names: The full model's parameter names in ``named_parameters()`` order.
+
+        Raises:
+            CheckpointError: On every rank, if this write (blocking) or the background write before it failed.
+        """
+        self.wait()
+        error = self._take_error()  # agreed by every rank at the end of that write
+        if error is not None:
+            raise CheckpointError(f"The previous checkpoint could not be written: {error}")
+        meta, problem = None, None
+        if dist.get_rank() == 0:
+            try:
+                meta = files.to_bytes(metadata)
+            except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+                problem = f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
+        groups = [g for i, g in enumerate(groups) if f"optimizer_{i}" in shards]  # none with save_weights_only
+        shards, hyper = split_shards(shards, groups)
+        target = Location.of(path).text
+        # a tensor hyper-parameter (a scheduler's lr) must not bring CUDA into the writer process
+        hyper = tree_map_only(Tensor, lambda t: t.detach().cpu(), hyper)
+        job = WriteJob(target, shards, meta, list(groups), hyper, list(param_names), problem)
+        if not self.asynchronous or self._process is None:  # outside fit (no writer started): blocking
+            error = write_job(job, None)
+            if error is not None:
+                log.error(f"Writing checkpoint {target} failed ({error}); older checkpoints are kept.")
+                raise CheckpointError(f"Could not write checkpoint {target}: {error}")
+            return
+        tensors: list[Tensor] = []
+        job.shards = hollow(shards, tensors)
+        loc = Location.of(target)
+        try:
+            try:
+                self._process.submit(job, tensors, type(loc.fs) if loc.url else None)
+            except pickle.PicklingError as err:
+                # the other ranks' writers are about to wait for this one: it joins them with the problem instead
+                problem = f"rank {dist.get_rank()} could not hand its state to the writer: {err}"
+                self._process.submit(WriteJob(target, {}, None, [], [], [], problem), [])
+        except ValueError as err:
+            raise CheckpointError(str(err)) from None
+        except (ConnectionError, EOFError):
+            # this rank's helper is gone: the other helpers' write fails too, and every rank raises at the next save
+            self._error = self._process.ended()
+            log.error(f"Writing checkpoint {target} failed ({self._error}); older checkpoints are kept.")
+            return
+        self._busy = True
+
+    def _take_error(self) -> str | None:
+        error, self._error = self._error, None
+        return error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for the background write in flight, if any; returns whether none is left running."""
+        if not self._busy:
+            return True
+        assert self._process is not None
+        done, error = self._process.outcome(timeout)
+        if not done:
+            return False
+        self._busy = False
+        self._error = error
+        if error is not None:
+            log.error(f"Writing a checkpoint failed ({error}); older checkpoints are kept.")
+        return True
+
+    def remove(self, path: str | os.PathLike) -> None:
+        """Deletes a checkpoint (call on rank 0); while a write is in flight, once it has succeeded."""
+        loc = Location.of(path)
+        if self.wait(0):
+            if self._error is None:
+                files.remove_quietly(loc)
+            else:  # the write that was to replace it failed (raised at the next save): keep it
+                log.warning(f"Keeping checkpoint {loc}: the checkpoint written after it failed.")
+        else:
+            assert self._process is not None
+            self._process.remove_after(loc.text)
+
+    def flush(self) -> None:
+        """Waits for the background write in flight (if any) to be written and published.
+
+        Raises:
+            CheckpointError: On every rank, if that write failed.
+        """
+        self.wait()
+        error = self._take_error()
+        if error is not None:
+            raise CheckpointError(f"The checkpoint could not be written: {error}")
+
+    def close(self, interrupted: bool = False) -> None:
+        """Waits for the write in flight (at the end of a run), stops the helper, reports a failure.
+
+        Args:
+            interrupted: The run ends with an exception: a failure is logged instead of raised.
+
+        Raises:
+            CheckpointError: The last background write failed (not ``interrupted``).
+        """
+        finished = self.wait(self._timeout_s)
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+            self._busy = False
+        if not finished:
+            log.error("A background checkpoint write did not finish in time; it stays unpublished (not loadable).")
+            return
+        error = self._take_error()
+        if error is not None and not interrupted:
+            raise CheckpointError(f"The last checkpoint could not be written: {error}")

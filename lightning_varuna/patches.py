@@ -1,0 +1,113 @@
+"""Every place where lightning-varuna replaces a method of a Lightning object, and why.
+
+Lightning offers no extension point for these. Each one acts only for a trainer whose strategy is a
+:class:`~lightning_varuna.VarunaStrategy`; the instance patches are installed by the strategy (during ``setup``)
+and undone in its ``teardown``, so a later trainer in the same process sees stock Lightning.
+
+1. ``_CheckpointConnector._select_ckpt_path`` (class level, installed when the strategy is created): Lightning
+   resolves ``ckpt_path="last"`` to a path before any strategy hook runs, and the strategy needs the value the
+   user asked for ("last" may fall back to an older checkpoint; an explicit path may not). For any other
+   strategy the wrapper only calls Lightning's own method.
+2. ``trainer._signal_connector.register_signal_handlers`` (during ``fit``): Lightning's SIGTERM handler runs a
+   collective inside the signal handler, which deadlocks a pipeline when one non-zero rank is signalled while
+   its peers wait in a p2p receive; its SLURM handler saves a checkpoint inside the handler. The strategy's
+   own handlers only set a flag (:mod:`lightning_varuna.preemption`).
+3. ``fit_loop.epoch_loop._broadcast_sigterm_tensor`` (during ``fit``): Lightning broadcasts rank 0's SIGTERM
+   flag at every batch; the strategy agrees on every rank's flag instead (an all-reduce in its place, so the
+   agreement costs no extra collective).
+4. ``fit_loop.epoch_loop.advance`` (during ``fit``, one process only): Lightning calls (3) only with several
+   processes; a single process agrees before each batch here.
+5. ``LightningModule.log`` of the user's module (while the strategy runs one step): a pipelined step calls
+   the user's step once per micro-batch, and only the last stage sees the loss, so its ``self.log`` calls are
+   captured, reduced over micro-batches and shared over the pipeline before Lightning sees them
+   (:mod:`lightning_varuna.log_sync`).
+
+Tested on Lightning 2.5 and 2.6 (``pyproject.toml`` pins that range).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["InstancePatches", "install_ckpt_path_recorder", "replaced_log", "requested_ckpt_path", "take_over_sigterm"]
+
+_REQUESTED = "_varuna_requested_ckpt_path"
+_UNSET = object()
+
+
+def _is_varuna(strategy: Any) -> bool:
+    return getattr(strategy, "strategy_name", None) == "varuna"
+
+
+def install_ckpt_path_recorder() -> None:
+    """Patch 1: records the ``ckpt_path`` the user passed, for trainers of this strategy (installed once)."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    original = _CheckpointConnector._select_ckpt_path
+    if getattr(original, "_varuna", False):
+        return
+
+    def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_varuna(self.trainer.strategy):
+            setattr(self, _REQUESTED, ckpt_path)
+        return original(self, state_fn, ckpt_path, *args, **kwargs)
+
+    select._varuna = True  # type: ignore[attr-defined]
+    _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]
+
+
+def requested_ckpt_path(trainer: Any) -> Any:
+    """The ``ckpt_path`` the user passed to the running ``fit``/``validate``/... (recorded by patch 1)."""
+    return getattr(trainer._checkpoint_connector, _REQUESTED, None)
+
+
+class InstancePatches:
+    """Methods replaced on single objects, and undone together (in reverse order)."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def replace(self, obj: Any, name: str, value: Any) -> None:
+        """Sets ``obj.<name> = value`` until :meth:`undo`."""
+        self._undo.append((obj, name, vars(obj).get(name, _UNSET)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        """Puts back everything replaced."""
+        for obj, name, previous in reversed(self._undo):
+            if previous is _UNSET:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, previous)
+        self._undo = []
+
+    def __bool__(self) -> bool:
+        return bool(self._undo)
+
+
+def take_over_sigterm(patches: InstancePatches, trainer: Any, agree: Callable[[], None]) -> None:
+    """Patches 2-4: Lightning installs no signal handler, and ``agree`` runs at every training batch's start."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    patches.replace(trainer._signal_connector, "register_signal_handlers", lambda: None)
+    patches.replace(epoch_loop, "_broadcast_sigterm_tensor", agree)
+    if trainer.world_size == 1 or not hasattr(type(epoch_loop), "_broadcast_sigterm_tensor"):
+        # Lightning calls the hook only with more than one process (and only since 2.5.2)
+        advance = epoch_loop.advance
+
+        def agree_then_advance(data_fetcher: Any) -> None:
+            agree()
+            advance(data_fetcher)
+
+        patches.replace(epoch_loop, "advance", agree_then_advance)
+
+
+@contextlib.contextmanager
+def replaced_log(module: Any, log: Callable[..., None]) -> Iterator[None]:
+    """Patch 5: ``module.log`` is ``log`` inside the block."""
+    module.log = log
+    try:
+        yield
+    finally:
+        del module.log

@@ -1,0 +1,100 @@
+"""Failures across ranks: the error a lost peer raises, reports left in the job's store, and clean exits.
+
+A rank that fails leaves its error in the job's store (:func:`report_failure`), so that a peer that loses
+contact with it raises a :class:`PipelineError` quoting the cause (:func:`peer_error`) instead of a bare
+timeout or "connection closed".
+"""
+
+from __future__ import annotations
+
+import atexit
+import traceback
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["PipelineError", "destroy_process_groups_at_exit", "peer_error", "report_failure"]
+
+_ERROR_KEY = "lightning_varuna/error/"
+_exit = {"registered": False, "failed": False}
+
+
+class PipelineError(RuntimeError):
+    """A pipeline peer failed, died or did not answer in time."""
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroys every process group when the interpreter exits, unless this rank failed (registered once).
+
+    Neither Lightning nor torchrun destroys the process groups. A gloo group that is still alive when the
+    interpreter finalizes can abort the process ("terminate called without an active exception": its worker
+    threads release tensors after Python is gone), turning a finished job into a failed one. A rank that
+    failed skips it: destroying a group can wait on transfers that a lost peer will never complete.
+    """
+    if not _exit["registered"]:
+        _exit["registered"] = True
+        atexit.register(_destroy_process_groups)
+
+
+def _destroy_process_groups() -> None:
+    if _exit["failed"] or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def report_failure(error: BaseException) -> None:
+    """Leaves this rank's error in the job's store, so peers that lose contact can say what happened.
+
+    Besides one key per rank, the first error reported in the job is kept (first writer wins), separately
+    for errors of the user's code or model (the cause) and for :class:`PipelineError` (a rank that lost a
+    peer), so that peers quote the cause rather than another rank's report of it.
+    """
+    _exit["failed"] = True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        rank = dist.get_rank()
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
+        store.set(f"{_ERROR_KEY}{rank}", text)
+        kind = "peer" if isinstance(error, PipelineError) else "cause"
+        store.compare_set(f"{_ERROR_KEY}first-{kind}", "", f"Rank {rank} failed first with: {text}")
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
+        pass
+
+
+def _peer_failure() -> str:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for kind in ("cause", "peer"):
+            key = f"{_ERROR_KEY}first-{kind}"
+            if store.check([key]):
+                return f" {store.get(key).decode()}"
+    except Exception:  # noqa: BLE001 - the store may be gone with rank 0
+        pass
+    return ""
+
+
+def peer_error(
+    topology: Topology, what: str, err: BaseException, timeout: timedelta | None = None
+) -> PipelineError:
+    """The :class:`PipelineError` for a failed wait on peers: this rank, ``what`` it waited for, the cause.
+
+    For any wait on other ranks (p2p, or a collective such as a gradient all-reduce or log broadcast)::
+
+        except Exception as err:
+            raise peer_error(topo, "averaging gradients over ranks [1, 3]", err) from err
+
+    It quotes the first failure reported in the job, when there is one.
+    """
+    me = f"rank {topology.rank} (stage {topology.stage})"
+    timeout = timeout or topology.timeout
+    hint = ""
+    if timeout is not None and ("timed out" in str(err).lower() or "timeout" in str(err).lower()):
+        hint = f" (no answer within p2p_timeout={timeout.total_seconds():g}s: the peer is hung or far behind)"
+    return PipelineError(f"{me}: {what} failed{hint}: {err}.{_peer_failure()}")

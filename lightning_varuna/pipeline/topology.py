@@ -1,0 +1,117 @@
+"""The P x D process grid: where each rank sits, and the process groups it talks over.
+
+Ranks are laid out replica-major: ``rank = replica * P + stage``. Pipeline neighbours therefore have
+adjacent ranks and share a node whenever P divides the processes per node (Varuna's rule: the chatty
+per-micro-batch p2p traffic stays on the node), while the replicas of a stage, which exchange gradients
+once per step, sit on different nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
+
+__all__ = ["Topology"]
+
+
+@dataclass
+class Topology:
+    """Where this rank sits in the P x D grid, and the process groups it talks over."""
+
+    world_size: int
+    rank: int
+    pipeline_size: int
+    device: torch.device
+    pipe_group: object = None
+    data_group: object = None
+    timeout: timedelta | None = None
+    """Timeout of collectives in the pipeline, data and shared-parameter groups (None: torch's default)."""
+    _shared_groups: dict = field(default_factory=dict)
+
+    @property
+    def data_size(self) -> int:
+        """D: the number of pipeline replicas."""
+        return self.world_size // self.pipeline_size
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank % self.pipeline_size
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica."""
+        return self.rank // self.pipeline_size
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank runs the first stage."""
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank runs the last stage."""
+        return self.stage == self.pipeline_size - 1
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """Global rank of ``stage`` in ``replica`` (default: this rank's replica)."""
+        return (self.replica if replica is None else replica) * self.pipeline_size + stage
+
+    @property
+    def pipe_src_rank(self) -> int:
+        """Global rank of this replica's last stage, which broadcasts losses and logged values."""
+        return self.rank_of(self.pipeline_size - 1)
+
+    @staticmethod
+    def check(world_size: int, pipeline_size: int) -> None:
+        """Raises a clear error if ``pipeline_size`` cannot divide the world."""
+        if pipeline_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_size}.")
+        if world_size % pipeline_size:
+            raise ValueError(
+                f"The world size ({world_size} processes) is not divisible by pipeline_parallel_size="
+                f"{pipeline_size}. Use a P that divides {world_size}, or change devices/num_nodes."
+            )
+
+    @classmethod
+    def create(
+        cls, pipeline_size: int, device: torch.device, timeout: float | timedelta | None = None
+    ) -> Topology:
+        """Builds the grid over the initialised default process group (a collective call on every rank).
+
+        ``timeout`` (seconds) bounds every collective of the groups made here. Without it a hung peer can
+        hold the others in a gradient all-reduce or log broadcast for torch's default (30 minutes): subgroups
+        do not inherit the default process group's timeout.
+        """
+        world, rank = dist.get_world_size(), dist.get_rank()
+        cls.check(world, pipeline_size)
+        destroy_process_groups_at_exit()
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        data_size = world // pipeline_size
+        layout = torch.arange(world).view(data_size, pipeline_size)
+        # every rank creates every group, in the same order
+        pipes = [dist.new_group(row.tolist(), timeout=timeout) for row in layout]
+        datas = [dist.new_group(col.tolist(), timeout=timeout) for col in layout.t()]
+        pipe_group, data_group = pipes[rank // pipeline_size], datas[rank % pipeline_size]
+        return cls(
+            world_size=world,
+            rank=rank,
+            pipeline_size=pipeline_size,
+            device=device,
+            pipe_group=pipe_group,
+            data_group=data_group,
+            timeout=timeout,
+        )
+
+    def stages_group(self, stages: tuple[int, ...]) -> object:
+        """The group of every replica's copies of ``stages`` (all ranks must call this in the same order)."""
+        if stages not in self._shared_groups:
+            ranks = [self.rank_of(s, d) for d in range(self.data_size) for s in stages]
+            self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
+        return self._shared_groups[stages]
