@@ -2,7 +2,7 @@
 
 import sys
 
-from lightning_varuna.convert import main
+from lightning_varuna.checkpoint.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

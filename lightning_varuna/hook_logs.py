@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from torch import Tensor
 
-from lightning_varuna.log_sync import _MetricLog
+from lightning_varuna.log_sync import _MetricLog, headers, pack
 
 __all__ = ["HookLogMerger", "logs_in_optimizer_hook"]
 
@@ -93,23 +93,19 @@ class HookLogMerger:
     def _exchange(self, meta: tuple, values: list[Tensor]) -> Tensor:
         """All stages' values, concatenated in stage order; the keys (and the merge plan) follow a change."""
         out = self._gather(meta != self._mine, values)
-        head = torch.stack([o[:2] for o in out]).tolist()
-        if any(changed for changed, _ in head) or any(count > self._capacity for _, count in head):
+        heads = headers(out)
+        if any(changed or not fits for changed, _, fits in heads):
             metas: list[Any] = [None] * self.size
             dist.all_gather_object(metas, meta, group=self.group)
             self._mine, self._metas = meta, metas
             self._plan = _plan(metas, self.device)
-            if any(count > self._capacity for _, count in head):
+            if not all(fits for _, _, fits in heads):
                 self._capacity = max(len(m) for m in metas)
                 out = self._gather(False, values)
         return torch.cat([o[2 : 2 + len(m)] for o, m in zip(out, self._metas, strict=True)])
 
     def _gather(self, changed: bool, values: list[Tensor]) -> list[Tensor]:
-        send = torch.zeros(2 + self._capacity, dtype=torch.float64, device=self.device)
-        send[0] = float(changed)
-        send[1] = float(len(values))
-        if values and len(values) <= self._capacity:
-            send[2 : 2 + len(values)] = torch.stack(values)
+        send = pack(changed, values, self._capacity, self.device)
         out = [torch.empty_like(send) for _ in range(self.size)]
         dist.all_gather(out, send, group=self.group)
         return out

@@ -22,7 +22,7 @@ from torchmetrics import Metric
 
 from lightning_varuna.patches import replaced_log
 
-__all__ = ["LogCapture", "LogBroadcaster", "reduce_records", "replay"]
+__all__ = ["LogBroadcaster", "LogCapture", "fill", "headers", "pack", "reduce_records", "replay"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -118,11 +118,37 @@ def _is_plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+def pack(changed: bool, values: Sequence[Tensor], capacity: int, device: torch.device) -> Tensor:
+    """The one wire format of logged values between stages: float64 ``[keys changed, n, value_1 .. value_n]``.
+
+    The buffer holds ``capacity`` values; with more (``n > capacity``) only the header is filled, and the receiver
+    learns from it that the values follow another way. ``keys changed`` tells the receiver that the list of
+    logged keys (sent separately, as an object) is new.
+    """
+    packet = torch.zeros(2 + capacity, dtype=torch.float64, device=device)
+    fill(packet, changed, values)
+    return packet
+
+
+def fill(packet: Tensor, changed: bool, values: Sequence[Tensor]) -> None:
+    """Writes ``[changed, n, values]`` into an existing packet (see :func:`pack`)."""
+    n = len(values)
+    packet[0], packet[1] = float(changed), float(n)
+    if n and n <= packet.numel() - 2:
+        torch.stack([v.to(torch.float64).reshape(()) for v in values], out=packet[2 : 2 + n])
+
+
+def headers(packets: Sequence[Tensor]) -> list[tuple[bool, int, bool]]:
+    """``(keys changed, n, whether the values fit)`` of each packet (one host read for all)."""
+    read = torch.stack([p[:2] for p in packets]).tolist()
+    return [(bool(changed), int(n), int(n) <= p.numel() - 2) for (changed, n), p in zip(read, packets, strict=True)]
+
+
 class LogBroadcaster:
     """Shares the last stage's reduced logs (and the step loss) with the other stages of its pipeline.
 
-    One broadcast per step in the steady state: a float64 buffer ``[keys changed, n, value_1..value_n]``. Only
-    when the logged keys change does the key list follow (as an object), and the buffer grow if needed.
+    One broadcast of a :func:`pack` packet per step in the steady state. Only when the logged keys change does
+    the key list follow (as an object), and the buffer grow if needed.
     """
 
     def __init__(self, group: Any, src: int, is_src: bool, device: torch.device) -> None:
@@ -131,32 +157,23 @@ class LogBroadcaster:
         self.is_src = is_src
         self.device = device
         self._meta: tuple | None = None
-        self._buffer = torch.zeros(32, dtype=torch.float64, device=device)
+        self._buffer = pack(False, (), 30, device)
 
     def share(self, meta: tuple, values: list[Tensor]) -> tuple[tuple, Tensor]:
         """Returns ``(meta, values)`` as the last stage has them (collective over the pipeline group)."""
         buffer = self._buffer
         if self.is_src:
-            changed = meta != self._meta
-            n = len(values)
-            buffer[0], buffer[1] = float(changed), float(n)
-            fits = n <= buffer.numel() - 2
-            if n and fits:
-                torch.stack([v.to(torch.float64) for v in values], out=buffer[2 : 2 + n])
+            fill(buffer, meta != self._meta, values)
         dist.broadcast(buffer, self.src, group=self.group)
-        if not self.is_src:
-            changed, n = (int(x) for x in buffer[:2].tolist())
+        ((changed, n, fits),) = headers([buffer])
         if changed:
-            box = [meta]
-            dist.broadcast_object_list(box, self.src, group=self.group)
-            self._meta = box[0]
-        if n > buffer.numel() - 2:  # did not fit: send the values alone, and keep a buffer that fits
+            self.share_meta(meta)
+        if not fits:  # send the values alone, and keep a buffer that fits
             flat = torch.stack([v.to(torch.float64) for v in values]) if self.is_src else buffer.new_zeros(n)
             dist.broadcast(flat, self.src, group=self.group)
-            self._buffer = torch.zeros(2 + n, dtype=torch.float64, device=self.device)
-            return self._meta or (), flat
-        return self._meta or (), buffer[2 : 2 + n].clone()
-
+            self._buffer = pack(False, (), n, self.device)
+            return self.meta, flat
+        return self.meta, buffer[2 : 2 + n].clone()
 
     @property
     def meta(self) -> tuple:

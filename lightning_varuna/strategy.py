@@ -17,9 +17,9 @@ backward`` inside ``optimizer.step(closure)``):
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -44,23 +44,22 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_flatten, tree_unflatten
-from torchmetrics import Metric
 
 from lightning_varuna.checkpoint import load as checkpoint
 from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import resumable_training_loader
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
-from lightning_varuna.log_sync import LogBroadcaster, LogCapture, reduce_records, replay
+from lightning_varuna.log_sync import LogCapture
 from lightning_varuna.patches import install_ckpt_path_recorder
-from lightning_varuna.pipeline.cut import forward_handler, install_cut_at
-from lightning_varuna.pipeline.engine import PipelineEngine, default_loss, first_samples
-from lightning_varuna.pipeline.executor import SUMMARY_SIZE
-from lightning_varuna.pipeline.failures import PipelineError, peer_error, report_failure
+from lightning_varuna.pipeline.config import EngineConfig
+from lightning_varuna.pipeline.engine import PipelineEngine
+from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import last_fallbacks
+from lightning_varuna.steps import StepRunner, metric_states_kept
 
 __all__ = ["VarunaStrategy"]
 
@@ -152,48 +151,32 @@ class VarunaStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if pipeline_parallel_size != "auto" and (
-            not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1
-        ):
-            raise ValueError(
-                f"pipeline_parallel_size must be a positive int or 'auto', got {pipeline_parallel_size!r}."
-            )
-        # validates the remaining arguments now, before any process starts
-        PipelineEngine(
-            torch.nn.Module(), 1, num_microbatches, microbatch_size, schedule, recompute, cut_at, partition,
-            p2p_timeout,
-        )
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.num_microbatches = num_microbatches
-        self.microbatch_size = microbatch_size
-        self.schedule = schedule
-        self.recompute = recompute
-        self.cut_at = cut_at
-        self.partition = partition
-        self.p2p_timeout = p2p_timeout
         if boundary_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"boundary_dtype={boundary_dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
-        self.boundary_dtype = boundary_dtype
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
             raise ValueError(f"global_batch_size must be a positive int or None, got {global_batch_size!r}.")
+        # checked now, before any process starts
+        self.config = EngineConfig(
+            pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
+            partition=partition, p2p_timeout=p2p_timeout,
+        )
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.boundary_dtype = boundary_dtype
         self.global_batch_size = global_batch_size
-        self._preparing_train_data = False
+        self.preemption_notice = preemption_notice
+        self.async_checkpoint = async_checkpoint
         self._process_group_backend = process_group_backend
         self._timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
-        self.async_checkpoint = async_checkpoint
         self._checkpoints = CheckpointWriter(asynchronous=async_checkpoint, timeout=self._timeout)
         install_ckpt_path_recorder()
         self.num_nodes = 1
         self.engine: PipelineEngine | None = None
         self.topology: Topology | None = None
-        self._broadcaster: LogBroadcaster | None = None
+        self._steps: StepRunner | None = None
         self._pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
         self._hook_logs: HookLogMerger | None = None
         self._params: list[torch.nn.Parameter] = []
-        self._module_names: dict[int, str] = {}
-        self._original_clip: Callable | None = None
-        self._agreed_norm: Tensor | None = None
-        self.preemption_notice = preemption_notice
         self._preemption: PreemptionGuard | None = None
 
     @classmethod
@@ -286,6 +269,15 @@ class VarunaStrategy(ParallelStrategy):
             )
         super().connect(model)
 
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin Lightning chose, made pipeline-aware (:mod:`lightning_varuna.precision`)."""
+        return self._precision_plugin if self._precision_plugin is not None else pipeline_precision(Precision())
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = pipeline_precision(precision_plugin) if precision_plugin is not None else None
+
     def setup(self, trainer: Trainer) -> None:
         """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
         assert self.accelerator is not None and self.model is not None
@@ -293,16 +285,16 @@ class VarunaStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._setup_pipeline(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        precision = self.precision_plugin
+        assert isinstance(precision, PipelinePrecision)
+        precision.global_grad_norm = self.global_grad_norm
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._check_scaled_optimizers()
-        self._patch_clipping()
-        self._patch_unscale()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._mark_train_data_setup(trainer)
+            precision.check_optimizers(self.optimizers)
             self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device)
             self._preemption.attach()
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
@@ -314,38 +306,23 @@ class VarunaStrategy(ParallelStrategy):
         hook = _STEP_HOOKS.get(trainer.state.fn)  # type: ignore[arg-type]
         if hook is None:
             raise MisconfigurationException(f"VarunaStrategy cannot run trainer.{trainer.state.fn}.")
-        sample = self._sample_batch(trainer)
-        size = self._pipeline_size_for(sample, hook)
-        self.engine = PipelineEngine(
-            module,
-            size,
-            num_microbatches=self.num_microbatches,
-            microbatch_size=self.microbatch_size,
-            schedule=self.schedule,
-            recompute=self.recompute,
-            cut_at=self.cut_at,
-            partition=self.partition,
-            p2p_timeout=self.p2p_timeout,
-            device=self.root_device,
-            wire_dtype=self._wire_dtype(),
-        )
+        config = replace(self.config, wire_dtype=self._wire_dtype(), max_pipeline_size=self.num_processes or None)
+        self.engine = engine = PipelineEngine.from_config(module, config, device=self.root_device)
         step = getattr(module, hook)
         capture = LogCapture(module)
 
         def dry_step(batch: Any) -> Any:
-            with capture.capturing(), _metric_states_kept(module), self.precision_plugin.train_step_context():
+            with capture.capturing(), metric_states_kept(module), self.precision_plugin.train_step_context():
                 return step(batch, 0)
 
-        plan = self.engine.setup(sample, dry_step)
+        plan = engine.setup(self._sample_batch(trainer), dry_step)
         self._params = list(module.parameters())
-        self._module_names = {id(m): name for name, m in module.named_modules()}
-        self.topology = self.engine.topology
-        topo = self.topology
+        self.topology = topo = engine.topology
         assert topo is not None
-        self._broadcaster = LogBroadcaster(topo.pipe_group, topo.pipe_src_rank, topo.is_last, self.root_device)
+        self._steps = StepRunner(module, engine, self.precision_plugin)
         rank_zero_info(
             f"VarunaStrategy: {topo.pipeline_size} stage(s) x {topo.data_size} replica(s), schedule"
-            f" {self.schedule!r}, recompute={self.recompute}\n{plan.table()}"
+            f" {config.schedule!r}, recompute={config.recompute}\n{plan.table()}"
         )
 
     def _wire_dtype(self) -> torch.dtype | None:
@@ -353,24 +330,6 @@ class VarunaStrategy(ParallelStrategy):
             return getattr(torch, self.boundary_dtype)
         mixed = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
         return mixed.get(getattr(self.precision_plugin, "precision", ""))
-
-    def _pipeline_size_for(self, sample: Any, hook: str) -> int:
-        if isinstance(self.pipeline_parallel_size, int):
-            return self.pipeline_parallel_size
-        # "auto": count the cut points in one forward, then take the largest fitting divisor of the world size
-        module = self.lightning_module
-        counter = _CutCounter()
-        hooks = install_cut_at(module, self.cut_at)[1] if self.cut_at is not None else []
-        capture = LogCapture(module)
-        try:
-            with torch.random.fork_rng(), forward_handler(counter), torch.no_grad(), capture.capturing(), \
-                    _metric_states_kept(module):
-                getattr(module, hook)(first_samples(sample, 1), 0)
-        finally:
-            for handle in hooks:
-                handle.remove()
-        limit = min(counter.count + 1, self.num_processes or 1, self.world_size)
-        return max(p for p in range(1, limit + 1) if self.world_size % p == 0)
 
     def _sample_batch(self, trainer: Trainer) -> Any:
         loop = {
@@ -391,22 +350,6 @@ class VarunaStrategy(ParallelStrategy):
                 ) from None
         return self.batch_to_device(batch, self.root_device)
 
-    def _mark_train_data_setup(self, trainer: Trainer) -> None:
-        # process_dataloader is not told which loader it gets: mark the training loader's preparation
-        fit_loop = trainer.fit_loop
-        if "setup_data" in vars(fit_loop):
-            return
-        setup_data = fit_loop.setup_data
-
-        def setup_train_data() -> None:
-            self._preparing_train_data = True
-            try:
-                setup_data()
-            finally:
-                self._preparing_train_data = False
-
-        fit_loop.setup_data = setup_train_data  # type: ignore[method-assign]
-
     def process_dataloader(self, dataloader: Any) -> Any:
         """Gives the training loader a data position that survives a resume under another number of replicas.
 
@@ -414,14 +357,14 @@ class VarunaStrategy(ParallelStrategy):
         that reads the same samples in the same order, and whose position (samples consumed by finished steps)
         is saved in checkpoints. With ``global_batch_size``, each replica reads ``global_batch_size / D``.
         """
-        if not self._preparing_train_data or self.topology is None:
+        trainer = self.lightning_module.trainer
+        if not trainer.training or self.topology is None:  # the training loader is prepared while training
             return dataloader
         topo = self.topology
         if self.global_batch_size is not None:
             self._check_global_batch(topo.data_size)
-        return resumable_training_loader(
-            dataloader, self.lightning_module.trainer.fit_loop, topo.data_size, topo.replica, self.global_batch_size
-        )
+        return resumable_training_loader(dataloader, trainer.fit_loop, topo.data_size, topo.replica,
+                                         self.global_batch_size)
 
     def model_to_device(self) -> None:
         """Moves the model to this process's device."""
@@ -429,118 +372,9 @@ class VarunaStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # -- steps --------------------------------------------------------------------------------------------
-    def _run_step(
-        self, hook: str, train: bool, args: tuple, kwargs: dict, start_sync: bool = False
-    ) -> Any:
-        assert self.engine is not None and self.topology is not None and self._broadcaster is not None
-        module = self.lightning_module
-        batch, rest = args[0], args[1:]
-        step = getattr(module, hook)
-        capture = LogCapture(module)
-        context = self.precision_plugin.train_step_context if train else self.precision_plugin.val_step_context
-        if hook == "test_step":
-            context = self.precision_plugin.test_step_context
-        elif hook == "predict_step":
-            context = self.precision_plugin.predict_step_context
-        executor = self.engine.executor
-        assert executor is not None
-
-        def recomputing() -> bool:
-            return executor.current is not None and executor.current.recomputing
-
-        def run_one(microbatch: Any) -> Any:
-            current = executor.current
-            capture.microbatch = current.microbatch if current is not None else 0
-            with context():
-                return step(microbatch, *rest, **kwargs)
-
-        shared: dict[str, Any] = {}
-        summarize = self._summarizer(capture, shared) if train and self.topology.pipeline_size > 1 else None
-        try:
-            with capture.capturing(discard=recomputing):
-                if train:
-                    scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-                    result = self.engine.train_step(
-                        batch, run_one, loss_scale=scale, loss_transform=self._scale_loss, summary=summarize,
-                        start_sync=start_sync,
-                    )
-                else:
-                    result = self.engine.eval_step(batch, run_one)
-        except BaseException as err:
-            report_failure(err)
-            raise
-        if result.summary is not None:
-            meta, flat = self._waiting_on_peers(
-                "sharing the last stage's logged values", lambda: self._unpack_summary(result.summary, shared)
-            )
-        else:
-            meta, values = self._reduce(capture, result.outputs, result.sizes, train)
-            if self.topology.pipeline_size > 1:
-                meta, flat = self._waiting_on_peers(
-                    "sharing the last stage's logged values", lambda: self._broadcaster.share(meta, values)
-                )
-            else:
-                flat = torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0)
-        replay(module, meta, flat, skip=1 if train else 0)
-        if train:
-            return flat[0].float()
-        return self._merge_outputs(hook, result.outputs, result.sizes)
-
-    def _reduce(self, capture: LogCapture, outputs: list[Any], sizes: list[int], train: bool) -> tuple[tuple, list]:
-        """The step's logged keys and values (the training loss first), as the last stage has them."""
-        assert self.topology is not None
-        meta, values = reduce_records(self.lightning_module, capture.records, sizes, self.root_device,
-                                      self._module_names)
-        if train and self.topology.is_last:
-            size = sum(sizes)
-            loss = torch.stack([default_loss(o).detach().float() * (n / size) for o, n in zip(outputs, sizes)]).sum()
-            values = [loss, *values]
-        return meta, values
-
-    def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[int]], Tensor]:
-        """Packs the last stage's loss and logs as ``[mode, n, values...]`` to travel back along the pipeline.
-
-        mode 0: same keys as last step; 1: new keys (shared next, once); 2: too many values (shared by a
-        broadcast instead).
-        """
-        assert self._broadcaster is not None
-        broadcaster = self._broadcaster
-
-        def summarize(outputs: list[Any], sizes: list[int]) -> Tensor:
-            meta, values = self._reduce(capture, outputs, sizes, True)
-            shared["meta"], shared["values"] = meta, values
-            n = len(values)
-            if n + 2 > SUMMARY_SIZE:
-                return torch.tensor([2.0, float(n)], dtype=torch.float64, device=self.root_device)
-            mode = 0.0 if meta == broadcaster.meta else 1.0
-            head = torch.tensor([mode, float(n)], dtype=torch.float64, device=self.root_device)
-            return torch.cat([head, torch.stack([v.to(torch.float64) for v in values])])
-
-        return summarize
-
-    def _unpack_summary(self, summary: Tensor, shared: dict[str, Any]) -> tuple[tuple, Tensor]:
-        assert self._broadcaster is not None
-        mode, n = (int(x) for x in summary[:2].tolist())
-        if mode == 2:
-            return self._broadcaster.share(shared.get("meta", ()), shared.get("values", []))
-        meta = self._broadcaster.share_meta(shared.get("meta", ())) if mode == 1 else self._broadcaster.meta
-        return meta, summary[2 : 2 + n].clone()
-
-    def _scale_loss(self, loss: Tensor) -> Tensor:
-        # fp16: only the last stage scales; the gradients reaching earlier stages are already scaled
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return scaler.scale(loss) if scaler is not None else loss
-
-    def _merge_outputs(self, hook: str, outputs: list[Any], sizes: list[int]) -> Any:
-        assert self.topology is not None
-        merged = _concat(outputs, sum(sizes)) if outputs else None
-        if hook == "predict_step" and self.topology.pipeline_size > 1:
-            box = [merged]
-            dist.broadcast_object_list(box, self.topology.pipe_src_rank, group=self.topology.pipe_group)
-            merged = box[0]
-            if merged is not None:
-                merged = _to_device(merged, self.root_device)
-        return merged
+    def _run_step(self, hook: str, args: tuple, kwargs: dict, **options: Any) -> Any:
+        assert self._steps is not None
+        return self._steps.run(hook, args, kwargs, **options)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch through the pipeline; returns the batch's loss (on every rank).
@@ -557,12 +391,12 @@ class VarunaStrategy(ParallelStrategy):
         # for zero_grad. On later batches `.grad` holds the window's partial sum and the schedule adds to it, so
         # the gradients are complete (and reducible) as soon as the last backward has run.
         first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        self._agreed_norm = None
         stale = [p.grad for p in params] if first else None
         if first:
             for p in params:
                 p.grad = None
-        loss = self._run_step("training_step", True, args, kwargs, start_sync=not _accumulating(trainer))
+        loss = self._run_step("training_step", args, kwargs, loss_scale=1.0 / trainer.accumulate_grad_batches,
+                              start_sync=not _accumulating(trainer))
         self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
         for i, p in enumerate(params):
             p.grad = stale[i] if stale is not None else None
@@ -570,15 +404,15 @@ class VarunaStrategy(ParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward through the pipeline."""
-        return self._run_step("validation_step", False, args, kwargs)
+        return self._run_step("validation_step", args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward through the pipeline."""
-        return self._run_step("test_step", False, args, kwargs)
+        return self._run_step("test_step", args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward; the whole batch's predictions are returned on every stage."""
-        return self._run_step("predict_step", False, args, kwargs)
+        return self._run_step("predict_step", args, kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Puts back the gradients the schedule computed (the schedule already ran backward)."""
@@ -599,10 +433,10 @@ class VarunaStrategy(ParallelStrategy):
         the step) is captured and, after the step, merged over the pipeline (:mod:`lightning_varuna.hook_logs`):
         logged gradient norms are the whole model's.
         """
-        engine = self.engine
-        assert engine is not None and self.topology is not None
+        engine, topo = self.engine, self.topology
+        assert engine is not None and topo is not None
         module = self.lightning_module
-        merge = self.topology.pipeline_size > 1 and logs_in_optimizer_hook(module)
+        merge = topo.pipeline_size > 1 and logs_in_optimizer_hook(module)
         capture = LogCapture(module)
         hooks = contextlib.ExitStack()
         capturing = False
@@ -610,7 +444,7 @@ class VarunaStrategy(ParallelStrategy):
         def closure_then_sync() -> Any:
             nonlocal capturing
             result = closure()
-            self._waiting_on_peers("syncing gradients", engine.sync_gradients)
+            waiting_on_peers(topo, "syncing gradients", engine.sync_gradients)
             if merge and not capturing:  # the on_before_optimizer_step hooks run next
                 hooks.enter_context(capture.capturing())
                 capturing = True
@@ -620,89 +454,21 @@ class VarunaStrategy(ParallelStrategy):
             output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         if merge:
             if self._hook_logs is None:
-                self._hook_logs = HookLogMerger(self.topology.pipe_group, self.topology.pipeline_size,
-                                                self.root_device)
+                self._hook_logs = HookLogMerger(topo.pipe_group, topo.pipeline_size, self.root_device)
             merger = self._hook_logs
-            self._waiting_on_peers("merging what on_before_optimizer_step logged over the pipeline",
-                                   lambda: merger.replay(module, capture.records))
+            waiting_on_peers(topo, "merging what on_before_optimizer_step logged over the pipeline",
+                             lambda: merger.replay(module, capture.records))
         return output
-
-    def _patch_clipping(self) -> None:
-        precision = self.precision_plugin
-        if self._original_clip is not None:
-            return
-        self._original_clip = precision.clip_grad_by_norm
-        strategy = self
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
-            strategy.clip_grad_norm_(optimizer, float(clip_val))
-
-        precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-
-    def _check_scaled_optimizers(self) -> None:
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        fused = [type(o).__name__ for o in self.optimizers if getattr(o, "_step_supports_amp_scaling", False)]
-        if scaler is not None and fused:
-            raise MisconfigurationException(
-                f"VarunaStrategy with a loss scaler (16-mixed) cannot use {', '.join(fused)} with fused=True:"
-                " such optimizers skip the scaler's unscale_, where every stage and replica agrees on overflow, so"
-                " the ranks would decide alone. Create it with fused=False (or use bf16-mixed)."
-            )
-
-    def _patch_unscale(self) -> None:
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or "unscale_" in vars(scaler):
-            return
-        original = scaler.unscale_
-
-        def unscale_(optimizer: Optimizer) -> None:
-            # Every stage and replica must agree to skip (or take) the step, and update the scale alike. The
-            # same all-reduce carries the squared gradient norm, which clipping then uses without a collective
-            # of its own (summed over all ranks, each stage's share counts D times: replicas hold equal grads).
-            original(optimizer)
-            state = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            found = torch.zeros((), device=self.root_device)
-            for value in state.values():
-                found = torch.maximum(found, value.to(found.device))
-            assert self.engine is not None and self.engine.grad_sync is not None and self.topology is not None
-            shared = torch.stack([found, self.engine.grad_sync.local_norm_sq().to(found.device)])
-            self._waiting_on_peers("agreeing on gradient overflow and norm", lambda: dist.all_reduce(shared))
-            found = (shared[0] > 0).to(found.dtype)
-            self._agreed_norm = (shared[1] / self.topology.data_size).sqrt()
-            for value in state.values():
-                value.copy_(found)
-
-        scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
     def global_grad_norm(self) -> Tensor:
         """The L2 norm of the whole model's gradient (all stages, tied parameters once)."""
-        assert self.engine is not None and self.engine.grad_sync is not None and self.topology is not None
-        total = self.engine.grad_sync.local_norm_sq()
-        if self.topology.pipeline_size > 1:
-            self._waiting_on_peers(
-                "summing the gradient norm over stages", lambda: dist.all_reduce(total, group=self.topology.pipe_group)
-            )
+        assert self.engine is not None and self.topology is not None
+        total = self.engine.local_grad_norm_sq()
+        topo = self.topology
+        if topo.pipeline_size > 1:
+            waiting_on_peers(topo, "summing the gradient norm over stages",
+                             lambda: dist.all_reduce(total, group=topo.pipe_group))
         return total.sqrt()
-
-    def _waiting_on_peers(self, what: str, wait: Callable[[], Any]) -> Any:
-        assert self.topology is not None
-        try:
-            return wait()
-        except PipelineError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a collective that failed because of a peer
-            raise peer_error(self.topology, what, err) from err
-
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        """Scales all gradients so the global norm is at most ``max_norm``; returns the norm before."""
-        # under fp16 the overflow agreement (just before) already summed the norm over every rank
-        norm = self._agreed_norm if self._agreed_norm is not None else self.global_grad_norm()
-        self._agreed_norm = None
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return norm
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     @property
@@ -733,7 +499,7 @@ class VarunaStrategy(ParallelStrategy):
             shards[f"optimizer_{i}"] = state
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         groups = checkpoint_state.param_groups_by_name(self.lightning_module, optimizers)
-        names = list(self.engine.plan.trace.param_numel) if self.engine and self.engine.plan else []
+        names = self.engine.param_names if self.engine is not None else []
         self._checkpoints.save(path, shards, checkpoint_dict, groups, names)
 
     def wait_for_checkpoint(self) -> None:
@@ -751,14 +517,14 @@ class VarunaStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads this stage's share of a sharded (or plain single-file) checkpoint, whatever P x D wrote it."""
-        assert self.engine is not None and self.engine.plan is not None
+        assert self.engine is not None
         self._checkpoints.wait()
         path = self.broadcast(str(checkpoint_path))
         # with ckpt_path="last", a bad checkpoint falls back to the newest good one of the run
         trainer = self.lightning_module.trainer
         fallbacks = self.broadcast(last_fallbacks(trainer, path) if self.is_global_zero else None)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        names = list(self.engine.plan.trace.param_numel)
+        names = self.engine.param_names
         return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only, fallbacks)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -804,9 +570,6 @@ class VarunaStrategy(ParallelStrategy):
             if self._preemption is not None:
                 self._preemption.detach()
                 self._preemption = None
-            if self._original_clip is not None:
-                del self.precision_plugin.clip_grad_by_norm
-                self._original_clip = None
             # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
             # later validate/test/predict calls
             super().teardown()
@@ -815,49 +578,3 @@ class VarunaStrategy(ParallelStrategy):
 def _accumulating(trainer: Trainer) -> bool:
     """Whether this batch only accumulates gradients (no optimizer step follows it)."""
     return trainer.fit_loop.epoch_loop._should_accumulate()
-
-
-class _CutCounter:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def on_cut(self, cut: Any, x: Tensor) -> Tensor:
-        self.count += 1
-        return x
-
-
-@contextlib.contextmanager
-def _metric_states_kept(module: torch.nn.Module) -> Iterator[None]:
-    """Undoes what the dry run's step does to torchmetrics states."""
-    saved = []
-    for metric in module.modules():
-        if isinstance(metric, Metric):
-            state = {name: copy.copy(getattr(metric, name)) for name in metric._defaults}
-            saved.append((metric, state, metric._update_count, metric._computed))
-    try:
-        yield
-    finally:
-        for metric, state, count, computed in saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
-            metric._update_count, metric._computed = count, computed
-
-
-def _concat(outputs: list[Any], total: int) -> Any:
-    if len(outputs) == 1:
-        return outputs[0]
-    leaves = [tree_flatten(o) for o in outputs]
-    spec = leaves[0][1]
-    merged = []
-    for parts in zip(*(flat for flat, _ in leaves)):
-        first = parts[0]
-        if isinstance(first, Tensor) and first.dim() > 0:
-            merged.append(torch.cat(parts))
-        else:
-            merged.append(list(parts))
-    return tree_unflatten(merged, spec)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    leaves, spec = tree_flatten(value)
-    return tree_unflatten([v.to(device) if isinstance(v, Tensor) else v for v in leaves], spec)

@@ -106,9 +106,9 @@ def test_bad_checkpoints_raise_what_is_wrong(saved) -> None:
     shard = _shard(truncated)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     unfinished = _copy(path, "unfinished.ckpt")
-    (unfinished / checkpoint.META).unlink()
+    (unfinished / checkpoint_files.META).unlink()
     damaged_meta = _copy(path, "meta.ckpt")
-    (damaged_meta / checkpoint.META).write_bytes(b"not a pickle")
+    (damaged_meta / checkpoint_files.META).write_bytes(b"not a pickle")
     expected = {
         missing: "is missing 1 of its 1 shard files",
         truncated: "is truncated",
@@ -198,9 +198,9 @@ def test_convert_round_trip_with_two_param_groups(tmp_path: Path) -> None:
     # any fsspec URL: the converted file carries the record, so no model is needed on the way back
     convert.from_plain(tmp_path / "back.ckpt", "memory://convert-test/sharded")
     convert.to_plain("memory://convert-test/sharded", "memory://convert-test/again.ckpt")
-    with checkpoint.Location.of("memory://convert-test/again.ckpt").fs.open("/convert-test/again.ckpt", "rb") as f:
+    with checkpoint_files.Location.of("memory://convert-test/again.ckpt").fs.open("/convert-test/again.ckpt", "rb") as f:
         _assert_same_plain(original, torch.load(f, weights_only=False))
-    checkpoint.Location.of("memory://convert-test").remove()
+    checkpoint_files.Location.of("memory://convert-test").remove()
 
 
 def test_convert_command_line(tmp_path: Path) -> None:

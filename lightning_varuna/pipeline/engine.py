@@ -18,20 +18,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
 from lightning_varuna.pipeline.executor import MemoryStats, StageExecutor
+from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
 from lightning_varuna.pipeline.grad_sync import GradientSync
 from lightning_varuna.pipeline.p2p import P2P
-from lightning_varuna.pipeline.partition import Plan, check_pipeline_size, make_plan, trace_step
-from lightning_varuna.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from lightning_varuna.pipeline.partition import Plan, check_pipeline_size, make_plan, time_segments, trace_step
+from lightning_varuna.pipeline.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
 from lightning_varuna.pipeline.topology import Topology
 
@@ -91,7 +93,7 @@ class PipelineEngine:
     Args:
         module: The model, with ``CutPoint`` modules where it may be split (or see ``cut_at``). Every rank
             holds the full model until :meth:`setup`, which keeps only this rank's stage.
-        pipeline_parallel_size: P, the number of stages. D = world size / P.
+        pipeline_parallel_size: P, the number of stages, or ``"auto"``. D = world size / P.
         num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
         microbatch_size: Alternatively, the size of each micro-batch.
         schedule: ``"varuna"``, ``"1f1b"`` or ``"gpipe"``.
@@ -107,12 +109,16 @@ class PipelineEngine:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
+        max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this.
+
+    The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
+    :meth:`from_config` builds an engine from a config.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        pipeline_parallel_size: int,
+        pipeline_parallel_size: int | Literal["auto"] = "auto",
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
         schedule: str = "varuna",
@@ -124,45 +130,39 @@ class PipelineEngine:
         wire_dtype: torch.dtype | None = None,
         grad_bucket_bytes: int | None = None,
         overlap_grad_sync: bool = True,
+        max_pipeline_size: int | None = None,
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: choose one of {SCHEDULES}.")
-        if num_microbatches is not None and microbatch_size is not None:
-            raise ValueError("Give num_microbatches or microbatch_size, not both.")
-        for name, value in (("num_microbatches", num_microbatches), ("microbatch_size", microbatch_size)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{name} must be an int, got {value!r}.")
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}.")
-        if partition not in ("time", "params"):
-            raise ValueError(f"partition={partition!r}: use 'time' or 'params'.")
-        if cut_at is not None and not isinstance(cut_at, str):
-            raise ValueError(
-                f"cut_at must be a dotted path string such as 'model.blocks', got {cut_at!r}."
-            )
-        if isinstance(p2p_timeout, bool) or not isinstance(p2p_timeout, (int, float)) or not p2p_timeout > 0:
-            raise ValueError(f"p2p_timeout must be a positive number of seconds, got {p2p_timeout!r}.")
+        config = EngineConfig(
+            pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
+            partition=partition, p2p_timeout=p2p_timeout, wire_dtype=wire_dtype, grad_bucket_bytes=grad_bucket_bytes,
+            overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size,
+        )
+        self.config = config
         self.module = module
-        self.pipeline_size = pipeline_parallel_size
-        self.num_microbatches = num_microbatches
-        self.microbatch_size = microbatch_size
-        self.schedule_name = schedule
-        self.recompute = recompute
-        self.cut_at = cut_at
-        self.partition = partition
-        self.p2p_timeout = p2p_timeout
         self.device = device or torch.device("cpu")
-        self.wire_dtype = wire_dtype
-        self.grad_bucket_bytes = grad_bucket_bytes
-        self.overlap_grad_sync = overlap_grad_sync
         self.topology: Topology | None = None
         self.plan: Plan | None = None
         self.executor: StageExecutor | None = None
         self.grad_sync: GradientSync | None = None
+        self._pipeline_size = pipeline_parallel_size if pipeline_parallel_size != "auto" else None
         self._cuts: list[CutPoint] = []
         self._hooks: list[Any] = []
         self._stand_ins: list[Any] = []
         self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._batch_dims: tuple[int | None, int | None] = (None, None)
+
+    @classmethod
+    def from_config(cls, module: nn.Module, config: EngineConfig, device: torch.device | None = None) -> PipelineEngine:
+        """An engine for ``module`` with the options of ``config``."""
+        return cls(module, device=device, **{f.name: getattr(config, f.name) for f in fields(config)})
+
+    @property
+    def pipeline_size(self) -> int:
+        """P (known once :meth:`setup` has resolved ``"auto"``)."""
+        if self._pipeline_size is None:
+            raise RuntimeError("pipeline_parallel_size='auto' is resolved by PipelineEngine.setup().")
+        return self._pipeline_size
 
     # -- setup --------------------------------------------------------------------------------------------
     def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None) -> Plan:
@@ -179,32 +179,40 @@ class PipelineEngine:
         Returns:
             The plan (identical on every rank).
         """
+        config = self.config
         # everything that can be wrong with the model is checked before the first collective call
-        pipeline_size = topology.pipeline_size if topology is not None else self.pipeline_size
-        if self.cut_at is not None:
-            self._cuts, self._hooks = install_cut_at(self.module, self.cut_at)
+        if config.cut_at is not None:
+            self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
         names = {id(m): n for n, m in self.module.named_modules()}
         cut_names = {id(c): getattr(c, "_varuna_name", names.get(id(c), "")) for c in self._cuts}
-        size = batch_size_of(sample_batch)
-        micro = max(1, size // self.microbatches_for(size))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            trace, cut_modules = self._dry_run(sample_batch, step, micro, cut_names)
-        check_pipeline_size(trace, pipeline_size)
+            trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
+                                            cut_names=cut_names)
+            world = topology.world_size if topology is not None else _world_size()
+            self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
+                world, trace.num_segments
+            )
+            check_pipeline_size(trace, self._pipeline_size)
+            if config.partition == "time" and trace.cuts:
+                size = batch_size_of(sample_batch)
+                micro = max(1, size // self.microbatches_for(size))
+                trace.segment_seconds = time_segments(lambda: step(first_samples(sample_batch, micro)))
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
-        self.topology = topology or Topology.create(self.pipeline_size, self.device, timeout=self.p2p_timeout)
+        self.topology = topology or Topology.create(self.pipeline_size, self.device, timeout=config.p2p_timeout)
+        destroy_process_groups_at_exit()
         topo = self.topology
         if topo.world_size > 1:
             # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
             seconds = [trace.segment_seconds]
             dist.broadcast_object_list(seconds, src=0)
             trace.segment_seconds = seconds[0]
-        self.plan = make_plan(trace, topo.pipeline_size, by=self.partition)
+        self.plan = make_plan(trace, topo.pipeline_size, by=self.config.partition)
         stage = self.plan.stages[topo.stage]
         first_cut = stage.segments.start - 1 if topo.stage > 0 else None
         last_cut = stage.segments.stop - 1 if not topo.is_last else None
-        self.executor = StageExecutor(topo, P2P(topo, self.p2p_timeout), cut_modules, first_cut, last_cut)
-        self.executor.wire_dtype = self.wire_dtype
+        self.executor = StageExecutor(topo, P2P(topo, self.config.p2p_timeout), cut_modules, first_cut, last_cut)
+        self.executor.wire_dtype = self.config.wire_dtype
         self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
         self._batch_dims = (
@@ -212,40 +220,33 @@ class PipelineEngine:
             trace.cuts[last_cut].batch_dim if last_cut is not None else None,
         )
         self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.plan.tied,
-                                      bucket_bytes=self.grad_bucket_bytes, overlap=self.overlap_grad_sync)
+                                      bucket_bytes=self.config.grad_bucket_bytes,
+                                      overlap=self.config.overlap_grad_sync)
         return self.plan
-
-    def _dry_run(self, batch: Any, step: Callable[[Any], Any], micro: int, cut_names: dict[int, str]):
-        def step_on(n: int) -> Any:
-            return step(first_samples(batch, n))
-
-        def timed() -> Any:
-            return step(first_samples(batch, micro))
-
-        return trace_step(self.module, step_on, timed if self.partition == "time" else None, cut_names)
 
     # -- sizes --------------------------------------------------------------------------------------------
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
         """How many micro-batches a batch of ``batch_size`` is split into."""
-        if self.microbatch_size is not None:
-            return max(1, math.ceil(batch_size / self.microbatch_size))
-        if self.num_microbatches is not None:
-            if batch_size < self.num_microbatches:
+        config = self.config
+        if config.microbatch_size is not None:
+            return max(1, math.ceil(batch_size / config.microbatch_size))
+        if config.num_microbatches is not None:
+            if batch_size < config.num_microbatches:
                 if train:
                     raise ValueError(
                         f"A batch of {batch_size} sample(s) cannot be split into num_microbatches="
-                        f"{self.num_microbatches}. Use a batch size >= {self.num_microbatches}, fewer"
+                        f"{config.num_microbatches}. Use a batch size >= {config.num_microbatches}, fewer"
                         " micro-batches, or drop_last=True in the DataLoader."
                     )
                 return batch_size
-            return self.num_microbatches
+            return config.num_microbatches
         return max(1, min(2 * self.pipeline_size, batch_size))
 
     def _schedule(self, m: int, train: bool) -> Schedule:
         key = (m, train)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(
-                self.schedule_name, self.pipeline_size, m, recompute=self.recompute and train, train=train
+                self.config.schedule, self.pipeline_size, m, recompute=self.config.recompute and train, train=train
             )
         return self._schedules[key]
 
@@ -301,7 +302,7 @@ class PipelineEngine:
             sizes,
             self._batch_dims,
             train=train,
-            recompute=self.recompute,
+            recompute=self.config.recompute,
             loss_of=weighted_loss,
             summary=(lambda results: summary(results, sizes)) if summary is not None else None,
             last_backward=sync.overlapping if sync is not None else None,
@@ -330,6 +331,38 @@ class PipelineEngine:
         """This stage's parameters."""
         return list(self.module.parameters())
 
+    def local_grad_norm_sq(self) -> Tensor:
+        """This stage's share of the squared global gradient norm.
+
+        A parameter held by several stages counts once over the pipeline: summed over the stages of a pipeline
+        it is the whole model's.
+        """
+        assert self.grad_sync is not None
+        return self.grad_sync.local_norm_sq()
+
+    @property
+    def param_names(self) -> list[str]:
+        """The full model's parameter names, in ``named_parameters()`` order (known after :meth:`setup`)."""
+        return list(self.plan.trace.param_numel) if self.plan is not None else []
+
+    @property
+    def stage_param_names(self) -> tuple[str, ...]:
+        """The names of the parameters this stage holds (a tied parameter on every stage that uses it)."""
+        assert self.plan is not None and self.topology is not None
+        return self.plan.stages[self.topology.stage].params
+
+    @property
+    def microbatch(self) -> int:
+        """The micro-batch whose forward (or recompute) is running; 0 outside of one."""
+        current = self.executor.current if self.executor is not None else None
+        return current.microbatch if current is not None else 0
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether the forward that is running is a recompute (its side effects already happened once)."""
+        current = self.executor.current if self.executor is not None else None
+        return current is not None and current.recomputing
+
     @property
     def stats(self) -> MemoryStats:
         """Memory counters of this stage."""
@@ -343,6 +376,10 @@ class PipelineEngine:
         self._hooks = []
         remove_stand_ins(self._stand_ins)
         self._stand_ins = []
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def default_loss(output: Any) -> Tensor:

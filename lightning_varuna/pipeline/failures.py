@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import atexit
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["PipelineError", "destroy_process_groups_at_exit", "peer_error", "report_failure"]
+__all__ = [
+    "PipelineError", "destroy_process_groups_at_exit", "peer_error", "report_failure", "waiting_on_peers",
+]
 
 _ERROR_KEY = "lightning_varuna/error/"
 _exit = {"registered": False, "failed": False}
+_T = TypeVar("_T")
 
 
 class PipelineError(RuntimeError):
@@ -98,3 +101,13 @@ def peer_error(
     if timeout is not None and ("timed out" in str(err).lower() or "timeout" in str(err).lower()):
         hint = f" (no answer within p2p_timeout={timeout.total_seconds():g}s: the peer is hung or far behind)"
     return PipelineError(f"{me}: {what} failed{hint}: {err}.{_peer_failure()}")
+
+
+def waiting_on_peers(topology: Topology, what: str, wait: Callable[[], _T]) -> _T:
+    """Runs ``wait`` (a collective or p2p wait); its failure becomes a :class:`PipelineError` that says ``what``."""
+    try:
+        return wait()
+    except PipelineError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a wait that failed because of a peer
+        raise peer_error(topology, what, err) from err

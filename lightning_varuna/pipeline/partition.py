@@ -28,7 +28,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, forward_handler
 
 __all__ = [
-    "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "balance", "make_plan", "check_pipeline_size",
+    "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "time_segments", "balance", "make_plan",
+    "check_pipeline_size",
     "PartitionError",
 ]
 
@@ -199,6 +200,28 @@ def _batch_dim(small: Tensor, large: Tensor, name: str) -> int | None:
     return differing[0]
 
 
+def time_segments(timed_step: Callable[[], object]) -> list[float]:
+    """Each segment's forward time in seconds: the fastest of :data:`TIMED_RUNS` runs of ``timed_step``.
+
+    The plan is only as good as these times, and one run on a busy machine can be preempted inside any segment:
+    each segment's fastest run counts (the first also pays one-off warm-up costs).
+
+    Args:
+        timed_step: Runs the step on a realistic micro-batch (it is run without autograd).
+    """
+    seconds: list[float] = []
+    for _ in range(TIMED_RUNS):
+        timer = _Timer()
+        with forward_handler(timer), torch.no_grad():
+            start = time.perf_counter()
+            timed_step()
+            end = time.perf_counter()
+        marks = [start, *timer.marks, end]
+        run = [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
+        seconds = run if not seconds else [min(a, b) for a, b in zip(seconds, run)]
+    return seconds
+
+
 def trace_step(
     module: nn.Module,
     step_on: Callable[[int], object],
@@ -210,8 +233,9 @@ def trace_step(
     Args:
         module: The full model (every parameter present).
         step_on: Runs the user's step on the first ``n`` samples of a batch, for ``n`` in (1, 2).
-        timed_step: Runs the step on a realistic micro-batch without autograd, to time the segments. If not
-            given, segment costs are left empty and parameter counts are used to balance.
+        timed_step: Runs the step on a realistic micro-batch without autograd, to time the segments
+            (:func:`time_segments`). If not given, segment costs are left empty and parameter counts are used
+            to balance.
         cut_names: Readable names of cut points that are not submodules of ``module``.
 
     Returns:
@@ -235,19 +259,7 @@ def trace_step(
         if not small.is_floating_point():
             raise CutPointError(f"{name} got a {small.dtype} tensor; a cut point needs a floating-point activation.")
         cuts.append(CutInfo(name, tuple(large.shape), large.dtype, _batch_dim(small, large, name)))
-    seconds: list[float] = []
-    if timed_step is not None and cuts:
-        # The plan is only as good as these times, and one run on a busy machine can be preempted inside any
-        # segment: take each segment's fastest of a few runs (the first also pays one-off warm-up costs).
-        for _ in range(TIMED_RUNS):
-            timer = _Timer()
-            with forward_handler(timer), torch.no_grad():
-                start = time.perf_counter()
-                timed_step()
-                end = time.perf_counter()
-            marks = [start, *timer.marks, end]
-            run = [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
-            seconds = run if not seconds else [min(a, b) for a, b in zip(seconds, run)]
+    seconds = time_segments(timed_step) if timed_step is not None and cuts else []
     numel = {name: p.numel() for name, p in module.named_parameters()}
     trace = Trace(
         cuts=cuts,

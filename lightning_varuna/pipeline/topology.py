@@ -14,8 +14,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
-
 __all__ = ["Topology"]
 
 
@@ -90,7 +88,6 @@ class Topology:
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         cls.check(world, pipeline_size)
-        destroy_process_groups_at_exit()
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         data_size = world // pipeline_size

@@ -124,7 +124,7 @@ def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: i
         "stage": stage,
         "pipeline_size": strategy.topology.pipeline_size,
         "stats": asdict(engine.stats),
-        "num_microbatches": engine.num_microbatches,
+        "num_microbatches": engine.config.num_microbatches,
         "local_numel": sum(p.numel() for p in model.parameters()),
         "plan_numel": engine.plan.stages[stage].param_numel,
         "plan_numels": [s.param_numel for s in engine.plan.stages],

@@ -1,0 +1,85 @@
+"""What a :class:`~lightning_varuna.pipeline.engine.PipelineEngine` is asked to do, checked once when created."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from lightning_varuna.pipeline.schedules import SCHEDULES
+
+__all__ = ["PARTITIONS", "EngineConfig"]
+
+PARTITIONS: tuple[str, ...] = ("time", "params")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options. Invalid values raise ``ValueError`` with what to change, before any process waits.
+
+    Args:
+        pipeline_parallel_size: P, the number of stages (D = world size / P). ``"auto"``: the largest P that
+            divides the world size, is at most the number of segments the dry run finds and at most
+            ``max_pipeline_size``.
+        num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
+        microbatch_size: Alternatively, the size of each micro-batch.
+        schedule: ``"varuna"``, ``"1f1b"`` or ``"gpipe"``.
+        recompute: Non-last stages keep only their inputs during forwards and recompute before backward.
+        cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
+        partition: Balance stages by measured ``"time"`` or by ``"params"``.
+        p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
+        wire_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype and
+            are cast back on arrival.
+        grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
+            gradient, within 64 KiB-25 MiB).
+        overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a step.
+        max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this (e.g. the processes per
+            node, so that pipelines stay inside a node).
+    """
+
+    pipeline_parallel_size: int | Literal["auto"] = "auto"
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    schedule: str = "varuna"
+    recompute: bool = True
+    cut_at: str | None = None
+    partition: str = "time"
+    p2p_timeout: float = 300.0
+    wire_dtype: torch.dtype | None = None
+    grad_bucket_bytes: int | None = None
+    overlap_grad_sync: bool = True
+    max_pipeline_size: int | None = None
+
+    def __post_init__(self) -> None:
+        size = self.pipeline_parallel_size
+        if size != "auto" and (not _is_int(size) or size < 1):
+            raise ValueError(f"pipeline_parallel_size must be a positive int or 'auto', got {size!r}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES}.")
+        if self.num_microbatches is not None and self.microbatch_size is not None:
+            raise ValueError("Give num_microbatches or microbatch_size, not both.")
+        for name in ("num_microbatches", "microbatch_size", "grad_bucket_bytes", "max_pipeline_size"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be an int, got {value!r}.")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition={self.partition!r}: use 'time' or 'params'.")
+        if self.cut_at is not None and not isinstance(self.cut_at, str):
+            raise ValueError(f"cut_at must be a dotted path string such as 'model.blocks', got {self.cut_at!r}.")
+        timeout = self.p2p_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"p2p_timeout must be a positive number of seconds, got {timeout!r}.")
+
+    def pipeline_size_for(self, world_size: int, num_segments: int) -> int:
+        """P for a world of ``world_size`` processes and a model of ``num_segments`` segments."""
+        if self.pipeline_parallel_size != "auto":
+            return self.pipeline_parallel_size  # type: ignore[return-value]
+        limit = min(num_segments, world_size, self.max_pipeline_size or world_size)
+        return max(p for p in range(1, limit + 1) if world_size % p == 0)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,194 @@
+"""Lightning's step hooks run through the pipeline: one call of the user's hook per micro-batch, on every stage.
+
+Each stage runs the user's ``training_step`` (or ``validation_step``, ...) for every micro-batch; cut points
+decide what a stage computes. Only the last stage reaches the loss and what is logged after the model's forward,
+so its ``self.log`` calls are captured, reduced over micro-batches and shared over the pipeline (in training
+behind the last gradient, with no collective), and every stage then logs the same keys and values
+(:mod:`lightning_varuna.log_sync`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torchmetrics import Metric
+
+from lightning_varuna.log_sync import LogBroadcaster, LogCapture, fill, headers, reduce_records, replay
+from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
+from lightning_varuna.pipeline.executor import SUMMARY_SIZE
+from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
+
+__all__ = ["StepRunner", "metric_states_kept"]
+
+
+class StepRunner:
+    """Runs one of the module's step hooks on a batch through the engine and logs what the last stage logged.
+
+    Args:
+        module: The LightningModule (partitioned by ``engine``).
+        engine: The set-up engine.
+        precision: The precision plugin whose step contexts each micro-batch runs in.
+    """
+
+    def __init__(self, module: LightningModule, engine: PipelineEngine, precision: Precision) -> None:
+        topology = engine.topology
+        assert topology is not None
+        self.module = module
+        self.engine = engine
+        self.topology = topology
+        self.precision = precision
+        self.device = engine.device
+        self.broadcaster = LogBroadcaster(topology.pipe_group, topology.pipe_src_rank, topology.is_last, self.device)
+        self.module_names = {id(m): name for name, m in module.named_modules()}
+
+    def run(self, hook: str, args: tuple, kwargs: dict, loss_scale: float = 1.0, start_sync: bool = False) -> Any:
+        """Runs ``hook`` on ``args[0]`` (the batch); returns the batch loss (training) or the merged outputs.
+
+        Args:
+            hook: ``"training_step"``, ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
+            args: The hook's arguments (the batch first).
+            kwargs: The hook's keyword arguments.
+            loss_scale: Training: each micro-batch's loss is weighted by its share of the batch times this.
+            start_sync: Training: start the gradient reductions during this step (before an optimizer step).
+        """
+        train = hook == "training_step"
+        batch, rest = args[0], args[1:]
+        step = getattr(self.module, hook)
+        context = _STEP_CONTEXTS[hook](self.precision)
+        capture = LogCapture(self.module)
+        engine = self.engine
+
+        def run_one(microbatch: Any) -> Any:
+            capture.microbatch = engine.microbatch
+            with context():
+                return step(microbatch, *rest, **kwargs)
+
+        shared: dict[str, Any] = {}
+        summarize = self._summarizer(capture, shared) if train and self.topology.pipeline_size > 1 else None
+        try:
+            with capture.capturing(discard=lambda: engine.recomputing):
+                if train:
+                    result = engine.train_step(batch, run_one, loss_scale=loss_scale, loss_transform=self._scale_loss,
+                                               summary=summarize, start_sync=start_sync)
+                else:
+                    result = engine.eval_step(batch, run_one)
+        except BaseException as err:
+            report_failure(err)
+            raise
+        meta, flat = self._shared_logs(capture, result, shared, train)
+        replay(self.module, meta, flat, skip=1 if train else 0)
+        if train:
+            return flat[0].float()
+        return self._merge_outputs(hook, result.outputs, result.sizes)
+
+    def _shared_logs(
+        self, capture: LogCapture, result: Any, shared: dict[str, Any], train: bool
+    ) -> tuple[tuple, Tensor]:
+        """The step's logged keys and values (the loss first in training), as the last stage has them."""
+        if result.summary is not None:
+            return waiting_on_peers(self.topology, "sharing the last stage's logged values",
+                                    lambda: self._unpack_summary(result.summary, shared))
+        meta, values = self._reduce(capture, result.outputs, result.sizes, train)
+        if self.topology.pipeline_size > 1:
+            return waiting_on_peers(self.topology, "sharing the last stage's logged values",
+                                    lambda: self.broadcaster.share(meta, values))
+        return meta, torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0)
+
+    def _reduce(self, capture: LogCapture, outputs: list[Any], sizes: list[int], train: bool) -> tuple[tuple, list]:
+        """The step's logged keys and values (the training loss first), as the last stage has them."""
+        meta, values = reduce_records(self.module, capture.records, sizes, self.device, self.module_names)
+        if train and self.topology.is_last:
+            size = sum(sizes)
+            loss = torch.stack([default_loss(o).detach().float() * (n / size) for o, n in zip(outputs, sizes)]).sum()
+            values = [loss, *values]
+        return meta, values
+
+    def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[int]], Tensor]:
+        """Packs the last stage's loss and logs to travel back along the pipeline behind the last gradient.
+
+        The packet is :func:`~lightning_varuna.log_sync.pack`'s format.
+        """
+        def summarize(outputs: list[Any], sizes: list[int]) -> Tensor:
+            meta, values = self._reduce(capture, outputs, sizes, True)
+            shared["meta"], shared["values"] = meta, values
+            packet = torch.zeros(SUMMARY_SIZE, dtype=torch.float64, device=self.device)
+            fill(packet, meta != self.broadcaster.meta, values)
+            return packet
+
+        return summarize
+
+    def _unpack_summary(self, summary: Tensor, shared: dict[str, Any]) -> tuple[tuple, Tensor]:
+        ((changed, n, fits),) = headers([summary])
+        if not fits:  # too many values for the summary: the last stage broadcasts them
+            return self.broadcaster.share(shared.get("meta", ()), shared.get("values", []))
+        meta = self.broadcaster.share_meta(shared.get("meta", ())) if changed else self.broadcaster.meta
+        return meta, summary[2 : 2 + n].clone()
+
+    def _scale_loss(self, loss: Tensor) -> Tensor:
+        # fp16: only the last stage scales; the gradients reaching earlier stages are already scaled
+        scaler = getattr(self.precision, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def _merge_outputs(self, hook: str, outputs: list[Any], sizes: list[int]) -> Any:
+        merged = _concat(outputs) if outputs else None
+        if hook == "predict_step" and self.topology.pipeline_size > 1:
+            box = [merged]
+            dist.broadcast_object_list(box, self.topology.pipe_src_rank, group=self.topology.pipe_group)
+            merged = box[0]
+            if merged is not None:
+                merged = _to_device(merged, self.device)
+        return merged
+
+
+_STEP_CONTEXTS: dict[str, Callable[[Precision], Callable[[], contextlib.AbstractContextManager]]] = {
+    "training_step": lambda p: p.train_step_context,
+    "validation_step": lambda p: p.val_step_context,
+    "test_step": lambda p: p.test_step_context,
+    "predict_step": lambda p: p.predict_step_context,
+}
+
+
+@contextlib.contextmanager
+def metric_states_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Undoes what the dry run's step does to torchmetrics states."""
+    saved = []
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            state = {name: copy.copy(getattr(metric, name)) for name in metric._defaults}
+            saved.append((metric, state, metric._update_count, metric._computed))
+    try:
+        yield
+    finally:
+        for metric, state, count, computed in saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed = count, computed
+
+
+def _concat(outputs: list[Any]) -> Any:
+    if len(outputs) == 1:
+        return outputs[0]
+    leaves = [tree_flatten(o) for o in outputs]
+    spec = leaves[0][1]
+    merged = []
+    for parts in zip(*(flat for flat, _ in leaves)):
+        first = parts[0]
+        if isinstance(first, Tensor) and first.dim() > 0:
+            merged.append(torch.cat(parts))
+        else:
+            merged.append(list(parts))
+    return tree_unflatten(merged, spec)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(value)
+    return tree_unflatten([v.to(device) if isinstance(v, Tensor) else v for v in leaves], spec)

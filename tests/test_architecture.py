@@ -1,0 +1,147 @@
+"""The package's layers: a Lightning-free engine, no import cycles, and Lightning left as it was after teardown."""
+
+from __future__ import annotations
+
+import ast
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_varuna"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports (module level or inside functions), ``from X import y`` as ``X.y`` if that
+    is a module of the package, else ``X``."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in modules else node.module)
+    return found
+
+
+def test_the_pipeline_engine_imports_nothing_of_lightning_or_of_the_layers_above_it() -> None:
+    offending = {}
+    for path in sorted((PACKAGE / "pipeline").rglob("*.py")):
+        bad = sorted(m for m in _imports(path) if m.split(".")[0] == "lightning" or m == "pytorch_lightning"
+                     or (m.startswith("lightning_varuna") and not m.startswith("lightning_varuna.pipeline")))
+        if bad:
+            offending[_module_name(path)] = bad
+    assert offending == {}
+
+
+def test_the_pipeline_engine_trains_without_lightning_loaded() -> None:
+    # the package's own __init__ registers the strategy with Lightning: load the engine without it, as a user
+    # of PipelineEngine alone would if they vendored it, and train one step on a 1-process gloo group
+    code = f"""
+import os, sys, types
+package = types.ModuleType("lightning_varuna"); package.__path__ = [{str(PACKAGE)!r}]
+sys.modules["lightning_varuna"] = package
+import torch, torch.distributed as dist
+from torch import nn
+from lightning_varuna.pipeline import CutPoint, PipelineEngine
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(4, 4), CutPoint(), nn.Linear(4, 1))
+engine = PipelineEngine(model, 1, num_microbatches=2)
+batch = (torch.randn(4, 4), torch.randn(4, 1))
+step = lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1])
+engine.setup(batch, step)
+engine.train_step(batch, step, start_sync=True)
+engine.sync_gradients()
+assert all(p.grad is not None for p in engine.parameters())
+loaded = sorted(m for m in sys.modules if m == "lightning" or m.startswith(("lightning.", "pytorch_lightning")))
+assert not loaded, loaded
+dist.destroy_process_group()
+print("ok")
+"""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={"PORT": str(port), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_no_import_cycles_in_the_package() -> None:
+    graph = {_module_name(p): {m for m in _imports(p) if m.startswith("lightning_varuna")}
+             for p in PACKAGE.rglob("*.py")}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, [*path, nxt])
+        done.add(node)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert cycles == []
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_varuna import CutPoint
+
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), CutPoint(), torch.nn.Linear(4, 1))
+        self.seen_sigterm_handler: object = None
+
+    def training_step(self, batch, batch_idx):
+        self.seen_sigterm_handler = signal.getsignal(signal.SIGTERM)
+        self.log("loss", 1.0)
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(strategy: object, tmp_path: Path) -> pl.Trainer:
+    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    trainer.fit(_Tiny(), data)
+    return trainer
+
+
+def test_patches_are_undone_at_teardown_and_a_later_trainer_is_stock_lightning(tmp_path: Path) -> None:
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    from lightning_varuna import VarunaStrategy
+    from lightning_varuna.patches import requested_ckpt_path
+
+    varuna = _fit(VarunaStrategy(pipeline_parallel_size=1, num_microbatches=2), tmp_path)
+    assert requested_ckpt_path(varuna) is None  # recorded (fit without ckpt_path)
+    for obj in (varuna._signal_connector, varuna.fit_loop.epoch_loop, varuna.lightning_module):
+        leftovers = {"register_signal_handlers", "_broadcast_sigterm_tensor", "advance", "log"} & set(vars(obj))
+        assert leftovers == set(), (type(obj).__name__, leftovers)
+
+    plain = _fit("auto", tmp_path)
+    handler = plain.lightning_module.seen_sigterm_handler
+    # Lightning's own SIGTERM handling was installed during the plain fit (its notifier is a _SignalConnector
+    # method), and the ckpt_path recorder did nothing for it
+    handlers = getattr(handler, "signal_handlers", [handler])
+    assert any(getattr(h, "__self__", None).__class__ is _SignalConnector for h in handlers), handler
+    assert not hasattr(plain._checkpoint_connector, "_varuna_requested_ckpt_path")
