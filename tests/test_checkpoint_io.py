@@ -198,7 +198,8 @@ def test_convert_round_trip_with_two_param_groups(tmp_path: Path) -> None:
     # any fsspec URL: the converted file carries the record, so no model is needed on the way back
     convert.from_plain(tmp_path / "back.ckpt", "memory://convert-test/sharded")
     convert.to_plain("memory://convert-test/sharded", "memory://convert-test/again.ckpt")
-    with checkpoint_files.Location.of("memory://convert-test/again.ckpt").fs.open("/convert-test/again.ckpt", "rb") as f:
+    again = checkpoint_files.Location.of("memory://convert-test/again.ckpt")
+    with again.fs.open("/convert-test/again.ckpt", "rb") as f:
         _assert_same_plain(original, torch.load(f, weights_only=False))
     checkpoint_files.Location.of("memory://convert-test").remove()
 
