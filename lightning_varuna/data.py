@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
-__all__ = ["ElasticBatchSampler", "ResumableDataLoader", "make_resumable", "resumable_training_loader"]
+from lightning_varuna.patches import InstancePatches, hand_over_dataloader
+
+__all__ = ["ElasticBatchSampler", "ResumableDataLoader", "make_resumable", "resumable_training_loader", "sample_batch"]
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
@@ -267,3 +270,36 @@ def resumable_training_loader(
             f" batches of {batch_size} (the DataLoader's batch_size={dataloader.batch_size} is not used)."
         )
     return resumable
+
+
+def sample_batch(loop: Any, patches: InstancePatches) -> Any:
+    """The first batch of the dataloader Lightning's ``loop`` is about to run, for the strategy's dry run.
+
+    A ``*_dataloader()`` hook is called here as the loop would call it (``_request_dataloader``, which records the
+    loader's arguments for Lightning's sampler injection), and the loop's first request gets the same loaders
+    back (:func:`~lightning_varuna.patches.hand_over_dataloader`): the hook runs as often as in a plain run.
+    Reading the batch leaves the RNGs as they were.
+    """
+    source = loop._data_source  # where Lightning's loop takes its dataloaders from
+    loaders = _request_dataloader(source) if source.is_module() else source.dataloader()
+    with torch.random.fork_rng():
+        first = loaders
+        while isinstance(first, (list, tuple, dict)):
+            first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        try:
+            batch = next(iter(first))
+        except StopIteration:
+            raise MisconfigurationException(
+                "VarunaStrategy needs one batch from the dataloader for its dry run, but it is empty."
+            ) from None
+    if source.is_module() and not _holds_iterator(loaders):  # an iterator would not start again for the loop
+        hand_over_dataloader(patches, source, loaders)
+    return batch
+
+
+def _holds_iterator(loaders: Any) -> bool:
+    if isinstance(loaders, (list, tuple)):
+        return any(_holds_iterator(x) for x in loaders)
+    if isinstance(loaders, dict):
+        return any(_holds_iterator(x) for x in loaders.values())
+    return isinstance(loaders, Iterator)

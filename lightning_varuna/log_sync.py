@@ -17,12 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_varuna.patches import replaced_log
 
-__all__ = ["LogBroadcaster", "LogCapture", "fill", "headers", "pack", "reduce_records", "replay"]
+__all__ = ["LogBroadcaster", "LogCapture", "fill", "headers", "pack", "reduce_fx_name", "reduce_records", "replay"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -45,6 +46,8 @@ class LogCapture:
             if args:  # rare: options passed by position
                 bound = _LOG_SIGNATURE.bind(self.module, name, value, *args, **kwargs)
                 kwargs = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+            if callable(kwargs.get("reduce_fx")):
+                kwargs["reduce_fx"] = reduce_fx_name(kwargs["reduce_fx"])
             if isinstance(value, Metric):
                 # its step value is what its last forward returned: this micro-batch's, so keep it now
                 value = _MetricLog(value, _detached(getattr(value, "_forward_cache", None)))
@@ -52,6 +55,25 @@ class LogCapture:
 
         with replaced_log(self.module, log):
             yield self
+
+
+_REDUCE_FX_NAMES = {torch.mean: "mean", torch.sum: "sum", sum: "sum", torch.max: "max", max: "max", torch.min: "min",
+                    min: "min"}
+
+
+def reduce_fx_name(reduce_fx: Callable[..., Any]) -> str:
+    """The name of a ``reduce_fx`` callable that Lightning accepts (``torch.max``, ``max``, ...).
+
+    Names travel between stages, and Lightning reduces by them as by the callables. Any other callable is refused
+    with Lightning's own error.
+    """
+    name = _REDUCE_FX_NAMES.get(reduce_fx)
+    if name is None:
+        raise MisconfigurationException(
+            "Only `self.log(..., reduce_fx={min,max,mean,sum})` are supported. If you need a custom reduction, please"
+            f" log a `torchmetrics.Metric` instance instead. Found: {reduce_fx}"
+        )
+    return name
 
 
 @dataclass(frozen=True)

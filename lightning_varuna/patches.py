@@ -21,6 +21,17 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
    the user's step once per micro-batch, and only the last stage sees the loss, so its ``self.log`` calls are
    captured, reduced over micro-batches and shared over the pipeline before Lightning sees them
    (:mod:`lightning_varuna.log_sync`).
+6. ``ModelSummary._summary`` of the trainer's model summary callbacks (during ``fit``): Lightning summarizes the
+   module at ``on_fit_start``, after the strategy has cut it down to one stage; the callback's ``_summary`` is
+   where Lightning itself picks another summary (DeepSpeed's). It returns the whole model's summary, made by
+   Lightning's own ``_summary`` before the model was partitioned (:mod:`lightning_varuna.summary`).
+7. ``_DataLoaderSource.dataloader`` of the running loop's data source (from setup to the loop's first request):
+   the dry run needs a batch before Lightning requests the dataloader, and a second ``*_dataloader()`` call
+   would be one more than a plain run makes (``reload_dataloaders_every_n_epochs`` counts them); the loop gets,
+   once, the loader the dry run's batch came from.
+8. ``BasePredictionWriter.write_on_batch_end``/``write_on_epoch_end`` of the trainer's prediction writers
+   (during ``predict``, on every stage but the first): every stage of a pipeline holds the same predictions, so
+   each replica writes them once, as a process of a plain data-parallel run does.
 
 Tested on Lightning 2.5 and 2.6 (``pyproject.toml`` pins that range).
 """
@@ -31,7 +42,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["InstancePatches", "install_ckpt_path_recorder", "replaced_log", "requested_ckpt_path", "take_over_sigterm"]
+__all__ = [
+    "InstancePatches", "hand_over_dataloader", "install_ckpt_path_recorder", "replaced_log", "requested_ckpt_path",
+    "silence_prediction_writers", "summarize_with", "take_over_sigterm",
+]
 
 _REQUESTED = "_varuna_requested_ckpt_path"
 _UNSET = object()
@@ -111,3 +125,28 @@ def replaced_log(module: Any, log: Callable[..., None]) -> Iterator[None]:
         yield
     finally:
         del module.log
+
+
+def summarize_with(patches: InstancePatches, callback: Any, summary: Any) -> None:
+    """Patch 6: the model summary ``callback`` prints at ``on_fit_start`` is ``summary``."""
+    patches.replace(callback, "_summary", lambda trainer, pl_module: summary)
+
+
+def hand_over_dataloader(patches: InstancePatches, source: Any, loaders: Any) -> None:
+    """Patch 7: the next ``source.dataloader()`` call returns ``loaders`` (once) instead of calling the hook."""
+
+    def dataloader() -> Any:
+        vars(source).pop("dataloader", None)
+        return loaders
+
+    patches.replace(source, "dataloader", dataloader)
+
+
+def silence_prediction_writers(patches: InstancePatches, callbacks: Any) -> None:
+    """Patch 8: the prediction writers among ``callbacks`` write nothing."""
+    from lightning.pytorch.callbacks import BasePredictionWriter
+
+    for callback in callbacks:
+        if isinstance(callback, BasePredictionWriter):
+            patches.replace(callback, "write_on_batch_end", lambda *args, **kwargs: None)
+            patches.replace(callback, "write_on_epoch_end", lambda *args, **kwargs: None)

@@ -10,8 +10,7 @@ behind the last gradient, with no collective), and every stage then logs the sam
 from __future__ import annotations
 
 import contextlib
-import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,14 +19,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torchmetrics import Metric
 
-from lightning_varuna.log_sync import LogBroadcaster, LogCapture, fill, headers, reduce_records, replay
+from lightning_varuna.log_sync import LogBroadcaster, LogCapture, fill, reduce_records, replay
 from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
 from lightning_varuna.pipeline.executor import SUMMARY_SIZE
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
 
-__all__ = ["StepRunner", "metric_states_kept"]
+__all__ = ["StepRunner"]
 
 
 class StepRunner:
@@ -50,8 +48,13 @@ class StepRunner:
         self.broadcaster = LogBroadcaster(topology.pipe_group, topology.pipe_src_rank, topology.is_last, self.device)
         self.module_names = {id(m): name for name, m in module.named_modules()}
 
-    def run(self, hook: str, args: tuple, kwargs: dict, loss_scale: float = 1.0, start_sync: bool = False) -> Any:
+    def run(self, hook: str, args: tuple, kwargs: dict, loss_scale: float = 1.0, start_sync: bool = False,
+            accumulated: Mapping[torch.nn.Parameter, Tensor] | None = None) -> Any:
         """Runs ``hook`` on ``args[0]`` (the batch); returns the batch loss (training) or the merged outputs.
+
+        In training it returns None, on every rank, when the batch is skipped: the user's step returned None for
+        a micro-batch, before the model's forward or after the loss, on any replica (the replicas' last stages
+        agree on it, and the flag travels back with the step's summary).
 
         Args:
             hook: ``"training_step"``, ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
@@ -59,6 +62,8 @@ class StepRunner:
             kwargs: The hook's keyword arguments.
             loss_scale: Training: each micro-batch's loss is weighted by its share of the batch times this.
             start_sync: Training: start the gradient reductions during this step (before an optimizer step).
+            accumulated: Training, with ``start_sync``: the accumulation window's earlier gradients, kept outside
+                ``.grad`` (see :meth:`~lightning_varuna.pipeline.engine.PipelineEngine.train_step`).
         """
         train = hook == "training_step"
         batch, rest = args[0], args[1:]
@@ -78,39 +83,60 @@ class StepRunner:
             with capture.capturing(discard=lambda: engine.recomputing):
                 if train:
                     result = engine.train_step(batch, run_one, loss_scale=loss_scale, loss_transform=self._scale_loss,
-                                               summary=summarize, start_sync=start_sync)
+                                               summary=summarize, start_sync=start_sync, accumulated=accumulated)
                 else:
                     result = engine.eval_step(batch, run_one)
         except BaseException as err:
             report_failure(err)
             raise
-        meta, flat = self._shared_logs(capture, result, shared, train)
-        replay(self.module, meta, flat, skip=1 if train else 0)
+        meta, flat, skipped = self._shared_logs(capture, result, shared, train)
+        replay(self.module, meta, flat, skip=_TRAINING_VALUES if train else 0)
         if train:
-            return flat[0].float()
+            return None if skipped else flat[0].float()
         return self._merge_outputs(hook, result.outputs, result.sizes)
 
     def _shared_logs(
         self, capture: LogCapture, result: Any, shared: dict[str, Any], train: bool
-    ) -> tuple[tuple, Tensor]:
-        """The step's logged keys and values (the loss first in training), as the last stage has them."""
+    ) -> tuple[tuple, Tensor, bool]:
+        """The step's logged keys and values as the last stage has them, and whether the batch is skipped.
+
+        In training the values start with the loss and the skip flag.
+        """
         if result.summary is not None:
             return waiting_on_peers(self.topology, "sharing the last stage's logged values",
                                     lambda: self._unpack_summary(result.summary, shared))
-        meta, values = self._reduce(capture, result.outputs, result.sizes, train)
+        meta, values, skipped = self._reduce(capture, result.outputs, result.sizes, train)
         if self.topology.pipeline_size > 1:
-            return waiting_on_peers(self.topology, "sharing the last stage's logged values",
-                                    lambda: self.broadcaster.share(meta, values))
-        return meta, torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0)
+            meta, flat = waiting_on_peers(self.topology, "sharing the last stage's logged values",
+                                          lambda: self.broadcaster.share(meta, values))
+            return meta, flat, skipped
+        return meta, torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0), skipped
 
-    def _reduce(self, capture: LogCapture, outputs: list[Any], sizes: list[int], train: bool) -> tuple[tuple, list]:
-        """The step's logged keys and values (the training loss first), as the last stage has them."""
+    def _reduce(
+        self, capture: LogCapture, outputs: list[Any], sizes: list[int], train: bool
+    ) -> tuple[tuple, list, bool]:
+        """The step's logged keys and values as the last stage has them, and whether the batch is skipped.
+
+        In training, on the last stage, the values start with the loss and the skip flag, agreed over replicas.
+        """
         meta, values = reduce_records(self.module, capture.records, sizes, self.device, self.module_names)
-        if train and self.topology.is_last:
-            size = sum(sizes)
-            loss = torch.stack([default_loss(o).detach().float() * (n / size) for o, n in zip(outputs, sizes)]).sum()
-            values = [loss, *values]
-        return meta, values
+        if not (train and self.topology.is_last):
+            return meta, values, False
+        size = sum(sizes)
+        kept = [default_loss(o).detach().float() * (n / size) for o, n in zip(outputs, sizes) if o is not None]
+        loss = torch.stack(kept).sum() if kept else torch.zeros((), device=self.device)
+        skipped = self._agree_on_skip(len(kept) < len(outputs))
+        return meta, [loss, loss.new_full((), float(skipped)), *values], skipped
+
+    def _agree_on_skip(self, skipped: bool) -> bool:
+        """Whether any replica skips the batch (a collective over the last stages of the replicas)."""
+        topology = self.topology
+        if topology.data_size == 1:
+            return skipped
+        flag = torch.full((), float(skipped), device=self.device)
+        waiting_on_peers(topology, "agreeing with the other replicas whether the batch is skipped",
+                         lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topology.data_group))
+        return bool(flag.item())
 
     def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[int]], Tensor]:
         """Packs the last stage's loss and logs to travel back along the pipeline behind the last gradient.
@@ -118,7 +144,7 @@ class StepRunner:
         The packet is :func:`~lightning_varuna.log_sync.pack`'s format.
         """
         def summarize(outputs: list[Any], sizes: list[int]) -> Tensor:
-            meta, values = self._reduce(capture, outputs, sizes, True)
+            meta, values, shared["skipped"] = self._reduce(capture, outputs, sizes, True)
             shared["meta"], shared["values"] = meta, values
             packet = torch.zeros(SUMMARY_SIZE, dtype=torch.float64, device=self.device)
             fill(packet, meta != self.broadcaster.meta, values)
@@ -126,12 +152,14 @@ class StepRunner:
 
         return summarize
 
-    def _unpack_summary(self, summary: Tensor, shared: dict[str, Any]) -> tuple[tuple, Tensor]:
-        ((changed, n, fits),) = headers([summary])
-        if not fits:  # too many values for the summary: the last stage broadcasts them
-            return self.broadcaster.share(shared.get("meta", ()), shared.get("values", []))
+    def _unpack_summary(self, summary: Tensor, shared: dict[str, Any]) -> tuple[tuple, Tensor, bool]:
+        # one host read: the header, the loss and the skip flag
+        changed, n, _, skipped = summary[:2 + _TRAINING_VALUES].tolist()
+        if n > summary.numel() - 2:  # too many values for the summary: the last stage broadcasts them
+            meta, flat = self.broadcaster.share(shared.get("meta", ()), shared.get("values", []))
+            return meta, flat, bool(flat[1])
         meta = self.broadcaster.share_meta(shared.get("meta", ())) if changed else self.broadcaster.meta
-        return meta, summary[2 : 2 + n].clone()
+        return meta, summary[2 : 2 + int(n)].clone(), bool(skipped)
 
     def _scale_loss(self, loss: Tensor) -> Tensor:
         # fp16: only the last stage scales; the gradients reaching earlier stages are already scaled
@@ -149,29 +177,15 @@ class StepRunner:
         return merged
 
 
+_TRAINING_VALUES = 2
+"""In training the shared values start with the batch loss and the skip flag (1.0: the batch is skipped)."""
+
 _STEP_CONTEXTS: dict[str, Callable[[Precision], Callable[[], contextlib.AbstractContextManager]]] = {
     "training_step": lambda p: p.train_step_context,
     "validation_step": lambda p: p.val_step_context,
     "test_step": lambda p: p.test_step_context,
     "predict_step": lambda p: p.predict_step_context,
 }
-
-
-@contextlib.contextmanager
-def metric_states_kept(module: torch.nn.Module) -> Iterator[None]:
-    """Undoes what the dry run's step does to torchmetrics states."""
-    saved = []
-    for metric in module.modules():
-        if isinstance(metric, Metric):
-            state = {name: copy.copy(getattr(metric, name)) for name in metric._defaults}
-            saved.append((metric, state, metric._update_count, metric._computed))
-    try:
-        yield
-    finally:
-        for metric, state, count, computed in saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
-            metric._update_count, metric._computed = count, computed
 
 
 def _concat(outputs: list[Any]) -> Any:

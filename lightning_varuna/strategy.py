@@ -41,17 +41,22 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_varuna.checkpoint import load as checkpoint
 from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.writer import CheckpointWriter
-from lightning_varuna.data import resumable_training_loader
+from lightning_varuna.data import resumable_training_loader, sample_batch
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
 from lightning_varuna.log_sync import LogCapture
-from lightning_varuna.patches import install_ckpt_path_recorder
+from lightning_varuna.patches import (
+    InstancePatches,
+    install_ckpt_path_recorder,
+    silence_prediction_writers,
+    summarize_with,
+)
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
@@ -59,7 +64,8 @@ from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import last_fallbacks
-from lightning_varuna.steps import StepRunner, metric_states_kept
+from lightning_varuna.steps import StepRunner
+from lightning_varuna.summary import FrozenSummary, whole_model_summaries
 
 __all__ = ["VarunaStrategy"]
 
@@ -175,9 +181,13 @@ class VarunaStrategy(ParallelStrategy):
         self.topology: Topology | None = None
         self._steps: StepRunner | None = None
         self._pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
+        self._window_has_grads = False
+        self._skipped = False
         self._hook_logs: HookLogMerger | None = None
         self._params: list[torch.nn.Parameter] = []
         self._preemption: PreemptionGuard | None = None
+        self._patches = InstancePatches()
+        self._summaries: list[tuple[Any, FrozenSummary]] | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -284,8 +294,15 @@ class VarunaStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._setup_pipeline(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._summaries is None:  # of the whole model, before it is partitioned
+            self._summaries = whole_model_summaries(trainer, self.lightning_module)
+        self._setup_pipeline(trainer)
+        for callback, summary in self._summaries if fitting and self._summaries else []:
+            summarize_with(self._patches, callback, summary)
+        assert self.topology is not None
+        if trainer.state.fn == TrainerFn.PREDICTING and not self.topology.is_first:
+            silence_prediction_writers(self._patches, trainer.callbacks)  # each replica writes once, from stage 0
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -312,7 +329,7 @@ class VarunaStrategy(ParallelStrategy):
         capture = LogCapture(module)
 
         def dry_step(batch: Any) -> Any:
-            with capture.capturing(), metric_states_kept(module), self.precision_plugin.train_step_context():
+            with capture.capturing(), self.precision_plugin.train_step_context():
                 return step(batch, 0)
 
         plan = engine.setup(self._sample_batch(trainer), dry_step)
@@ -338,17 +355,7 @@ class VarunaStrategy(ParallelStrategy):
             TrainerFn.TESTING: trainer.test_loop,
             TrainerFn.PREDICTING: trainer.predict_loop,
         }[trainer.state.fn]  # type: ignore[index]
-        with torch.random.fork_rng():
-            loaders = loop._data_source.dataloader()
-            while isinstance(loaders, (list, tuple, dict)):
-                loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
-            try:
-                batch = next(iter(loaders))
-            except StopIteration:
-                raise MisconfigurationException(
-                    "VarunaStrategy needs one batch from the dataloader for its dry run, but it is empty."
-                ) from None
-        return self.batch_to_device(batch, self.root_device)
+        return self.batch_to_device(sample_batch(loop, self._patches), self.root_device)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Gives the training loader a data position that survives a resume under another number of replicas.
@@ -383,24 +390,39 @@ class VarunaStrategy(ParallelStrategy):
         accumulation window, each data-parallel bucket starts its all-reduce during this stage's last backward,
         as soon as its gradients are final; the rest (tied copies) right after the schedule. The optimizer
         closure only waits for them.
+
+        A batch is skipped when the module's ``training_step`` returned None (on any stage of any replica; every
+        rank agrees): its gradients are dropped, the backward hooks do not run, and the optimizer closure returns
+        None, as in a plain run. Lightning refuses None from a strategy's step with several processes, so a
+        skipped batch returns a NaN loss instead.
         """
         trainer = self.lightning_module.trainer
         params = self._params
-        # Lightning calls zero_grad after this step only on the first batch of an accumulation window. There
-        # `.grad` still holds the last optimizer step's gradients: hide them from the schedule and put them back
-        # for zero_grad. On later batches `.grad` holds the window's partial sum and the schedule adds to it, so
-        # the gradients are complete (and reducible) as soon as the last backward has run.
+        # `.grad` holds the last optimizer step's gradients (on the first batch of an accumulation window, where
+        # Lightning calls zero_grad after this step) or the window's sum so far: the schedule computes this batch's
+        # gradients apart, so that a skipped batch can be dropped. The reductions started on the window's last
+        # batch add the window's sum (`accumulated`).
         first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        stale = [p.grad for p in params] if first else None
-        if first:
-            for p in params:
-                p.grad = None
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        final = not _accumulating(trainer)
+        accumulated = {p: g for p, g in zip(params, held) if g is not None} if final and not first else None
         loss = self._run_step("training_step", args, kwargs, loss_scale=1.0 / trainer.accumulate_grad_batches,
-                              start_sync=not _accumulating(trainer))
-        self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
-        for i, p in enumerate(params):
-            p.grad = stale[i] if stale is not None else None
-        return loss
+                              start_sync=final, accumulated=accumulated)
+        fresh = [(p, p.grad) for p in params if p.grad is not None]
+        for p, grad in zip(params, held):
+            p.grad = grad
+        self._skipped = loss is None
+        if self._skipped:
+            assert self.engine is not None
+            self.engine.discard_gradient_sync()  # the same on every replica: they agreed on the skip
+            fresh = []
+            rank_zero_warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
+        # decided alike on every rank: whether the optimizer step will have gradients to reduce
+        self._window_has_grads = not self._skipped or (self._window_has_grads and not first)
+        self._pending_grads = fresh
+        return torch.full((), float("nan"), device=self.root_device) if self._skipped else loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward through the pipeline."""
@@ -416,13 +438,16 @@ class VarunaStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Puts back the gradients the schedule computed (the schedule already ran backward)."""
+        if self._skipped:  # a plain run calls no backward (nor its hooks) for a skipped batch
+            return closure_loss
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        summed = [(p.grad, grad) for p, grad in self._pending_grads if p.grad is not None]
         for p, grad in self._pending_grads:
             if p.grad is None:
                 p.grad = grad
-            else:
-                p.grad.add_(grad)
+        if summed:  # the accumulation window's sum so far, plus this batch
+            torch._foreach_add_([a for a, _ in summed], [b for _, b in summed])
         self._pending_grads = []
         return self.precision_plugin.post_backward(closure_loss, module)
 
@@ -444,11 +469,12 @@ class VarunaStrategy(ParallelStrategy):
         def closure_then_sync() -> Any:
             nonlocal capturing
             result = closure()
-            waiting_on_peers(topo, "syncing gradients", engine.sync_gradients)
+            if self._window_has_grads:  # else every batch of the window was skipped: no gradient, as in a plain run
+                waiting_on_peers(topo, "syncing gradients", engine.sync_gradients)
             if merge and not capturing:  # the on_before_optimizer_step hooks run next
                 hooks.enter_context(capture.capturing())
                 capturing = True
-            return result
+            return None if self._skipped else result  # None: the precision plugin skips the step, as Lightning does
 
         with hooks:
             output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -567,6 +593,7 @@ class VarunaStrategy(ParallelStrategy):
         try:
             self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
         finally:  # the rest of teardown happens even if that write failed
+            self._patches.undo()
             if self._preemption is not None:
                 self._preemption.detach()
                 self._preemption = None

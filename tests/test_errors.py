@@ -281,9 +281,28 @@ def test_batch_smaller_than_num_microbatches_raised_in_setup_before_any_collecti
 def test_step_that_returns_no_loss() -> None:
     model = Chain(2)
     engine = setup_engine(model, topology(1, 1), num_microbatches=2)
-    message = "The step returned a NoneType; for training it must return the loss"
+    message = "The step returned a str; for training it must return the loss"
     with pytest.raises(CutPointError, match=message):
-        engine.train_step(torch.randn(4, 4), lambda b: None)
+        engine.train_step(torch.randn(4, 4), lambda b: "no loss")
+
+
+def test_step_that_returns_none_skips_its_micro_batch() -> None:
+    model = Chain(2)
+    engine = setup_engine(model, topology(1, 1), num_microbatches=2)
+    batch = torch.randn(4, 4)
+    result = engine.train_step(batch, lambda b: None if b[0, 0] == batch[0, 0] else model(b))
+    assert result.outputs[0] is None and result.outputs[1] is not None
+    engine.train_step(batch, lambda b: None)  # a whole batch skipped: no backward at all
+    assert all(p.grad is not None for p in model.parameters()), "the second micro-batch's backward ran"
+
+
+def test_dry_run_of_a_step_that_skips_the_first_batch_says_what_to_change() -> None:
+    model = Chain(3)
+    trace_of_skip, _ = trace_step(model, lambda n: None)
+    with pytest.raises(PartitionError, match=r"The dry run's step returned None before reaching any cut point.*"
+                       r"skip other batches than that one, or return None after the loss"):
+        make_plan(trace_of_skip, 2)
+    make_plan(trace_of_skip, 1)  # one stage: nothing to cut
 
 
 def test_manual_optimization_is_rejected() -> None:

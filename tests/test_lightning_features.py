@@ -10,6 +10,7 @@ change between steps; the LR scheduler and what ``trainer.callback_metrics`` hol
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from models import TinyGPT
 from lightning_varuna.log_sync import LogCapture, reduce_records
 
 REFERENCES = {
+    "reference-parity": "kind=parity",
     "reference-fit": "kind=fit",
     "reference-steps": "kind=steps",
     "reference-varlen": "kind=steps,varlen=true",
@@ -36,6 +38,11 @@ CONFIGS = {
     "gpipe-norecompute": f"kind=steps,{P4},schedule=gpipe,recompute=false",
     "varlen-p4": f"kind=steps,{P4},varlen=true",
 }
+# what a plain run must see alike (jobs/parity.py); P=2 x D=2: a batch skipped on one replica's data only
+PARITY = {
+    "parity-p2d2": "kind=parity,pipeline_parallel_size=2,num_microbatches=3,batch=8",
+    "parity-p4": "kind=parity,pipeline_parallel_size=4,num_microbatches=3",
+}
 FITS = ["fit-p2d2", "fit-p4"]
 RECOMPUTE = ["fit-p2d2", "fit-p4", "dropout-recompute", "varlen-p4"]
 WORLD = 4
@@ -46,7 +53,8 @@ TOLERANCE = 5e-4
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lightning_features")
     python("lightning_features.py", str(out), *(f"{n}:{s}" for n, s in REFERENCES.items()), timeout=120)
-    torchrun("lightning_features.py", str(out), *(f"{n}:{s}" for n, s in CONFIGS.items()), timeout=300)
+    jobs = {**CONFIGS, **PARITY}
+    torchrun("lightning_features.py", str(out), *(f"{n}:{s}" for n, s in jobs.items()), timeout=420)
     return out
 
 
@@ -216,3 +224,120 @@ def test_logged_values_reduce_to_the_batch_values() -> None:
     assert meta == (("acc", "val_acc", (), True), ("k", None, (("prog_bar", True),), True))
     assert [float(v) for v in values] == [pytest.approx(2 / 4), pytest.approx(1 / 4)]
     assert float(module.val_acc.compute()) == pytest.approx(2 / 4), "the state holds both micro-batches"
+
+
+# -- parity with the plain run (jobs/parity.py) ----------------------------------------------------------------
+
+
+def _same_or_both_nan(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} values, the plain run has {len(want)}"
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        if math.isnan(b):
+            assert math.isnan(a), f"{what} at step {step}: {a}, the plain run logged NaN"
+        else:
+            assert abs(a - b) < TOLERANCE, f"{what} at step {step}: {a} != {b} (plain run)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_the_dry_run_leaves_no_trace_in_the_model_or_the_rngs(results: Path, name: str) -> None:
+    # at on_fit_start the dry run has called training_step 5 times: no metric count, list entry, attribute,
+    # buffer change or RNG draw of it may remain
+    reference = _load(results, "reference-parity")["fit_start"]
+    assert reference["token_loss_updates"] == 0 and not reference["has_last_batch_idx"]
+    for rank, run in enumerate(_ranks(results, name)):
+        differing = {k: (v, reference[k]) for k, v in run["fit_start"].items() if v != reference[k]}
+        assert differing == {}, f"rank {rank}: (got, plain run) {differing}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_metrics_fed_by_update_or_forward_and_callable_reduce_fx_match_the_plain_run(results: Path, name: str) -> None:
+    reference = _load(results, "reference-parity")["epochs"]
+    assert [e["last_batch"] for e in reference] == [3.0, 3.0], "reduce_fx=torch.max (not the mean)"
+    for rank, run in enumerate(_ranks(results, name)):
+        assert len(run["epochs"]) == len(reference) == 2
+        for key in ("token_loss", "train_acc", "last_batch"):
+            _close([e[key] for e in run["epochs"]], [e[key] for e in reference], f"rank {rank} {key} per epoch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_batches_skipped_before_the_forward_or_after_the_loss_match_the_plain_run(results: Path, name: str) -> None:
+    plain = _load(results, "reference-parity")
+    assert sum(math.isnan(v) for v in plain["losses"]) == 2, "batch 1 and (logging nothing) batch 2 of epoch 0"
+    held: dict[str, list[float]] = {}
+    for rank, run in enumerate(_ranks(results, name)):
+        _same_or_both_nan(run["losses"], plain["losses"], f"rank {rank} train_loss")
+        held.update(run["weights"])
+        for param, values in run["weights"].items():
+            worst = max(abs(a - b) for a, b in zip(values, plain["weights"][param], strict=True))
+            assert worst < 1e-5, f"rank {rank}: {param} differs from the plain run's by {worst} after training"
+    assert set(held) == set(plain["weights"]), "every trained parameter is held (and checked) on some stage"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_the_model_summary_describes_the_whole_model(results: Path, name: str) -> None:
+    plain = _load(results, "reference-parity")["summary"]
+    assert plain["trainable"] < plain["total"], "some parameters are frozen (on the last stage)"
+    assert _load(results, name, 0)["summary"] == plain
+    assert all(_load(results, name, rank)["summary"] is None for rank in range(1, WORLD)), "printed by rank 0 only"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_train_dataloader_is_requested_as_often_as_in_the_plain_run(results: Path, name: str) -> None:
+    # reload_dataloaders_every_n_epochs=1 over two epochs: two calls, the strategy's dry run batch included
+    calls = [run["loader_calls"] for run in _ranks(results, name)]
+    assert calls == [_load(results, "reference-parity")["loader_calls"]] * WORLD == [2] * WORLD
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_a_prediction_writer_writes_once_per_replica(results: Path, name: str) -> None:
+    pipeline_size = int(PARITY[name].split("pipeline_parallel_size=")[1].split(",")[0])
+    written = sorted((results / f"predictions-{name}").glob("*.json"))
+    writers = {path.name.split("-")[0] for path in written}
+    assert writers == {f"rank{r}" for r in range(0, WORLD, pipeline_size)}, "the first stage of each replica"
+    plain = {}
+    for path in (results / "predictions-reference-parity").glob("*.json"):
+        record = json.loads(path.read_text())
+        plain.update(zip(record["indices"], record["predictions"], strict=True))
+    got = {}
+    for path in written:
+        record = json.loads(path.read_text())
+        for index, prediction in zip(record["indices"], record["predictions"], strict=True):
+            assert index not in got, f"sample {index} written twice"
+            got[index] = prediction
+    assert got == plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_validate_and_test_without_a_fit_match_the_plain_run(results: Path, name: str) -> None:
+    # the dry run of validation_step runs in training mode: it must not move the BatchNorm statistics, nor leave
+    # its samples in val_acc (fed with .update())
+    plain = _load(results, "reference-parity")
+    for rank, run in enumerate(_ranks(results, name)):
+        _close(run["running_mean"], plain["running_mean"], f"rank {rank} BatchNorm running_mean", tolerance=1e-7)
+        for fn in ("validate", "test"):
+            (got,), (want,) = run[fn], plain[fn]
+            assert set(got) == set(want), f"rank {rank} trainer.{fn}: {sorted(got)} != {sorted(want)}"
+            for key in want:
+                assert abs(got[key] - want[key]) < TOLERANCE, f"rank {rank} trainer.{fn}: {got} != {want}"
+
+
+def test_a_reduce_fx_callable_travels_by_name_and_a_custom_one_gets_lightnings_error() -> None:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    module = TinyGPT(n_layer=1)
+    capture = LogCapture(module)
+    with capture.capturing():
+        module.log("a", 1.0, reduce_fx=torch.max)
+        module.log("b", 1.0, reduce_fx=min)
+        module.log("c", 1.0, reduce_fx="sum")
+    meta, _ = reduce_records(module, capture.records, [1], torch.device("cpu"))
+    assert [dict(frozen)["reduce_fx"] for _, _, frozen, _ in meta] == ["max", "min", "sum"]
+    with capture.capturing(), pytest.raises(MisconfigurationException, match=r"Only `self.log\(..., reduce_fx="):
+        module.log("d", 1.0, reduce_fx=lambda x: x.median())

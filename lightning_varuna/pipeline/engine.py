@@ -15,9 +15,10 @@ Typical use, on every rank of an initialised process group::
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_a
 from lightning_varuna.pipeline.executor import MemoryStats, StageExecutor
 from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
 from lightning_varuna.pipeline.grad_sync import GradientSync
+from lightning_varuna.pipeline.no_trace import no_trace
 from lightning_varuna.pipeline.p2p import P2P
 from lightning_varuna.pipeline.partition import Plan, check_pipeline_size, make_plan, time_segments, trace_step
 from lightning_varuna.pipeline.schedules import Schedule, make_schedule
@@ -185,7 +187,7 @@ class PipelineEngine:
             self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
         names = {id(m): n for n, m in self.module.named_modules()}
         cut_names = {id(c): getattr(c, "_varuna_name", names.get(id(c), "")) for c in self._cuts}
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with no_trace(self.module, self.device):  # the dry run changes no state of the model, nor the RNGs
             trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
                                             cut_names=cut_names)
             world = topology.world_size if topology is not None else _world_size()
@@ -255,6 +257,7 @@ class PipelineEngine:
         self, batch: Any, step: Callable[[Any], Any], loss_of: Callable[[Any], Tensor] | None = None,
         loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
         summary: Callable[[list[Any], list[int]], Tensor] | None = None, start_sync: bool = False,
+        accumulated: Mapping[nn.Parameter, Tensor] | None = None,
     ) -> StepResult:
         """Runs forward and backward of every micro-batch of ``batch``; gradients add up in ``.grad``.
 
@@ -267,10 +270,18 @@ class PipelineEngine:
         With ``start_sync`` (on the batch before an optimizer step, when ``.grad`` then holds the whole
         gradient), the gradient reductions start during the step: each data-parallel bucket as soon as this
         stage's last backward has made it final (see :class:`~lightning_varuna.pipeline.grad_sync.GradientSync`), the
-        rest right after the schedule. :meth:`sync_gradients` then only waits for them.
+        rest right after the schedule. :meth:`sync_gradients` then only waits for them. ``accumulated`` holds the
+        gradients of the window's earlier batches if the caller keeps them outside ``.grad``: the reductions add
+        them (:meth:`GradientSync.start <lightning_varuna.pipeline.grad_sync.GradientSync.start>`).
+
+        The step may return None to skip its micro-batch: before the model's forward (then for every micro-batch
+        of the batch, on every stage alike: no message is exchanged for them) or, on the last stage, after the loss
+        (a zero gradient goes back). Such micro-batches have None in ``StepResult.outputs``; to drop the batch,
+        the caller discards its gradient (and :meth:`discard_gradient_sync` after ``start_sync``).
         """
         return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale,
-                         loss_transform=loss_transform, summary=summary, start_sync=start_sync)
+                         loss_transform=loss_transform, summary=summary, start_sync=start_sync,
+                         accumulated=accumulated)
 
     def eval_step(self, batch: Any, step: Callable[[Any], Any]) -> StepResult:
         """Runs forward only (validation, test, predict); outputs exist on the last stage."""
@@ -279,7 +290,7 @@ class PipelineEngine:
     def _run(self, batch: Any, step: Callable[[Any], Any], train: bool, loss_of: Any = None,
              loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
              summary: Callable[[list[Any], list[int]], Tensor] | None = None,
-             start_sync: bool = False) -> StepResult:
+             start_sync: bool = False, accumulated: Mapping[nn.Parameter, Tensor] | None = None) -> StepResult:
         if self.executor is None or self.topology is None:
             raise RuntimeError("Call PipelineEngine.setup() before running steps.")
         size = batch_size_of(batch)
@@ -305,10 +316,10 @@ class PipelineEngine:
             recompute=self.config.recompute,
             loss_of=weighted_loss,
             summary=(lambda results: summary(results, sizes)) if summary is not None else None,
-            last_backward=sync.overlapping if sync is not None else None,
+            last_backward=functools.partial(sync.overlapping, accumulated) if sync is not None else None,
         )
         if sync is not None:
-            sync.start()
+            sync.start(accumulated)
         return StepResult(
             outputs=outputs if self.topology.is_last else [],
             sizes=sizes,
@@ -326,6 +337,15 @@ class PipelineEngine:
             self.grad_sync.finish()
         else:
             self.grad_sync.sync()
+
+    def discard_gradient_sync(self) -> None:
+        """Waits for the reductions ``train_step(..., start_sync=True)`` started and drops their results.
+
+        For a batch that is skipped after its reductions started (every replica must discard alike).
+        """
+        assert self.grad_sync is not None
+        if self.grad_sync.started:
+            self.grad_sync.discard()
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's parameters."""

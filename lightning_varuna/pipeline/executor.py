@@ -36,6 +36,10 @@ SUMMARY_SIZE = 64
 """Float64 slots of the per-step summary the last stage sends back along the pipeline (losses, logs)."""
 
 
+_SKIPPED = object()
+"""What a forward returns whose step returned None before reaching a cut point (a skipped batch)."""
+
+
 def _tag(kind: str, k: int) -> int:
     return 1 + 2 * k + (kind == "grad")
 
@@ -63,16 +67,20 @@ class MemoryStats:
 
 
 class _StageForward:
-    """The cut point handler of one forward of one stage."""
+    """The cut point handler of one forward of one stage.
 
-    def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None, received: Tensor | None,
-                 microbatch: int, recomputing: bool):
+    ``receive`` returns the activation received from the previous stage: it is waited for only when the forward
+    reaches the stage's first cut point (a step that returns None before the model's forward waits for nothing).
+    """
+
+    def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None,
+                 receive: Callable[[], Tensor] | None, microbatch: int, recomputing: bool):
         self.microbatch = microbatch
         self.recomputing = recomputing
         self.cuts = cuts
         self.first = first
         self.last = last
-        self.received = received
+        self.receive = receive
         self.segment = 0
         self.output: Tensor | None = None
 
@@ -91,7 +99,7 @@ class _StageForward:
             )
         self.segment = index + 1
         if index == self.first:
-            return self.received  # type: ignore[return-value]
+            return self.receive()  # type: ignore[misc]
         if index == self.last:
             self.output = x
             raise StageOutputReady
@@ -204,6 +212,8 @@ class StageExecutor:
         rng: list[Any] = [None] * m
         sends: list[tuple[dist.Work, Tensor, int]] = []
         results: list[Any] = [None] * m
+        skipped = [False] * m
+        skip_mode: list[bool | None] = [None]
         input_shape: list[torch.Size] | None = None
 
         def post_input_receives() -> None:
@@ -228,20 +238,38 @@ class StageExecutor:
             work = grad_works[task.microbatch]
             return work is None or work.is_completed()
 
+        def skips_before_forward(k: int, skipped: bool) -> None:
+            """Checks that every micro-batch of the step is skipped before the forward, or none is."""
+            if prev_rank is None and next_rank is None:
+                return  # no neighbour waits for a message
+            if skip_mode[0] is None:
+                skip_mode[0] = skipped
+            elif skip_mode[0] != skipped:
+                raise CutPointError(
+                    f"The step returned None before the model's forward for micro-batch {k if skipped else 0} but"
+                    f" not for micro-batch {0 if skipped else k} of the same batch. A batch is skipped as a whole:"
+                    " decide before the forward from what every micro-batch shares (batch_idx, the trainer's"
+                    " state), or return None after the loss."
+                )
+
+        def receive(k: int, with_grad: bool) -> Tensor:
+            skips_before_forward(k, False)  # checked before waiting: a stage that skipped sends nothing
+            if input_shape is None:
+                post_input_receives()
+            work = input_works[k]
+            if work is not None:
+                self.p2p.wait(work, f"receiving the activation of micro-batch {k}", prev_rank)
+                input_works[k] = None
+            received = inputs[k]
+            received.requires_grad_(with_grad)  # type: ignore[union-attr]
+            if self.input_dtype is not None and received.dtype != self.input_dtype:  # type: ignore[union-attr]
+                received = received.to(self.input_dtype)  # type: ignore[union-attr]
+            return received  # type: ignore[return-value]
+
         def forward(k: int, with_grad: bool, recomputing: bool = False) -> Any:
-            received = None
-            if prev_rank is not None:
-                if input_shape is None:
-                    post_input_receives()
-                work = input_works[k]
-                if work is not None:
-                    self.p2p.wait(work, f"receiving the activation of micro-batch {k}", prev_rank)
-                    input_works[k] = None
-                received = inputs[k]
-                received.requires_grad_(with_grad)  # type: ignore[union-attr]
-                if self.input_dtype is not None and received.dtype != self.input_dtype:  # type: ignore[union-attr]
-                    received = received.to(self.input_dtype)  # type: ignore[union-attr]
-            handler = _StageForward(self.cuts, self.first_cut, self.last_cut, received, k, recomputing)
+            """The step's output; :data:`_SKIPPED` if it returned None before reaching a cut point."""
+            fetch = (lambda: receive(k, with_grad)) if prev_rank is not None else None
+            handler = _StageForward(self.cuts, self.first_cut, self.last_cut, fetch, k, recomputing)
             self.current = handler
             try:
                 with forward_handler(handler), torch.set_grad_enabled(with_grad):
@@ -250,13 +278,19 @@ class StageExecutor:
                     except StageOutputReady:
                         out = handler.output
                     else:
+                        if out is None and handler.segment == 0:
+                            skips_before_forward(k, True)
+                            return _SKIPPED
                         if next_rank is not None:
                             raise CutPointError(
                                 f"Stage {topo.stage}'s forward finished without reaching cut point"
-                                f" #{self.last_cut}, where the stage ends. Cut points must run in every forward."
+                                f" #{self.last_cut}, where the stage ends. Cut points must run in every forward; a"
+                                " step may return None (to skip its batch) only before the model's forward or"
+                                " after the loss."
                             )
             finally:
                 self.current = None
+            skips_before_forward(k, False)
             return out
 
         def send(tensor: Tensor, dst: int, tag: int) -> None:
@@ -277,6 +311,9 @@ class StageExecutor:
             if train and recompute and not topo.is_last:
                 rng[k] = _rng_state(topo.device)
             out = forward(k, with_grad=not no_grad_forward)
+            if out is _SKIPPED:  # on every stage alike: no message of this micro-batch, no recompute, no backward
+                skipped[k] = True
+                return
             if next_rank is not None:
                 if not isinstance(out, Tensor):
                     raise CutPointError("A stage output must be a tensor.")
@@ -297,6 +334,8 @@ class StageExecutor:
                 inputs[k] = None
 
         def run_recompute(k: int) -> None:
+            if skipped[k]:
+                return
             with torch.random.fork_rng(devices=_rng_devices(topo.device)):
                 _set_rng_state(topo.device, rng[k])
                 outputs[k] = forward(k, with_grad=True, recomputing=True)
@@ -304,8 +343,11 @@ class StageExecutor:
             self.stats.graph(+1)
 
         def run_backward(k: int) -> None:
+            if skipped[k]:
+                return
             if next_rank is None:
-                torch.autograd.backward(loss_of(results[k], k))  # type: ignore[misc]
+                if results[k] is not None:  # else skipped after the loss: a zero gradient goes back
+                    torch.autograd.backward(loss_of(results[k], k))  # type: ignore[misc]
             else:
                 work = grad_works[k]
                 if work is not None:

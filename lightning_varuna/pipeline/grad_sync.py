@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,7 @@ class GradientSync:
         self._launched = 0
         self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter], object]] = []
         self._flat: dict[int, Tensor] = {}
+        self._accumulated: Mapping[nn.Parameter, Tensor] = {}
         self.bucket_bytes = bucket_bytes  # type: ignore[assignment] - builds the buckets
 
     # -- buckets ------------------------------------------------------------------------------------------
@@ -141,13 +142,14 @@ class GradientSync:
         self.finish()
 
     @contextlib.contextmanager
-    def overlapping(self) -> Iterator[None]:
+    def overlapping(self, accumulated: Mapping[nn.Parameter, Tensor] | None = None) -> Iterator[None]:
         """Runs the stage's last backward of the step: each bucket starts reducing once its gradients are final.
 
-        The gradients must be complete after this backward (earlier accumulation already in ``.grad``). A bucket
-        with a parameter that got no gradient in this backward waits for :meth:`start`, and so do the buckets
+        The gradients are complete after this backward: in ``.grad``, plus ``accumulated`` (see :meth:`start`). A
+        bucket with a parameter that got no gradient in this backward waits for :meth:`start`, and so do the buckets
         after it. Does nothing when ``overlap`` is off or there is no data-parallel replica.
         """
+        self._accumulated = accumulated or {}
         if not self.overlap or self.topology.data_size == 1 or not self.buckets or self.started:
             yield
             return
@@ -161,11 +163,20 @@ class GradientSync:
                 handle.remove()
         self.overlapped_buckets = self._launched
 
-    def start(self) -> None:
-        """Starts every reduction not started yet (asynchronous); :meth:`finish` completes them."""
+    def start(self, accumulated: Mapping[nn.Parameter, Tensor] | None = None) -> None:
+        """Starts every reduction not started yet (asynchronous); :meth:`finish` completes them.
+
+        Args:
+            accumulated: Gradients of earlier batches of an accumulation window that the caller keeps outside
+                ``.grad`` (by parameter): each reduction adds them, so that :meth:`finish` writes the window's
+                total into ``.grad``. Keeping them apart lets the caller drop the batch's own gradient (a skipped
+                batch, with :meth:`discard`) and still have the window's.
+        """
         if self._started:
             raise RuntimeError("GradientSync.start() called twice without finish().")
         self._started = True
+        if accumulated is not None:
+            self._accumulated = accumulated
         if self.topology.data_size > 1:
             while self._launched < len(self.buckets):
                 self._launch_bucket()
@@ -178,14 +189,22 @@ class GradientSync:
 
     def finish(self) -> None:
         """Waits for the reductions started and writes the results into the gradients."""
+        for flat, params in self._wait():
+            _unflatten(flat, params)
+
+    def discard(self) -> None:
+        """Waits for the reductions started and drops their results (``.grad`` stays as it is)."""
+        self._wait()
+
+    def _wait(self) -> list[tuple[Tensor, list[nn.Parameter]]]:
         pending, self._pending = self._pending, []
-        self._started, self._launched = False, 0
-        for work, flat, params, group in pending:
+        self._started, self._launched, self._accumulated = False, 0, {}
+        for work, _, _, group in pending:
             try:
                 work.wait()
             except Exception as err:  # noqa: BLE001 - a peer that failed or hung
                 raise self._error("waiting for", group, err) from err
-            _unflatten(flat, params)
+        return [(flat, params) for _, flat, params, _ in pending]
 
     @property
     def started(self) -> bool:
@@ -233,10 +252,14 @@ class GradientSync:
         offset = 0
         for p in params:
             n = p.numel()
-            if p.grad is None:
-                flat[offset : offset + n].zero_()
+            view = flat[offset : offset + n]
+            grad, earlier = p.grad, self._accumulated.get(p)
+            if grad is None and earlier is None:
+                view.zero_()
+            elif earlier is None or grad is None:
+                view.copy_((grad if grad is not None else earlier).reshape(-1))
             else:
-                flat[offset : offset + n].copy_(p.grad.reshape(-1))
+                torch.add(grad.reshape(-1), earlier.reshape(-1), out=view)
             offset += n
         return flat
 

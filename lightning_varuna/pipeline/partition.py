@@ -62,6 +62,8 @@ class Trace:
     module_segments: dict[str, set[int]]
     crossings: dict[tuple[int, int], str] = field(default_factory=dict)
     segment_seconds: list[float] = field(default_factory=list)
+    skipped: bool = False
+    """Whether the step returned None before reaching any cut point (it skipped the dry run's batch)."""
 
     @property
     def num_segments(self) -> int:
@@ -85,6 +87,7 @@ class _Tracer:
         self.crossings: dict[tuple[int, int], str] = {}
         self._stack: list[tuple[str, int]] = []
         self.paused = False
+        self.returned: object = None
         self._origin = WeakTensorKeyDictionary()
 
     def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
@@ -179,7 +182,7 @@ def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[i
     post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
     try:
         with forward_handler(tracer), _TraceMode(tracer):
-            step()
+            tracer.returned = step()
     finally:
         pre.remove()
         post.remove()
@@ -268,6 +271,7 @@ def trace_step(
         module_segments={k: v for k, v in two.module_segments.items() if k not in two.spanning},
         crossings=two.crossings,
         segment_seconds=seconds,
+        skipped=not cuts and one.returned is None,
     )
     return trace, list(one.cut_order)
 
@@ -345,6 +349,12 @@ class Plan:
 def check_pipeline_size(trace: Trace, num_stages: int) -> None:
     """Raises a :class:`PartitionError` saying what to change if ``trace`` cannot be cut into ``num_stages``."""
     n = trace.num_segments
+    if num_stages > 1 and trace.skipped:
+        raise PartitionError(
+            "The dry run's step returned None before reaching any cut point, so it cannot see the model. It runs"
+            " the step on the first batch (with Lightning: your step hook with batch_idx=0): skip other batches"
+            " than that one, or return None after the loss."
+        )
     if num_stages > 1 and not trace.cuts:
         raise PartitionError(
             f"pipeline_parallel_size={num_stages} but the model has no CutPoint and no cut_at was given. Add"

@@ -15,6 +15,10 @@ process. Other keys are VarunaStrategy arguments plus ``batch`` (per replica), `
   metrics and predictions, the memory counters and the parameters this rank holds.
 - ``steps``: a short plain fit (no validation), optionally with dropout or a collate_fn that truncates each
   batch to a length that varies from batch to batch.
+- ``parity``: what a plain run must see alike (:mod:`parity`): torchmetrics fed both ways, batches skipped by
+  ``training_step`` returning None (before the forward, and after a non-finite loss on one replica's data), a
+  callable ``reduce_fx``, the model summary, ``reload_dataloaders_every_n_epochs`` and a prediction writer;
+  then ``trainer.validate``/``trainer.test`` of a fresh model with BatchNorm statistics, without a fit.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import RandomTokens, TinyGPT  # noqa: E402
+from parity import parity  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
@@ -224,6 +229,7 @@ if __name__ == "__main__":
     for spec in sys.argv[2:]:
         name, options = parse_spec(spec)
         kind = options.pop("kind")
-        result = {"fit": fit, "steps": steps}[kind](directory, name, options, name.startswith("reference"))
+        run = {"fit": fit, "steps": steps, "parity": parity}[kind]
+        result = run(directory, name, options, name.startswith("reference"))
         rank = int(os.environ.get("RANK", 0))
         (directory / f"{name}.rank{rank}.json").write_text(json.dumps(result))
