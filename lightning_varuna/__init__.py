@@ -5,12 +5,16 @@ from lightning_varuna.pipeline import CutPoint, CutPointError, PartitionError, P
 
 __all__ = [
     "CheckpointError", "CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError",
-    "VarunaStrategy",
+    "VarunaStrategy", "load_from_checkpoint",
 ]
 __version__ = "0.1.0"
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  # noqa: E402
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
+from lightning_varuna.checkpoint.convert import load_from_checkpoint  # noqa: E402
+from lightning_varuna.fabric import register_for_fabric  # noqa: E402
 from lightning_varuna.strategy import VarunaStrategy  # noqa: E402
 
 VarunaStrategy.register_strategies(StrategyRegistry)
+register_for_fabric(FABRIC_STRATEGIES)

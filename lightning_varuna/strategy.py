@@ -36,9 +36,9 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -50,6 +50,7 @@ from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import resumable_training_loader, sample_batch
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
+from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.log_sync import LogCapture
 from lightning_varuna.patches import (
     InstancePatches,
@@ -231,8 +232,7 @@ class VarunaStrategy(ParallelStrategy):
             # before any process is started
             Topology.check(self.num_nodes * self.num_processes, self.pipeline_parallel_size)
             self._check_global_batch(self.num_nodes * self.num_processes // self.pipeline_parallel_size)
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._timeout)
 
     def _check_global_batch(self, data_size: int) -> None:
         if self.global_batch_size is not None and self.global_batch_size % data_size:
@@ -291,6 +291,7 @@ class VarunaStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
         assert self.accelerator is not None and self.model is not None
+        _refuse_unsupported_callbacks(trainer)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -600,6 +601,18 @@ class VarunaStrategy(ParallelStrategy):
             # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
             # later validate/test/predict calls
             super().teardown()
+
+
+def _refuse_unsupported_callbacks(trainer: Trainer) -> None:
+    """Raises, on every rank alike and before any collective, for callbacks that cannot work on one stage."""
+    swa = [cb for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]  # type: ignore[attr-defined]
+    if swa:
+        raise MisconfigurationException(
+            "StochasticWeightAveraging does not work with VarunaStrategy: it keeps a copy of the whole model on"
+            " every rank and averages it with the parameters of this rank's stage only, and its checkpoint state"
+            " would hold one stage's average. Remove the callback (to average weights, average checkpoints of the"
+            " run after `python -m lightning_varuna.convert to-plain`)."
+        )
 
 
 def _accumulating(trainer: Trainer) -> bool:

@@ -116,13 +116,15 @@ class _Tiny(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+
 
 def _fit(strategy: object, tmp_path: Path) -> pl.Trainer:
-    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=True,
                          default_root_dir=tmp_path)
-    trainer.fit(_Tiny(), data)
+    trainer.fit(_Tiny())
     return trainer
 
 
@@ -134,8 +136,17 @@ def test_patches_are_undone_at_teardown_and_a_later_trainer_is_stock_lightning(t
 
     varuna = _fit(VarunaStrategy(pipeline_parallel_size=1, num_microbatches=2), tmp_path)
     assert requested_ckpt_path(varuna) is None  # recorded (fit without ckpt_path)
-    for obj in (varuna._signal_connector, varuna.fit_loop.epoch_loop, varuna.lightning_module):
-        leftovers = {"register_signal_handlers", "_broadcast_sigterm_tensor", "advance", "log"} & set(vars(obj))
+    summaries = [cb for cb in varuna.callbacks if isinstance(cb, pl.callbacks.ModelSummary)]
+    assert summaries, "the default model summary callback"
+    patched = [
+        (varuna._signal_connector, {"register_signal_handlers"}),
+        (varuna.fit_loop.epoch_loop, {"_broadcast_sigterm_tensor", "advance"}),
+        (varuna.lightning_module, {"log"}),
+        *((summary, {"_summary"}) for summary in summaries),
+        (varuna.fit_loop._data_source, {"dataloader"}),
+    ]
+    for obj, names in patched:
+        leftovers = names & set(vars(obj))
         assert leftovers == set(), (type(obj).__name__, leftovers)
 
     plain = _fit("auto", tmp_path)

@@ -305,6 +305,34 @@ def test_dry_run_of_a_step_that_skips_the_first_batch_says_what_to_change() -> N
     make_plan(trace_of_skip, 1)  # one stage: nothing to cut
 
 
+def test_stochastic_weight_averaging_is_refused_at_setup() -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DataLoader
+
+    message = r"StochasticWeightAveraging does not work with VarunaStrategy.*Remove the callback"
+    with mock.patch.dict(os.environ), pytest.raises(MisconfigurationException, match=message):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=VarunaStrategy(pipeline_parallel_size=1), max_steps=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[StochasticWeightAveraging(swa_lrs=0.01)],
+        )
+        try:
+            trainer.fit(TinyGPT(n_layer=2), DataLoader(RandomTokens(n=8), batch_size=4))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def test_fabric_is_told_what_to_use_instead() -> None:
+    from lightning.fabric import Fabric
+
+    with pytest.raises(ValueError, match=r"Fabric\(strategy='varuna'\) is not supported.*Trainer\(strategy='varuna'\)"
+                       r".*lightning_varuna\.PipelineEngine directly"):
+        Fabric(strategy="varuna", accelerator="cpu", devices=1)
+
+
 def test_manual_optimization_is_rejected() -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.exceptions import MisconfigurationException

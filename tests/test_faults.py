@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from launch import JOBS, ROOT, _env, python
 
-SCENARIOS = ["error", "hook-error", "hang", "hang-dp", "hang-sync", "kill", "exit"]
+SCENARIOS = ["error", "hook-error", "hang", "hang-dp", "hang-sync", "kill", "exit", "train-end-error",
+             "teardown-error", "mixed-skip"]
 PROMPT = 20.0
 """Seconds in which every surviving rank must end after a fault it can detect (p2p_timeout is 60 there)."""
 HUNG_TIMEOUT = 5.0
@@ -146,3 +147,35 @@ def test_dead_peer_ends_the_job_promptly(faults: Path, scenario: str, dead: int,
     for rank in (dead - 1, dead + 1):
         if rank in logs:
             assert f"from/to rank {dead} failed" in logs[rank], logs[rank][-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scenario", "hook"), [("train-end-error", "on_train_end"), ("teardown-error", "teardown")])
+def test_error_after_the_last_step_fails_every_rank(faults: Path, scenario: str, hook: str) -> None:
+    # rank 1 (the last stage) fails after training; rank 0's fit had ended well, but the run made no model
+    result, logs = load(faults, scenario)
+    check_survivors_end(result, logs, PROMPT)
+    assert f"RuntimeError: injected failure on rank 1 in {hook}" in logs[1]
+    assert "PipelineError: rank 0: this rank finished, but rank 1 failed: RuntimeError: injected failure on rank 1" \
+        in logs[0], logs[0][-2000:]
+    assert "VARUNA-FINISHED" not in logs[0] + logs[1]
+
+
+@pytest.mark.slow
+def test_error_after_the_last_step_fails_the_job_under_lightnings_launcher() -> None:
+    # rank 0 is the process Lightning's launcher runs in (it starts rank 1): its exit status is the job's
+    result = subprocess.run([sys.executable, str(JOBS / "faults.py"), "train-end-error-lightning"],
+                            capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert "RuntimeError: injected failure on rank 1 in on_train_end" in result.stderr, result.stderr[-3000:]
+    assert "VARUNA-FINISHED" not in result.stdout
+
+
+@pytest.mark.slow
+def test_batch_skipped_before_the_forward_for_some_micro_batches_only_is_refused_on_every_rank(faults: Path) -> None:
+    result, logs = load(faults, "mixed-skip")
+    check_survivors_end(result, logs, PROMPT)
+    message = ("CutPointError: The step returned None before the model's forward for micro-batch 0 but not for"
+               " micro-batch 1 of the same batch")
+    for rank, log in logs.items():
+        assert message in log, f"rank {rank}:\n{log[-2000:]}"

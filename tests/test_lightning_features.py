@@ -341,3 +341,25 @@ def test_a_reduce_fx_callable_travels_by_name_and_a_custom_one_gets_lightnings_e
     assert [dict(frozen)["reduce_fx"] for _, _, frozen, _ in meta] == ["max", "min", "sum"]
     with capture.capturing(), pytest.raises(MisconfigurationException, match=r"Only `self.log\(..., reduce_fx="):
         module.log("d", 1.0, reduce_fx=lambda x: x.median())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FITS)
+def test_load_from_checkpoint_returns_the_whole_trained_module(results: Path, name: str) -> None:
+    import lightning_varuna
+
+    (plain_file,) = (results / "ckpt-reference-fit").glob("*.ckpt")
+    (directory,) = (results / f"ckpt-{name}").glob("*.ckpt")
+    assert plain_file.name == directory.name and directory.is_dir()
+    plain = TinyGPT.load_from_checkpoint(plain_file)
+    loaded = lightning_varuna.load_from_checkpoint(TinyGPT, directory, map_location="cpu", lr=0.5)
+    assert isinstance(loaded, TinyGPT) and loaded.hparams.lr == 0.5 and loaded.hparams.sync_dist
+    want = plain.state_dict()
+    got = loaded.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.allclose(got[key], value, atol=1e-5), key
+    # Lightning's own loader reads single files; the directory says what to use instead
+    with pytest.raises(IsADirectoryError):
+        TinyGPT.load_from_checkpoint(directory)
+    assert "lightning_varuna.load_from_checkpoint(MyModule" in (directory / "README.txt").read_text()

@@ -24,12 +24,13 @@ import io
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_varuna.checkpoint.job import write_single
 from lightning_varuna.checkpoint.load import check_files, single_process_quiet
@@ -42,7 +43,9 @@ from lightning_varuna.checkpoint.state import (
 )
 from lightning_varuna.checkpoint.storage import Location
 
-__all__ = ["from_plain", "main", "to_plain"]
+__all__ = ["from_plain", "load_from_checkpoint", "main", "plain_checkpoint", "to_plain"]
+
+_Module = TypeVar("_Module", bound=LightningModule)
 
 
 def to_plain(
@@ -61,6 +64,21 @@ def to_plain(
     Raises:
         CheckpointError: ``src`` is incomplete or damaged, or has no parameter record.
     """
+    plain = plain_checkpoint(src, weights_only, keep_loader_state)
+    buffer = io.BytesIO()
+    torch.save(plain, buffer)
+    Location.of(dst).write_bytes(buffer.getvalue())
+
+
+def plain_checkpoint(
+    src: str | os.PathLike, weights_only: bool | None = None, keep_loader_state: bool = False,
+    optimizer_states: bool = True,
+) -> dict[str, Any]:
+    """The sharded checkpoint ``src`` as the dictionary of a plain Lightning checkpoint (see :func:`to_plain`).
+
+    Reads in this process alone, whether or not a process group exists. ``optimizer_states=False`` leaves the
+    optimizer states out (and unread).
+    """
     loc = Location.of(src)
     meta = check_files(loc, weights_only)
     record = meta.get(RECORD)
@@ -69,10 +87,9 @@ def to_plain(
             f"{loc} has no parameter record ({RECORD!r} in meta.pt): it was written by an earlier version of"
             " lightning_varuna. Resume from it once and save it again."
         )
-    with single_process_quiet():
-        data = _load_state_dict_from_keys(storage_reader=loc.reader())
+    data = _read_entries(loc, None if optimizer_states else {"state_dict"})
     saved = sorted(int(key.split("_", 1)[1]) for key in data if key.startswith("optimizer_"))
-    if saved != list(range(len(record["optimizers"]))):
+    if optimizer_states and saved != list(range(len(record["optimizers"]))):
         raise CheckpointError(
             f"{loc} holds {len(saved)} optimizer state(s) but its record lists {len(record['optimizers'])}."
         )
@@ -85,9 +102,58 @@ def to_plain(
             flat_to_plain(data[f"optimizer_{i}"], groups, record.get("hyper", [None] * len(saved))[i])
             for i, groups in enumerate(record["optimizers"])
         ]
-    buffer = io.BytesIO()
-    torch.save(plain, buffer)
-    Location.of(dst).write_bytes(buffer.getvalue())
+    return plain
+
+
+def _read_entries(loc: Location, keys: set[str] | None) -> dict[str, Any]:
+    """The checkpoint's entries (those under ``keys``, or all), read by this process alone."""
+    entries: dict[str, Any] = {}
+    with single_process_quiet():
+        # DCP's reader of a checkpoint whose keys are not known in advance (what `_load_state_dict_from_keys`
+        # does), with no_dist: a process group, if one exists, plays no part
+        _load_state_dict(state_dict=entries, storage_reader=loc.reader(), no_dist=True,
+                         planner=_EmptyStateDictLoadPlanner(keys=keys))
+    return entries
+
+
+def load_from_checkpoint(
+    cls: type[_Module], checkpoint_path: str | os.PathLike, map_location: Any = None,
+    hparams_file: str | os.PathLike | None = None, strict: bool | None = None, weights_only: bool | None = None,
+    **kwargs: Any,
+) -> _Module:
+    """``cls.load_from_checkpoint`` for a checkpoint this strategy wrote: the module with all its weights.
+
+    Lightning's ``LightningModule.load_from_checkpoint`` reads one file; this strategy's checkpoints are
+    directories. The directory is read as the plain checkpoint :func:`to_plain` would write (weights only, in
+    memory) and handed to Lightning's loader, so hyper-parameters, ``on_load_checkpoint``, ``strict``,
+    ``map_location`` and ``kwargs`` behave as there. A plain checkpoint file goes to Lightning's loader as it is.
+    It runs in this process alone (whether or not a process group exists) and holds the weights about three
+    times in memory at its peak; for a model that does not fit, convert the checkpoint to a file first
+    (``python -m lightning_varuna.convert to-plain``).
+
+    Args:
+        cls: The LightningModule class.
+        checkpoint_path: A checkpoint directory written by ``VarunaStrategy``, or a plain checkpoint file
+            (local path or fsspec URL).
+        map_location: As for Lightning's ``load_from_checkpoint``.
+        hparams_file: As for Lightning's ``load_from_checkpoint``.
+        strict: As for Lightning's ``load_from_checkpoint``.
+        weights_only: Passed to ``torch.load`` (``meta.pt`` and the weights).
+        **kwargs: Hyper-parameters overriding the saved ones, as for Lightning's ``load_from_checkpoint``.
+
+    Raises:
+        CheckpointError: The directory is incomplete or damaged.
+    """
+    loc = Location.of(checkpoint_path)
+    source: Any = checkpoint_path
+    if loc.isdir():
+        plain = plain_checkpoint(loc, weights_only, optimizer_states=False)
+        source = io.BytesIO()
+        torch.save(plain, source)
+        del plain
+        source.seek(0)
+    return cls.load_from_checkpoint(source, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                                    weights_only=weights_only, **kwargs)
 
 
 def from_plain(

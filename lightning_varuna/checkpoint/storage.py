@@ -25,8 +25,8 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 __all__ = [
-    "INDEX", "META", "RECORD_FILE", "Location", "is_complete", "publish", "read_meta", "recover", "remove_quietly",
-    "resolve", "to_bytes",
+    "INDEX", "META", "README", "RECORD_FILE", "Location", "is_complete", "publish", "read_meta", "recover",
+    "remove_quietly", "resolve", "to_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,20 @@ RECORD_FILE = "record.pt"
 """The parameter record (``checkpoint.RECORD``), written just before ``meta.pt``; merged into it on reading."""
 INDEX = ".metadata"
 """DCP's index of the shards."""
+README = "README.txt"
+"""What a checkpoint directory is and how to use it, for whoever finds it (Lightning's loader reads single files)."""
+README_TEXT = """\
+This directory is one checkpoint written by lightning-varuna's VarunaStrategy: the weights and optimizer states,
+sharded in the format of torch.distributed.checkpoint, and Lightning's own state (meta.pt).
+
+- Resume training, under any number of stages and replicas:
+      Trainer(strategy=VarunaStrategy(...)).fit(model, ckpt_path="<this directory>")
+- The trained module (LightningModule.load_from_checkpoint reads single files and fails here with
+  IsADirectoryError):
+      lightning_varuna.load_from_checkpoint(MyModule, "<this directory>")
+- A plain single-file Lightning checkpoint:
+      python -m lightning_varuna.convert to-plain <this directory> model.ckpt
+"""
 TMP_SUFFIX = ".varuna-tmp"
 OLD_SUFFIX = ".varuna-old"
 TRASH_SUFFIX = ".varuna-trash"
@@ -174,6 +188,7 @@ def publish(tmp: Location, target: Location, meta: bytes, record: bytes | None =
     """
     if record is not None:
         tmp.child(RECORD_FILE).write_bytes(record)
+    tmp.child(README).write_bytes(README_TEXT.encode())
     tmp.child(META).write_bytes(meta)
     old = target.with_suffix(OLD_SUFFIX)
     old.remove()

@@ -8,6 +8,8 @@ timeout or "connection closed".
 from __future__ import annotations
 
 import atexit
+import itertools
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,11 +20,14 @@ import torch.distributed as dist
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = [
-    "PipelineError", "destroy_process_groups_at_exit", "peer_error", "report_failure", "waiting_on_peers",
+    "PipelineError", "destroy_process_groups_at_exit", "finish_together", "peer_error", "report_failure",
+    "waiting_on_peers",
 ]
 
 _ERROR_KEY = "lightning_varuna/error/"
+_FINISH_KEY = "lightning_varuna/finish/"
 _exit = {"registered": False, "failed": False}
+_runs = itertools.count()
 _T = TypeVar("_T")
 
 
@@ -111,3 +116,63 @@ def waiting_on_peers(topology: Topology, what: str, wait: Callable[[], _T]) -> _
         raise
     except Exception as err:  # noqa: BLE001 - a wait that failed because of a peer
         raise peer_error(topology, what, err) from err
+
+
+def finish_together(error: BaseException | None, timeout: timedelta) -> None:
+    """Ends a run (one ``fit``, say) on this rank: a rank that succeeded raises if any other rank failed.
+
+    Every rank calls it once per run, in the same order, with the error that ended its run or None. A failed rank
+    leaves its error in the job's store and returns at once (it raises its own error). A rank that succeeded
+    waits until every rank has ended its run, at most ``timeout``, and raises a :class:`PipelineError` naming the
+    first rank that failed (or, past ``timeout``, the ranks that did not end). No collective is used: the ranks
+    that failed do not take part in one.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    run = f"{_FINISH_KEY}{next(_runs)}/"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: nothing to agree through
+        return
+    if error is not None:
+        text = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
+        try:
+            store.compare_set(f"{run}failed", "", f"rank {rank} failed: {text}")
+            store.add(f"{run}ended", 1)
+        except Exception:  # noqa: BLE001 - best effort: this rank raises its own error anyway
+            pass
+        return
+    try:
+        _wait_for_every_rank(store, run, rank, world, timeout)
+    except PipelineError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the store went away with its host (rank 0) before every rank ended
+        raise PipelineError(
+            f"rank {rank}: this rank finished, but lost the job's store while waiting for the others to finish"
+            f" (its host, rank 0, is gone): {err}"
+        ) from err
+
+
+def _wait_for_every_rank(store: dist.Store, run: str, rank: int, world: int, timeout: timedelta) -> None:
+    store.add(f"{run}ended", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.005
+    while True:
+        ended = store.add(f"{run}ended", 0)
+        if store.check([f"{run}failed"]):  # after the count: a rank that failed wrote this before counting itself
+            raise PipelineError(f"rank {rank}: this rank finished, but {store.get(f'{run}failed').decode()}")
+        if ended >= world:
+            break
+        if time.monotonic() > deadline:
+            raise PipelineError(
+                f"rank {rank}: this rank finished, but not every rank did within timeout="
+                f"{timeout.total_seconds():g}s (one is hung or far behind)."
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.25)
+    # the store lives in rank 0's process under Lightning's launcher: it stays until every rank has seen the end
+    store.add(f"{run}seen", 1)
+    if rank == 0:
+        while store.add(f"{run}seen", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.005)

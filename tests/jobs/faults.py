@@ -49,6 +49,12 @@ SCENARIOS = {
     # peers that die without a word: rank 0 also hosts the job's store (SIGKILL), rank 1 calls os._exit(1)
     "kill": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 60}, "kill", 0, 2, 40),
     "exit": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 60}, "exit", 1, 2, 40),
+    # errors after the last step on the last stage (in on_train_end; in the module's teardown hook, which runs
+    # after the strategy's): every rank's fit raises, though rank 0 had finished
+    "train-end-error": (2, {"pipeline_parallel_size": 2, "p2p_timeout": 60}, "train-end-error", 1, 2, 40),
+    "teardown-error": (2, {"pipeline_parallel_size": 2, "p2p_timeout": 60}, "teardown-error", 1, 2, 40),
+    # training_step returns None before the forward for micro-batch 0 only (on every rank): refused at once
+    "mixed-skip": (2, {"pipeline_parallel_size": 2, "p2p_timeout": 60}, "mixed-skip", 0, 2, 40),
 }
 FAULT_MARK = "VARUNA-FAULT-AT"
 HANG_SECONDS = 120
@@ -68,13 +74,17 @@ class Faulty(TinyGPT):
         return here
 
     def training_step(self, batch, batch_idx: int):
+        if self.fault == "mixed-skip" and batch_idx == self.fault_step:  # decided alike on every rank
+            self._at_fault(batch_idx)
+            if self.trainer.strategy.engine.microbatch == 0:
+                return None
         if self.fault == "hang-last":  # the recompute of the last micro-batch, stage 0's last call of a step
             executor = self.trainer.strategy.engine.executor  # None during the dry run
             current = executor.current if executor is not None else None
             last = current is not None and current.recomputing and current.microbatch == 1
             if last and self._at_fault(batch_idx):
                 time.sleep(HANG_SECONDS)
-        elif self.fault != "hook-error" and self._at_fault(batch_idx):
+        elif self.fault in ("error", "hang", "kill", "exit") and self._at_fault(batch_idx):
             if self.fault == "error":
                 raise RuntimeError(f"injected failure on rank {self.fault_rank} at step {batch_idx}")
             if self.fault == "hang":
@@ -88,6 +98,14 @@ class Faulty(TinyGPT):
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         if self.fault == "hook-error" and self._at_fault(batch_idx):
             raise RuntimeError(f"injected failure on rank {self.fault_rank} after step {batch_idx}")
+
+    def on_train_end(self) -> None:
+        if self.fault == "train-end-error" and self._at_fault(self.fault_step):
+            raise RuntimeError(f"injected failure on rank {self.fault_rank} in on_train_end")
+
+    def teardown(self, stage: str) -> None:
+        if self.fault == "teardown-error" and self._at_fault(self.fault_step):
+            raise RuntimeError(f"injected failure on rank {self.fault_rank} in teardown")
 
 
 def _trainer(devices: int, strategy: lightning_varuna.VarunaStrategy, steps: int) -> pl.Trainer:
@@ -139,9 +157,21 @@ def indivisible() -> None:
     _trainer(3, strategy, steps=1).fit(model, DataLoader(RandomTokens(n=16), batch_size=4))
 
 
+def train_end_error_under_lightnings_launcher() -> None:
+    """Two processes, P=2, started by Lightning's launcher; rank 1 fails in on_train_end, after the last step."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Faulty("train-end-error", 1, 1)
+    strategy = lightning_varuna.VarunaStrategy(pipeline_parallel_size=2, num_microbatches=2, p2p_timeout=60)
+    _trainer(2, strategy, steps=2).fit(model, DataLoader(RandomTokens(n=16), batch_size=4))
+    print("VARUNA-FINISHED", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "indivisible":
         indivisible()
+    elif sys.argv[1] == "train-end-error-lightning":
+        train_end_error_under_lightnings_launcher()
     else:
         directory = Path(sys.argv[1])
         directory.mkdir(parents=True, exist_ok=True)
