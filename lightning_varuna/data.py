@@ -272,14 +272,16 @@ def resumable_training_loader(
     return resumable
 
 
-def sample_batch(loop: Any, patches: InstancePatches) -> Any:
-    """The first batch of the dataloader Lightning's ``loop`` is about to run, for the strategy's dry run.
+def sample_batch(trainer: Any, patches: InstancePatches) -> Any:
+    """The first batch of the dataloader the trainer's running loop is about to use, for the strategy's dry run.
 
     A ``*_dataloader()`` hook is called here as the loop would call it (``_request_dataloader``, which records the
     loader's arguments for Lightning's sampler injection), and the loop's first request gets the same loaders
     back (:func:`~lightning_varuna.patches.hand_over_dataloader`): the hook runs as often as in a plain run.
     Reading the batch leaves the RNGs as they were.
     """
+    fn = trainer.state.fn.value  # "fit", "validate", "test" or "predict"
+    loop = trainer.fit_loop if fn == "fit" else getattr(trainer, f"{fn}_loop")
     source = loop._data_source  # where Lightning's loop takes its dataloaders from
     loaders = _request_dataloader(source) if source.is_module() else source.dataloader()
     with torch.random.fork_rng():

@@ -24,7 +24,7 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 6. ``ModelSummary._summary`` of the trainer's model summary callbacks (during ``fit``): Lightning summarizes the
    module at ``on_fit_start``, after the strategy has cut it down to one stage; the callback's ``_summary`` is
    where Lightning itself picks another summary (DeepSpeed's). It returns the whole model's summary, made by
-   Lightning's own ``_summary`` before the model was partitioned (:mod:`lightning_varuna.summary`).
+   Lightning's own ``_summary`` before the model was partitioned (:mod:`lightning_varuna.callbacks`).
 7. ``_DataLoaderSource.dataloader`` of the running loop's data source (from setup to the loop's first request):
    the dry run needs a batch before Lightning requests the dataloader, and a second ``*_dataloader()`` call
    would be one more than a plain run makes (``reload_dataloaders_every_n_epochs`` counts them); the loop gets,

@@ -36,7 +36,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -45,19 +44,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_varuna.callbacks import (
+    FrozenSummary,
+    adapt_callbacks,
+    refuse_unsupported_callbacks,
+    whole_model_summaries,
+)
 from lightning_varuna.checkpoint import load as checkpoint
 from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import resumable_training_loader, sample_batch
+from lightning_varuna.gradients import BatchGradients
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
 from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.log_sync import LogCapture
-from lightning_varuna.patches import (
-    InstancePatches,
-    install_ckpt_path_recorder,
-    silence_prediction_writers,
-    summarize_with,
-)
+from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
@@ -66,7 +67,6 @@ from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import last_fallbacks
 from lightning_varuna.steps import StepRunner
-from lightning_varuna.summary import FrozenSummary, whole_model_summaries
 
 __all__ = ["VarunaStrategy"]
 
@@ -181,11 +181,8 @@ class VarunaStrategy(ParallelStrategy):
         self.engine: PipelineEngine | None = None
         self.topology: Topology | None = None
         self._steps: StepRunner | None = None
-        self._pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
-        self._window_has_grads = False
-        self._skipped = False
+        self._gradients: BatchGradients | None = None
         self._hook_logs: HookLogMerger | None = None
-        self._params: list[torch.nn.Parameter] = []
         self._preemption: PreemptionGuard | None = None
         self._patches = InstancePatches()
         self._summaries: list[tuple[Any, FrozenSummary]] | None = None
@@ -291,7 +288,7 @@ class VarunaStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
         assert self.accelerator is not None and self.model is not None
-        _refuse_unsupported_callbacks(trainer)
+        refuse_unsupported_callbacks(trainer)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -299,11 +296,9 @@ class VarunaStrategy(ParallelStrategy):
         if fitting and self._summaries is None:  # of the whole model, before it is partitioned
             self._summaries = whole_model_summaries(trainer, self.lightning_module)
         self._setup_pipeline(trainer)
-        for callback, summary in self._summaries if fitting and self._summaries else []:
-            summarize_with(self._patches, callback, summary)
         assert self.topology is not None
-        if trainer.state.fn == TrainerFn.PREDICTING and not self.topology.is_first:
-            silence_prediction_writers(self._patches, trainer.callbacks)  # each replica writes once, from stage 0
+        adapt_callbacks(trainer, self._patches, self._summaries if fitting and self._summaries else [],
+                        first_stage=self.topology.is_first)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -333,8 +328,8 @@ class VarunaStrategy(ParallelStrategy):
             with capture.capturing(), self.precision_plugin.train_step_context():
                 return step(batch, 0)
 
-        plan = engine.setup(self._sample_batch(trainer), dry_step)
-        self._params = list(module.parameters())
+        plan = engine.setup(self.batch_to_device(sample_batch(trainer, self._patches), self.root_device), dry_step)
+        self._gradients = BatchGradients(list(module.parameters()))
         self.topology = topo = engine.topology
         assert topo is not None
         self._steps = StepRunner(module, engine, self.precision_plugin)
@@ -348,15 +343,6 @@ class VarunaStrategy(ParallelStrategy):
             return getattr(torch, self.boundary_dtype)
         mixed = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
         return mixed.get(getattr(self.precision_plugin, "precision", ""))
-
-    def _sample_batch(self, trainer: Trainer) -> Any:
-        loop = {
-            TrainerFn.FITTING: trainer.fit_loop,
-            TrainerFn.VALIDATING: trainer.validate_loop,
-            TrainerFn.TESTING: trainer.test_loop,
-            TrainerFn.PREDICTING: trainer.predict_loop,
-        }[trainer.state.fn]  # type: ignore[index]
-        return self.batch_to_device(sample_batch(loop, self._patches), self.root_device)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Gives the training loader a data position that survives a resume under another number of replicas.
@@ -398,32 +384,19 @@ class VarunaStrategy(ParallelStrategy):
         skipped batch returns a NaN loss instead.
         """
         trainer = self.lightning_module.trainer
-        params = self._params
-        # `.grad` holds the last optimizer step's gradients (on the first batch of an accumulation window, where
-        # Lightning calls zero_grad after this step) or the window's sum so far: the schedule computes this batch's
-        # gradients apart, so that a skipped batch can be dropped. The reductions started on the window's last
-        # batch add the window's sum (`accumulated`).
+        gradients = self._gradients
+        assert gradients is not None and self.engine is not None
         first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        held = [p.grad for p in params]
-        for p in params:
-            p.grad = None
         final = not _accumulating(trainer)
-        accumulated = {p: g for p, g in zip(params, held) if g is not None} if final and not first else None
+        accumulated = gradients.set_aside(first, final)
         loss = self._run_step("training_step", args, kwargs, loss_scale=1.0 / trainer.accumulate_grad_batches,
                               start_sync=final, accumulated=accumulated)
-        fresh = [(p, p.grad) for p in params if p.grad is not None]
-        for p, grad in zip(params, held):
-            p.grad = grad
-        self._skipped = loss is None
-        if self._skipped:
-            assert self.engine is not None
-            self.engine.discard_gradient_sync()  # the same on every replica: they agreed on the skip
-            fresh = []
-            rank_zero_warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
-        # decided alike on every rank: whether the optimizer step will have gradients to reduce
-        self._window_has_grads = not self._skipped or (self._window_has_grads and not first)
-        self._pending_grads = fresh
-        return torch.full((), float("nan"), device=self.root_device) if self._skipped else loss
+        gradients.take(first, skipped=loss is None)
+        if loss is not None:
+            return loss
+        self.engine.discard_gradient_sync()  # the same on every replica: they agreed on the skip
+        rank_zero_warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
+        return torch.full((), float("nan"), device=self.root_device)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward through the pipeline."""
@@ -439,17 +412,12 @@ class VarunaStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Puts back the gradients the schedule computed (the schedule already ran backward)."""
-        if self._skipped:  # a plain run calls no backward (nor its hooks) for a skipped batch
+        assert self._gradients is not None
+        if self._gradients.skipped:  # a plain run calls no backward (nor its hooks) for a skipped batch
             return closure_loss
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        summed = [(p.grad, grad) for p, grad in self._pending_grads if p.grad is not None]
-        for p, grad in self._pending_grads:
-            if p.grad is None:
-                p.grad = grad
-        if summed:  # the accumulation window's sum so far, plus this batch
-            torch._foreach_add_([a for a, _ in summed], [b for _, b in summed])
-        self._pending_grads = []
+        self._gradients.put_back()
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -459,8 +427,8 @@ class VarunaStrategy(ParallelStrategy):
         the step) is captured and, after the step, merged over the pipeline (:mod:`lightning_varuna.hook_logs`):
         logged gradient norms are the whole model's.
         """
-        engine, topo = self.engine, self.topology
-        assert engine is not None and topo is not None
+        engine, topo, gradients = self.engine, self.topology, self._gradients
+        assert engine is not None and topo is not None and gradients is not None
         module = self.lightning_module
         merge = topo.pipeline_size > 1 and logs_in_optimizer_hook(module)
         capture = LogCapture(module)
@@ -470,12 +438,12 @@ class VarunaStrategy(ParallelStrategy):
         def closure_then_sync() -> Any:
             nonlocal capturing
             result = closure()
-            if self._window_has_grads:  # else every batch of the window was skipped: no gradient, as in a plain run
+            if gradients.window_has_gradients:  # else the window's batches were all skipped, and there are none
                 waiting_on_peers(topo, "syncing gradients", engine.sync_gradients)
             if merge and not capturing:  # the on_before_optimizer_step hooks run next
                 hooks.enter_context(capture.capturing())
                 capturing = True
-            return None if self._skipped else result  # None: the precision plugin skips the step, as Lightning does
+            return None if gradients.skipped else result  # None: the precision plugin skips the step, as Lightning
 
         with hooks:
             output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
@@ -601,18 +569,6 @@ class VarunaStrategy(ParallelStrategy):
             # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
             # later validate/test/predict calls
             super().teardown()
-
-
-def _refuse_unsupported_callbacks(trainer: Trainer) -> None:
-    """Raises, on every rank alike and before any collective, for callbacks that cannot work on one stage."""
-    swa = [cb for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]  # type: ignore[attr-defined]
-    if swa:
-        raise MisconfigurationException(
-            "StochasticWeightAveraging does not work with VarunaStrategy: it keeps a copy of the whole model on"
-            " every rank and averages it with the parameters of this rank's stage only, and its checkpoint state"
-            " would hold one stage's average. Remove the callback (to average weights, average checkpoints of the"
-            " run after `python -m lightning_varuna.convert to-plain`)."
-        )
 
 
 def _accumulating(trainer: Trainer) -> bool:

@@ -41,12 +41,17 @@ CONFIGS = {
 # what a plain run must see alike (jobs/parity.py); P=2 x D=2: a batch skipped on one replica's data only
 PARITY = {
     "parity-p2d2": "kind=parity,pipeline_parallel_size=2,num_microbatches=3,batch=8",
-    "parity-p4": "kind=parity,pipeline_parallel_size=4,num_microbatches=3",
+    "parity-p4": "kind=parity,pipeline_parallel_size=4,num_microbatches=3,evaluate=false",
 }
+EVALUATED = [name for name, spec in PARITY.items() if "evaluate=false" not in spec]
 FITS = ["fit-p2d2", "fit-p4"]
 RECOMPUTE = ["fit-p2d2", "fit-p4", "dropout-recompute", "varlen-p4"]
 WORLD = 4
 TOLERANCE = 5e-4
+WEIGHT_TOLERANCE = 1e-4
+"""Weights after a few AdamW steps (lr 1e-3): Adam's first steps are near lr * sign(gradient), so an element whose
+gradient is tiny moves by up to 3e-5 more or less when micro-batching rounds its gradient differently; a step taken
+or skipped wrongly moves elements by about lr."""
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +277,7 @@ def test_batches_skipped_before_the_forward_or_after_the_loss_match_the_plain_ru
         held.update(run["weights"])
         for param, values in run["weights"].items():
             worst = max(abs(a - b) for a, b in zip(values, plain["weights"][param], strict=True))
-            assert worst < 1e-5, f"rank {rank}: {param} differs from the plain run's by {worst} after training"
+            assert worst < WEIGHT_TOLERANCE, f"rank {rank}: {param} differs from the plain run's by {worst}"
     assert set(held) == set(plain["weights"]), "every trained parameter is held (and checked) on some stage"
 
 
@@ -294,7 +299,7 @@ def test_train_dataloader_is_requested_as_often_as_in_the_plain_run(results: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(PARITY))
+@pytest.mark.parametrize("name", EVALUATED)
 def test_a_prediction_writer_writes_once_per_replica(results: Path, name: str) -> None:
     pipeline_size = int(PARITY[name].split("pipeline_parallel_size=")[1].split(",")[0])
     written = sorted((results / f"predictions-{name}").glob("*.json"))
@@ -314,7 +319,7 @@ def test_a_prediction_writer_writes_once_per_replica(results: Path, name: str) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(PARITY))
+@pytest.mark.parametrize("name", EVALUATED)
 def test_validate_and_test_without_a_fit_match_the_plain_run(results: Path, name: str) -> None:
     # the dry run of validation_step runs in training mode: it must not move the BatchNorm statistics, nor leave
     # its samples in val_acc (fed with .update())
@@ -354,11 +359,13 @@ def test_load_from_checkpoint_returns_the_whole_trained_module(results: Path, na
     plain = TinyGPT.load_from_checkpoint(plain_file)
     loaded = lightning_varuna.load_from_checkpoint(TinyGPT, directory, map_location="cpu", lr=0.5)
     assert isinstance(loaded, TinyGPT) and loaded.hparams.lr == 0.5 and loaded.hparams.sync_dist
-    want = plain.state_dict()
-    got = loaded.state_dict()
+    want, got = plain.state_dict(), loaded.state_dict()
     assert set(got) == set(want)
     for key, value in want.items():
-        assert torch.allclose(got[key], value, atol=1e-5), key
+        assert torch.allclose(got[key], value, rtol=0, atol=WEIGHT_TOLERANCE), key
+    torch.manual_seed(0)
+    initial = TinyGPT(sync_dist=True).state_dict()
+    assert max(float((got[k] - initial[k]).abs().max()) for k in got) > 10 * WEIGHT_TOLERANCE, "trained weights"
     # Lightning's own loader reads single files; the directory says what to use instead
     with pytest.raises(IsADirectoryError):
         TinyGPT.load_from_checkpoint(directory)

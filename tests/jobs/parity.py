@@ -189,6 +189,7 @@ def _trainer(reference: bool, options: dict, callbacks: list, **kwargs) -> pl.Tr
 
 def parity(out: Path, name: str, options: dict, reference: bool) -> dict:
     batch = options.pop("batch", 16)
+    evaluate = options.pop("evaluate", True)  # also predict, and validate/test a fresh model
     random.seed(0)
     torch.manual_seed(0)
     model = ParityGPT(batch=batch, reference=reference, sync_dist=True)
@@ -198,7 +199,8 @@ def parity(out: Path, name: str, options: dict, reference: bool) -> dict:
     trainer = _trainer(reference, dict(options), [recorder, summary, FileWriter(writes)], max_epochs=EPOCHS,
                        accumulate_grad_batches=2, reload_dataloaders_every_n_epochs=1, limit_val_batches=0)
     trainer.fit(model)
-    trainer.predict(model, DataLoader(RandomTokens(n=24, seed=4), batch_size=batch), return_predictions=False)
+    if evaluate:
+        trainer.predict(model, DataLoader(RandomTokens(n=24, seed=4), batch_size=batch), return_predictions=False)
     return {
         "fit_start": recorder.fit_start,
         "losses": recorder.losses,
@@ -207,7 +209,7 @@ def parity(out: Path, name: str, options: dict, reference: bool) -> dict:
         "loader_calls": recorder.loader_calls,
         "summary": summary.recorded,
         "global_rank": trainer.global_rank,
-        **evaluate_fresh_model(options, batch, reference),
+        **(evaluate_fresh_model(options, batch, reference) if evaluate else {}),
     }
 
 
