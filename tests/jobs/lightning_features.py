@@ -39,7 +39,7 @@ from torchmetrics.classification import MulticlassAccuracy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import RandomTokens, TinyGPT  # noqa: E402
 from parity import parity  # noqa: E402
-from spec import parse_spec  # noqa: E402
+from spec import parse_spec, trainer_for  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
 
@@ -105,18 +105,6 @@ def train_loader(dataset, batch: int, reference: bool, **kwargs) -> DataLoader:
     # reference reads the same permutation in one process (its batch k is the union of the replicas' k-th)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
     return DataLoader(dataset, batch_size=batch, sampler=sampler, **kwargs)
-
-
-def trainer_for(reference: bool, options: dict, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1 if reference else int(os.environ["WORLD_SIZE"]),
-        strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
-        logger=False,
-        enable_model_summary=False,
-        use_distributed_sampler=not reference,
-        **kwargs,
-    )
 
 
 def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: int) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 
@@ -29,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from models import RandomTokens, TinyGPT
+from spec import trainer_for
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-import lightning_varuna
-
 EPOCHS = 2
+_QUIET = {"enable_checkpointing": False, "enable_progress_bar": False}
 SKIP_BEFORE_FORWARD = 2
 POISON = 63
 POISON_POSITION = 19
@@ -173,20 +172,6 @@ class Recorder(pl.Callback):
         self.loader_calls = pl_module.loader_calls
 
 
-def _trainer(reference: bool, options: dict, callbacks: list, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1 if reference else int(os.environ["WORLD_SIZE"]),
-        strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        use_distributed_sampler=not reference,
-        callbacks=callbacks,
-        **kwargs,
-    )
-
-
 def parity(out: Path, name: str, options: dict, reference: bool) -> dict:
     batch = options.pop("batch", 16)
     evaluate = options.pop("evaluate", True)  # also predict, and validate/test a fresh model
@@ -196,8 +181,9 @@ def parity(out: Path, name: str, options: dict, reference: bool) -> dict:
     recorder, summary = Recorder(), RecordingSummary()
     writes = out / f"predictions-{name}"
     writes.mkdir(exist_ok=True)
-    trainer = _trainer(reference, dict(options), [recorder, summary, FileWriter(writes)], max_epochs=EPOCHS,
-                       accumulate_grad_batches=2, reload_dataloaders_every_n_epochs=1, limit_val_batches=0)
+    trainer = trainer_for(reference, dict(options), callbacks=[recorder, summary, FileWriter(writes)],
+                          max_epochs=EPOCHS, accumulate_grad_batches=2, reload_dataloaders_every_n_epochs=1,
+                          limit_val_batches=0, enable_model_summary=True, **_QUIET)
     trainer.fit(model)
     if evaluate:
         trainer.predict(model, DataLoader(RandomTokens(n=24, seed=4), batch_size=batch), return_predictions=False)
@@ -221,7 +207,7 @@ def evaluate_fresh_model(options: dict, batch: int, reference: bool) -> dict:
     with torch.no_grad():
         norm.running_mean.normal_()
         norm.running_var.uniform_(0.5, 2.0)
-    trainer = _trainer(reference, options, [], enable_model_summary=False)
+    trainer = trainer_for(reference, options, **_QUIET)
     validated = trainer.validate(model, DataLoader(RandomTokens(n=32, seed=2), batch_size=batch), verbose=False)
     tested = trainer.test(model, DataLoader(RandomTokens(n=40, seed=3), batch_size=batch), verbose=False)
     return {"validate": validated, "test": tested, "running_mean": norm.running_mean.tolist()}

@@ -1,7 +1,8 @@
-"""Job configurations on the command line: ``name:key=value,key=value`` with typed values."""
+"""Job configurations on the command line (``name:key=value,key=value`` with typed values), and their trainers."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -22,3 +23,23 @@ def _typed(text: str) -> Any:
         except ValueError:
             pass
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def trainer_for(reference: bool, options: dict, **kwargs: Any) -> Any:
+    """The plain one-process Trainer (``reference``) or one of ``VarunaStrategy(**options)`` on every rank.
+
+    No logger, no model summary unless asked for; the reference reads its data in the order it is given.
+    """
+    import lightning.pytorch as pl
+
+    import lightning_varuna
+
+    kwargs.setdefault("enable_model_summary", False)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1 if reference else int(os.environ["WORLD_SIZE"]),
+        strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
+        logger=False,
+        use_distributed_sampler=not reference,
+        **kwargs,
+    )
