@@ -134,7 +134,8 @@ class StepRunner:
         if topology.data_size == 1:
             return skipped
         flag = torch.full((), float(skipped), device=self.device)
-        waiting_on_peers(topology, "agreeing with the other replicas whether the batch is skipped",
+        replicas = [topology.rank_of(topology.stage, r) for r in range(topology.data_size)]
+        waiting_on_peers(topology, f"agreeing with the other replicas (ranks {replicas}) whether the batch is skipped",
                          lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topology.data_group))
         return bool(flag.item())
 

@@ -109,14 +109,15 @@ def test_hung_peer_ends_the_job_after_p2p_timeout(faults: Path) -> None:
 
 
 @pytest.mark.slow
-def test_hung_peer_does_not_hold_its_replica_in_the_gradient_all_reduce(faults: Path) -> None:
-    # P=2, D=2: rank 1 hangs; rank 3 (the same stage of the other replica) finishes its step and waits for
-    # rank 1 in the data-parallel all-reduce, bounded by p2p_timeout because the groups are made with it
+def test_hung_peer_does_not_hold_its_replica_in_a_collective_over_replicas(faults: Path) -> None:
+    # P=2, D=2: rank 1 hangs; rank 3 (the same stage of the other replica) runs its schedule and waits for rank 1
+    # in the first collective over the replicas (the last stages agree whether the batch is skipped), bounded by
+    # p2p_timeout because the groups are made with it
     result, logs = load(faults, "hang-dp")
     check_survivors_end(result, logs, HUNG_TIMEOUT + PROMPT, hung=1)
     # gloo words the timeout "Timed out waiting 5000ms" or "Application timeout caused pair closure",
-    # depending on which side notices first; the error names the all-reduce and the timeout either way
-    assert "waiting for the all-reduce averaging gradients over replicas (ranks [1, 3])" in logs[3], logs[3][-2000:]
+    # depending on which side notices first; the error names the collective and the timeout either way
+    assert "agreeing with the other replicas (ranks [1, 3]) whether the batch is skipped" in logs[3], logs[3][-2000:]
     assert "no answer within p2p_timeout=5s" in logs[3], logs[3][-2000:]
 
 
@@ -131,7 +132,7 @@ def test_hung_peer_does_not_hold_its_pipeline_in_the_log_broadcast(faults: Path)
 
 
 @pytest.mark.slow
-def test_hung_peer_in_the_gradient_all_reduce_is_a_pipeline_error(faults: Path) -> None:
+def test_hung_peer_in_a_collective_over_replicas_is_a_pipeline_error(faults: Path) -> None:
     _, logs = load(faults, "hang-dp")
     assert "PipelineError: rank 3 (stage 1)" in logs[3], logs[3][-2000:]
     assert "failed (no answer within p2p_timeout=5s" in logs[3], logs[3][-2000:]

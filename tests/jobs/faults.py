@@ -40,7 +40,7 @@ SCENARIOS = {
     "hook-error": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 60}, "hook-error", 2, 3, 40),
     # a peer that stops answering inside training_step: neighbours give up after p2p_timeout
     "hang": (4, {"pipeline_parallel_size": 4, "p2p_timeout": 5}, "hang", 2, 2, 40),
-    # the same with two replicas: the other replica's copy of the hung stage waits in the gradient all-reduce
+    # the same with two replicas: the other replica's copy of the hung stage waits in a collective over replicas
     "hang-dp": (4, {"pipeline_parallel_size": 2, "p2p_timeout": 5}, "hang", 1, 2, 40),
     # stage 0 hangs in its last recompute, after its last message of the step: the other stages finish the
     # step and wait for it in the log broadcast over the pipeline group (with P = world size, that group was
