@@ -4,10 +4,11 @@ How a training step maps onto Lightning's automatic optimization (``training_ste
 backward`` inside ``optimizer.step(closure)``):
 
 - ``training_step`` runs the whole schedule (every micro-batch's forward and backward, the user's own
-  ``training_step`` called once per micro-batch), moves the gradients aside, shares the last stage's logged
-  values and loss with every stage, and returns the loss;
-- ``zero_grad`` then finds no gradients to clear, and ``backward`` puts them back instead of
-  differentiating (with gradient accumulation the schedule adds to the window's partial sum in ``.grad``);
+  ``training_step`` called once per micro-batch) on gradients kept apart from ``.grad``
+  (:mod:`lightning_varuna.gradients`), shares the last stage's logged values and loss with every stage, and
+  returns the loss (NaN for a batch the user's step skipped);
+- ``zero_grad`` then clears only the previous step's gradients, and ``backward`` adds the batch's instead of
+  differentiating;
 - gradients are synced across replicas and tied copies once per optimizer step (each bucket's all-reduce
   starts during the stage's last backward; the wrapped optimizer closure waits for them), before Lightning
   clips them (with a norm taken over the whole pipeline); what ``on_before_optimizer_step`` logs is merged
