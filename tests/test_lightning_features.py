@@ -4,7 +4,10 @@ One torchrun job (4 gloo processes) runs every scenario of ``jobs/lightning_feat
 runs the references. Covered: validation with the sanity check, gradient accumulation, ModelCheckpoint,
 EarlyStopping and the progress bar during fit; trainer.validate/test/predict on the fitted model; dropout
 with and without recompute; the memory counters and the parameters each stage holds; sequence lengths that
-change between steps; the LR scheduler and what ``trainer.callback_metrics`` holds.
+change between steps; the LR scheduler and what ``trainer.callback_metrics`` holds; loading the trained module
+from a checkpoint directory. The ``parity`` scenarios (``jobs/parity.py``) add: a dry run that leaves no trace,
+torchmetrics fed both ways, skipped batches, a callable ``reduce_fx``, the model summary, dataloader hook calls,
+prediction writers, and validate/test without a fit.
 """
 
 from __future__ import annotations
