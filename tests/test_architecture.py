@@ -134,7 +134,11 @@ def test_patches_are_undone_at_teardown_and_a_later_trainer_is_stock_lightning(t
     from lightning_varuna import VarunaStrategy
     from lightning_varuna.patches import requested_ckpt_path
 
-    varuna = _fit(VarunaStrategy(pipeline_parallel_size=1, num_microbatches=2), tmp_path)
+    try:
+        varuna = _fit(VarunaStrategy(pipeline_parallel_size=1, num_microbatches=2), tmp_path)
+    finally:  # the strategy's process group outlives its trainer, as DDP's does
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert requested_ckpt_path(varuna) is None  # recorded (fit without ckpt_path)
     summaries = [cb for cb in varuna.callbacks if isinstance(cb, pl.callbacks.ModelSummary)]
     assert summaries, "the default model summary callback"
