@@ -6,8 +6,10 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 
 1. ``_CheckpointConnector._select_ckpt_path`` (class level, installed when the strategy is created): Lightning
    resolves ``ckpt_path="last"`` to a path before any strategy hook runs, and the strategy needs the value the
-   user asked for ("last" may fall back to an older checkpoint; an explicit path may not). For any other
-   strategy the wrapper only calls Lightning's own method.
+   user asked for ("last" may fall back to an older checkpoint; an explicit path may not), and, at setup,
+   whether a checkpoint will be restored at all (Lightning records the resolved path only after the strategy's
+   setup; ``initial_weights`` are not loaded when a checkpoint supplies the weights). For any other strategy the
+   wrapper only calls Lightning's own method.
 2. ``trainer._signal_connector.register_signal_handlers`` (during ``fit``): Lightning's SIGTERM handler runs a
    collective inside the signal handler, which deadlocks a pipeline when one non-zero rank is signalled while
    its peers wait in a p2p receive; its SLURM handler saves a checkpoint inside the handler. The strategy's
@@ -21,6 +23,11 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
    the user's step once per micro-batch, and only the last stage sees the loss, so its ``self.log`` calls are
    captured, reduced over micro-batches and shared over the pipeline before Lightning sees them
    (:mod:`lightning_varuna.log_sync`).
+6. ``LightningModule._device`` of the user's module (during the dry run of a model built on the meta device):
+   the step then runs on meta tensors, and code that creates tensors on ``self.device`` must create them there.
+7. ``forward`` and ``update`` of the module's torchmetrics ``Metric``s (during that dry run): a metric's state
+   is real and its input validation reads values, neither of which works on meta tensors; the dry run only
+   needs shapes, and metric states are put back after it anyway.
 
 Tested on Lightning 2.5 and 2.6 (``pyproject.toml`` pins that range).
 """
@@ -31,9 +38,13 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["InstancePatches", "install_ckpt_path_recorder", "replaced_log", "requested_ckpt_path", "take_over_sigterm"]
+__all__ = [
+    "InstancePatches", "install_ckpt_path_recorder", "meta_dry_run", "replaced_log", "requested_ckpt_path",
+    "selected_ckpt_path", "take_over_sigterm",
+]
 
 _REQUESTED = "_varuna_requested_ckpt_path"
+_SELECTED = "_varuna_selected_ckpt_path"
 _UNSET = object()
 
 
@@ -50,9 +61,13 @@ def install_ckpt_path_recorder() -> None:
         return
 
     def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_varuna(self.trainer.strategy):
+        varuna = _is_varuna(self.trainer.strategy)
+        if varuna:
             setattr(self, _REQUESTED, ckpt_path)
-        return original(self, state_fn, ckpt_path, *args, **kwargs)
+        selected = original(self, state_fn, ckpt_path, *args, **kwargs)
+        if varuna:
+            setattr(self, _SELECTED, selected)
+        return selected
 
     select._varuna = True  # type: ignore[attr-defined]
     _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]
@@ -61,6 +76,11 @@ def install_ckpt_path_recorder() -> None:
 def requested_ckpt_path(trainer: Any) -> Any:
     """The ``ckpt_path`` the user passed to the running ``fit``/``validate``/... (recorded by patch 1)."""
     return getattr(trainer._checkpoint_connector, _REQUESTED, None)
+
+
+def selected_ckpt_path(trainer: Any) -> Any:
+    """The checkpoint Lightning will restore in the running ``fit``/``validate``/... (None: none; patch 1)."""
+    return getattr(trainer._checkpoint_connector, _SELECTED, None)
 
 
 class InstancePatches:
@@ -111,3 +131,22 @@ def replaced_log(module: Any, log: Callable[..., None]) -> Iterator[None]:
         yield
     finally:
         del module.log
+
+
+@contextlib.contextmanager
+def meta_dry_run(module: Any) -> Iterator[None]:
+    """Patches 6 and 7: inside the block ``module.device`` is ``meta`` and its metrics do nothing."""
+    import torch
+    from torchmetrics import Metric
+
+    patches = InstancePatches()
+    if hasattr(module, "_device"):
+        patches.replace(module, "_device", torch.device("meta"))
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            patches.replace(metric, "update", lambda *args, **kwargs: None)
+            patches.replace(metric, "forward", lambda *args, **kwargs: torch.zeros((), device="meta"))
+    try:
+        yield
+    finally:
+        patches.undo()
