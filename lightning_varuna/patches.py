@@ -28,6 +28,9 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 7. ``forward`` and ``update`` of the module's torchmetrics ``Metric``s (during that dry run): a metric's state
    is real and its input validation reads values, neither of which works on meta tensors; the dry run only
    needs shapes, and metric states are put back after it anyway.
+8. ``cpu`` of the user's module (during ``teardown``, only if setup failed before this stage's parameters were
+   materialized): Lightning's teardown moves the module to the CPU, which raises for meta tensors and would hide
+   the error that ended setup. The module's real tensors are moved to the CPU instead; meta ones stay.
 
 Tested on Lightning 2.5 and 2.6 (``pyproject.toml`` pins that range).
 """
@@ -39,8 +42,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
-    "InstancePatches", "install_ckpt_path_recorder", "meta_dry_run", "replaced_log", "requested_ckpt_path",
-    "selected_ckpt_path", "take_over_sigterm",
+    "InstancePatches", "install_ckpt_path_recorder", "kept_on_meta", "meta_dry_run", "replaced_log",
+    "requested_ckpt_path", "selected_ckpt_path", "take_over_sigterm",
 ]
 
 _REQUESTED = "_varuna_requested_ckpt_path"
@@ -146,6 +149,17 @@ def meta_dry_run(module: Any) -> Iterator[None]:
         if isinstance(metric, Metric):
             patches.replace(metric, "update", lambda *args, **kwargs: None)
             patches.replace(metric, "forward", lambda *args, **kwargs: torch.zeros((), device="meta"))
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextlib.contextmanager
+def kept_on_meta(module: Any) -> Iterator[None]:
+    """Patch 8: ``module.cpu()`` does nothing inside the block."""
+    patches = InstancePatches()
+    patches.replace(module, "cpu", lambda: module)
     try:
         yield
     finally:

@@ -27,7 +27,7 @@ from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
 from lightning_varuna.pipeline.executor import SUMMARY_SIZE
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
 
-__all__ = ["StepRunner", "metric_states_kept"]
+__all__ = ["StepRunner", "check_metric_states", "metric_states_kept"]
 
 
 class StepRunner:
@@ -172,6 +172,18 @@ def metric_states_kept(module: torch.nn.Module) -> Iterator[None]:
             for name, value in state.items():
                 setattr(metric, name, value)
             metric._update_count, metric._computed = count, computed
+
+
+def check_metric_states(module: torch.nn.Module) -> None:
+    """Raises a clear error if a torchmetrics metric was built on the meta device (its state has no values)."""
+    names = [name for name, metric in module.named_modules() if isinstance(metric, Metric)
+             and any(isinstance(value, Tensor) and value.is_meta for value in metric._defaults.values())]
+    if names:
+        raise ValueError(
+            f"The torchmetrics metric(s) {', '.join(names)} were built on the meta device: their states have no values"
+            " to start from. Create metrics outside `torch.device('meta')` (the strategy puts only parameters on"
+            " meta when the model is built in configure_model or under Trainer.init_module(empty_init=True))."
+        )
 
 
 def _concat(outputs: list[Any]) -> Any:

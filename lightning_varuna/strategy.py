@@ -52,7 +52,7 @@ from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import resumable_training_loader
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
 from lightning_varuna.log_sync import LogCapture
-from lightning_varuna.patches import install_ckpt_path_recorder, meta_dry_run, selected_ckpt_path
+from lightning_varuna.patches import install_ckpt_path_recorder, kept_on_meta, meta_dry_run, selected_ckpt_path
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
@@ -61,7 +61,7 @@ from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import last_fallbacks
-from lightning_varuna.steps import StepRunner, metric_states_kept
+from lightning_varuna.steps import StepRunner, check_metric_states, metric_states_kept
 
 __all__ = ["VarunaStrategy"]
 
@@ -335,6 +335,8 @@ class VarunaStrategy(ParallelStrategy):
         step = getattr(module, hook)
         capture = LogCapture(module)
         on_meta = has_meta_tensors(module)
+        if on_meta:
+            check_metric_states(module)
         layout = ModelLayout.of(module)  # before partitioning: the whole model's keys and shapes
 
         def dry_step(batch: Any) -> Any:
@@ -637,7 +639,13 @@ class VarunaStrategy(ParallelStrategy):
                 self._preemption = None
             # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
             # later validate/test/predict calls
-            super().teardown()
+            module = self.lightning_module
+            if module is not None and has_meta_tensors(module):  # setup failed before materializing
+                move_real_tensors(module, torch.device("cpu"))
+                with kept_on_meta(module):
+                    super().teardown()
+            else:
+                super().teardown()
 
 
 def _accumulating(trainer: Trainer) -> bool:

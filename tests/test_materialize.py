@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from models import TinyGPT
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
 
 from lightning_varuna.pipeline import CutPoint, PartitionError
 from lightning_varuna.pipeline.costs import DeviceRates, Linear, estimated_seconds
@@ -262,3 +265,75 @@ def test_a_step_that_reads_values_on_meta_gets_an_error_that_says_why() -> None:
     engine = PipelineEngine(model, 1)
     with pytest.raises(PartitionError, match=r"meta device.*\.item\(\)"):
         engine.setup(torch.randn(4, 4), step)
+
+
+class _MetaTiny(pl.LightningModule):
+    """Built in configure_model; its step creates a tensor on ``self.device`` and updates a metric."""
+
+    def __init__(self, metric: bool = True) -> None:
+        super().__init__()
+        self.acc = MeanMetric() if metric else None
+        self.register_buffer("scale", torch.full((4,), 0.5))
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = nn.Sequential(nn.Linear(4, 4), CutPoint(), nn.Linear(4, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x * self.scale + torch.zeros(4, device=self.device)
+        loss = F.mse_loss(self.net(x), y)
+        if self.acc is not None:
+            self.acc(loss)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(**strategy: object) -> pl.Trainer:
+    from lightning_varuna import VarunaStrategy
+
+    return pl.Trainer(strategy=VarunaStrategy(pipeline_parallel_size=1, num_microbatches=2, **strategy),
+                      accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_lightning_builds_on_meta_only_where_asked_and_trains(tmp_path) -> None:
+    trainer = _trainer()
+    with trainer.init_module(empty_init=True):
+        meta = TinyGPT(sinusoidal=True)
+    with trainer.init_module():
+        real = TinyGPT()
+    assert all(p.is_meta for p in meta.parameters()) and not meta.inv_freq.is_meta
+    assert not any(p.is_meta for p in real.parameters())
+
+    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+    model = _MetaTiny()
+    update = vars(model.acc)["update"]  # torchmetrics wraps it per instance
+    trainer.fit(model, data)
+    assert not has_meta_tensors(model) and model.device == torch.device("cpu")
+    assert vars(model.acc)["update"] is update and "forward" not in vars(model.acc), "the dry run's patches undone"
+    assert model.acc.update_count == 2 * 2, "one update per micro-batch of the 2 steps, none from the dry run"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+    # a module the user built on meta (buffers too): materialized, and initialized by param_init_fn
+    with torch.device("meta"):
+        on_meta_model = _MetaTiny(metric=False)
+        on_meta_model.configure_model()
+    assert on_meta_model.scale.is_meta
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, _MetaTiny):
+            module.scale.fill_(0.5)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    _trainer(param_init_fn=init).fit(on_meta_model, data)
+    assert torch.equal(on_meta_model.scale, torch.full((4,), 0.5))
+    # a metric built there has no state to start from: said before anything runs
+    with torch.device("meta"):
+        with_metric = _MetaTiny()
+    with pytest.raises(ValueError, match=r"metric\(s\) acc were built on the meta device"):
+        _trainer().fit(with_metric, data)
