@@ -11,7 +11,7 @@ One command runs everything (under the benchmark lock; each trial's memory is ca
 
     flock /work/bench.lock python benchmarks/big_models.py --out benchmarks/results/big_models.json
 
-- ``memory``: a 2.5 GB (fp32) GPT, P=4 on 4 processes, SGD, batch 8 x 16 tokens: each rank's peak resident
+- ``memory``: a 2.2 GB (fp32) GPT, P=4 on 4 processes, SGD, batch 8 x 16 tokens: each rank's peak resident
   memory (growth over the process's resident memory before the model exists) during setup and through 2 steps,
   next to its parameter, gradient, optimizer-state and activation bytes; and the setup time (model
   construction to the first step). ``--runs`` runs of each.
@@ -127,16 +127,30 @@ def _pss_mib(pid: int) -> float:
     return int(found.group(1)) / 1024 if found else 0.0
 
 
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
+def _tree_pids(root: int) -> list[int]:
+    """``root`` and every process below it (torchrun's workers run in sessions of their own)."""
+    parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    pids.append(int(entry.name))
-            except OSError:
+                ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
-    return pids
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(parents.get(pid, []))
+    return found
+
+
+def _kill_tree(root: int) -> None:
+    for pid in _tree_pids(root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _available_gib() -> float:
@@ -149,7 +163,7 @@ def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budge
     params = 12 * width * width * layers + (VOCAB + TOKENS) * width
     config = {"layers": layers, "width": width, "procs": procs, "optimizer": optimizer, "build": build,
               "params": params, "param_gib": params * 4 / GIB, "budget_gib": budget_gib}
-    while _available_gib() < budget_gib + 1.0:  # other work on the machine: wait rather than risk its memory
+    while _available_gib() < budget_gib:  # other work on the machine: wait rather than risk its memory
         print(f"  waiting: {_available_gib():.1f} GiB available, the trial may use {budget_gib} GiB", flush=True)
         time.sleep(30)
     with tempfile.TemporaryDirectory() as out:
@@ -168,11 +182,11 @@ def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budge
 
         def watch() -> None:
             while job.poll() is None:
-                total = sum(_pss_mib(pid) for pid in _group_pids(job.pid)) / 1024
+                total = sum(_pss_mib(pid) for pid in _tree_pids(job.pid)) / 1024
                 peak[0] = max(peak[0], total)
                 if total > budget_gib:
                     killed[0] = True
-                    os.killpg(job.pid, signal.SIGKILL)
+                    _kill_tree(job.pid)
                     return
                 time.sleep(0.1)
 
@@ -181,7 +195,7 @@ def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budge
         try:
             output, _ = job.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)
+            _kill_tree(job.pid)
             output, _ = job.communicate()
             config["timed_out"] = True
         watcher.join()
@@ -203,7 +217,7 @@ def memory(runs: int, budget_gib: float, timeout: float) -> list[dict]:
     for run in range(runs):
         for build in ("init", "configure"):
             print(f"memory: run {run + 1}/{runs}", flush=True)
-            trials.append(trial(8, 2560, 4, "sgd", build, budget_gib, timeout))
+            trials.append(trial(7, 2560, 4, "sgd", build, budget_gib, timeout))
     return trials
 
 
@@ -235,15 +249,71 @@ def _predict(trials: list[dict], procs: int, optimizer: str, width: int, budget_
             "configure": max(procs, int(budget / (state * per_layer)))}
 
 
+def _mib(value: float) -> str:
+    return f"{value / 2**20:,.0f}"
+
+
+def render(results: dict) -> str:
+    """Markdown tables of the results (``--render``)."""
+    lines = []
+    memory = results.get("memory", [])
+    if memory:
+        model = memory[0]["param_gib"] * GIB
+        lines += [f"Memory, P=4 on 4 processes, SGD, {memory[0]['params'] / 1e9:.2f} B parameters"
+                  f" ({memory[0]['param_gib']:.2f} GiB fp32), batch {BATCH} x {TOKENS} tokens; growth of each rank's"
+                  " resident memory over the process before the model (MiB), every run:", "",
+                  "| build | run | stage | params | grads | setup peak | peak (2 steps) | peak / (params + grads)"
+                  " | peak / model | setup s |", "|---|---|---|---|---|---|---|---|---|---|"]
+        runs: dict[str, int] = {}
+        for t in memory:
+            runs[t["build"]] = runs.get(t["build"], 0) + 1
+            for r in sorted(t["ranks"], key=lambda r: r["stage"]):
+                share = r["param_bytes"] + r["grad_bytes"]
+                peak = r["peak_mib"] * 2**20
+                lines.append(
+                    f"| {t['build']} | {runs[t['build']]} | {r['stage']} | {_mib(r['param_bytes'])} |"
+                    f" {_mib(r['grad_bytes'])} | {r['setup_peak_mib']:,.0f} | {r['peak_mib']:,.0f} |"
+                    f" {peak / share:.2f} | {peak / model:.2f} | {r['setup_s']:.1f} |")
+        lines.append("")
+    for name, trials in results.get("largest", {}).items():
+        best = {}
+        for build in ("init", "configure"):
+            fitting = [t for t in trials if t["build"] == build and t["fits"]]
+            failing = [t for t in trials if t["build"] == build and not t["fits"]]
+            best[build] = max(fitting, key=lambda t: t["params"]) if fitting else None
+            smallest_fail = min(failing, key=lambda t: t["params"]) if failing else None
+            lines.append(f"{name}, {build}: largest that trains: " + (
+                f"{best[build]['layers']} layers x {best[build]['width']}, {best[build]['params'] / 1e9:.2f} B"
+                f" parameters ({best[build]['param_gib']:.2f} GiB), job peak PSS {best[build]['peak_pss_gib']:.1f}"
+                " GiB" if best[build] else "none") + (
+                f"; {smallest_fail['layers']} layers ({smallest_fail['param_gib']:.2f} GiB) does not"
+                f" ({'over the budget' if smallest_fail['killed_over_budget'] else 'failed'})"
+                if smallest_fail else ""))
+        if best["init"] and best["configure"]:
+            lines.append(f"{name}: {best['configure']['params'] / best['init']['params']:.2f}x larger")
+        lines += ["", "| build | stage | params | grads | optimizer | activations (bound) | rest | peak |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for build, t in best.items():
+            for r in sorted(t["ranks"] if t else [], key=lambda r: r["stage"]):
+                known = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]
+                rest = r["peak_mib"] * 2**20 - known
+                lines.append(f"| {build} | {r['stage']} | {_mib(r['param_bytes'])} | {_mib(r['grad_bytes'])} |"
+                             f" {_mib(r['optimizer_bytes'])} | {_mib(r['activation_bytes'])} | {_mib(rest)} |"
+                             f" {r['peak_mib']:,.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "big_models.json"))
     parser.add_argument("--runs", type=int, default=2, help="runs of each memory measurement")
     parser.add_argument("--budget-gib", type=float, default=20.0,
                         help="memory a job may use in all, for the largest model that trains")
-    parser.add_argument("--memory-budget-gib", type=float, default=14.0, help="the same for the 2.5 GB model")
+    parser.add_argument("--memory-budget-gib", type=float, default=15.0, help="the same for the 2.2 GB model")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per trial")
     parser.add_argument("--only", choices=["memory", "largest"], help="run one part")
+    parser.add_argument("--render", action="store_true", help="print the tables of --out and stop")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("layers", "width", "procs"):
         parser.add_argument(f"--{name}", type=int, help=argparse.SUPPRESS)
@@ -255,6 +325,9 @@ def main() -> None:
         return
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
+    if args.render:
+        print(render(results))
+        return
     results["command"] = "flock /work/bench.lock python benchmarks/big_models.py " + " ".join(sys.argv[1:])
     if args.only in (None, "memory"):
         results["memory"] = memory(args.runs, args.memory_budget_gib, args.timeout)

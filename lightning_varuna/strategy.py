@@ -76,7 +76,7 @@ _STEP_HOOKS = {
 
 
 class VarunaStrategy(ParallelStrategy):
-    r"""Pipeline-parallel training of any LightningModule, Varuna style, with data parallelism across pipelines.
+    """Pipeline-parallel training of any LightningModule, Varuna style, with data parallelism across pipelines.
 
     The model is split at its ``CutPoint`` modules (or between the children of ``cut_at``) into P stages,
     one per process; ``world_size / P`` pipeline replicas train on different data. Each batch is split into

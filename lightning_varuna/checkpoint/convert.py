@@ -114,12 +114,7 @@ def from_plain(
         CheckpointError: ``src`` cannot be read, or its optimizer entries cannot be matched to parameters.
     """
     loc = Location.of(src)
-    try:
-        plain = torch.load(io.BytesIO(loc.read_bytes()), map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # noqa: BLE001 - any load error: damaged, truncated or not a checkpoint
-        raise CheckpointError(f"{loc} cannot be read ({type(err).__name__}: {err}).") from err
-    if not isinstance(plain, dict) or not isinstance(plain.get("state_dict"), dict):
-        raise CheckpointError(f"{loc} is not a Lightning checkpoint (no 'state_dict').")
+    plain = _read_plain(loc, weights_only)
     weights = plain.pop("state_dict")
     states = plain.pop("optimizer_states", [])
     record = plain.pop(RECORD, None) or _record(loc, weights, states, model)
@@ -159,13 +154,7 @@ def to_safetensors(
         with single_process_quiet():
             weights = _load_state_dict_from_keys({"state_dict"}, storage_reader=loc.reader())["state_dict"]
     else:
-        try:
-            plain = torch.load(io.BytesIO(loc.read_bytes()), map_location="cpu", weights_only=weights_only)
-        except Exception as err:  # noqa: BLE001 - any load error: damaged, truncated or not a checkpoint
-            raise CheckpointError(f"{loc} cannot be read ({type(err).__name__}: {err}).") from err
-        if not isinstance(plain, dict) or not isinstance(plain.get("state_dict"), dict):
-            raise CheckpointError(f"{loc} is not a Lightning checkpoint (no 'state_dict').")
-        weights = plain["state_dict"]
+        weights = _read_plain(loc, weights_only)["state_dict"]
     kept = {key[len(strip_prefix):]: value for key, value in weights.items() if key.startswith(strip_prefix)}
     if not kept:
         raise CheckpointError(f"{loc} has no weights whose name starts with {strip_prefix!r}.")
@@ -179,6 +168,17 @@ def to_safetensors(
         storages.add(pointer)
     save_file(tensors, os.fspath(dst), metadata={"format": "pt"})
     return len(tensors)
+
+
+def _read_plain(loc: Location, weights_only: bool | None) -> dict[str, Any]:
+    """A plain Lightning checkpoint file's dictionary."""
+    try:
+        plain = torch.load(io.BytesIO(loc.read_bytes()), map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001 - any load error: damaged, truncated or not a checkpoint
+        raise CheckpointError(f"{loc} cannot be read ({type(err).__name__}: {err}).") from err
+    if not isinstance(plain, dict) or not isinstance(plain.get("state_dict"), dict):
+        raise CheckpointError(f"{loc} is not a Lightning checkpoint (no 'state_dict').")
+    return plain
 
 
 def _record(
