@@ -34,13 +34,14 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -454,11 +455,13 @@ class VarunaStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         params = self._params
         # Lightning calls zero_grad after this step only on the first batch of an accumulation window. There
-        # `.grad` still holds the last optimizer step's gradients: hide them from the schedule and put them back
-        # for zero_grad. On later batches `.grad` holds the window's partial sum and the schedule adds to it, so
-        # the gradients are complete (and reducible) as soon as the last backward has run.
+        # `.grad` still holds the last optimizer step's gradients: they are dropped now (zero_grad would drop them
+        # next; holding them through the schedule costs a second gradient's memory), or, if the module or a
+        # callback reads them in its zero_grad hooks, hidden from the schedule and put back for zero_grad. On
+        # later batches `.grad` holds the window's partial sum and the schedule adds to it, so the gradients are
+        # complete (and reducible) as soon as the last backward has run.
         first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        stale = [p.grad for p in params] if first else None
+        stale = [p.grad for p in params] if first and _zero_grad_hooks(trainer) else None
         if first:
             for p in params:
                 p.grad = None
@@ -646,6 +649,15 @@ class VarunaStrategy(ParallelStrategy):
                     super().teardown()
             else:
                 super().teardown()
+
+
+def _zero_grad_hooks(trainer: Trainer) -> bool:
+    """Whether the module or a callback has its own zero_grad hooks (which may read last step's gradients)."""
+    module = trainer.lightning_module
+    return (
+        is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module)
+        or any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks)
+    )
 
 
 def _accumulating(trainer: Trainer) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -337,3 +339,38 @@ def test_lightning_builds_on_meta_only_where_asked_and_trains(tmp_path) -> None:
         with_metric = _MetaTiny()
     with pytest.raises(ValueError, match=r"metric\(s\) acc were built on the meta device"):
         _trainer().fit(with_metric, data)
+
+
+class _GradWatch(_MetaTiny):
+    """Records, in the second step's schedule, whether the first step's gradient is still alive."""
+
+    def __init__(self, hook: bool) -> None:
+        super().__init__(metric=False)
+        self.previous, self.alive = None, []
+
+    def _seen(self, optimizer) -> None:
+        self.alive.append(("hook", self.net[0].weight.grad is not None))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.previous = weakref.ref(self.net[0].weight.grad)
+
+    def training_step(self, batch, batch_idx):
+        if self.previous is not None:
+            self.alive.append(("schedule", self.previous() is not None))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_last_steps_gradients_are_freed_before_the_schedule_unless_a_zero_grad_hook_reads_them(hook: bool) -> None:
+    model = _GradWatch(hook)
+    if hook:
+        type(model).on_before_zero_grad = _GradWatch._seen  # is_overridden looks at the class
+    try:
+        _trainer().fit(model, DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4))
+    finally:
+        if hook:
+            del type(model).on_before_zero_grad
+    schedule = [alive for where, alive in model.alive if where == "schedule"]
+    assert schedule and all(alive == hook for alive in schedule), model.alive
+    if hook:
+        assert ("hook", True) in model.alive, "the hook sees last step's gradients, as in a plain run"
