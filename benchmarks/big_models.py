@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,21 +223,24 @@ def memory(runs: int, budget_gib: float, timeout: float) -> list[dict]:
 
 
 def largest(procs: int, optimizer: str, width: int, start: dict[str, int], step: int, budget_gib: float,
-            timeout: float) -> list[dict]:
-    """From a predicted size, one ``step`` of layers at a time: up while it fits, down while it does not."""
-    trials = []
+            timeout: float, trials: list[dict], save: Callable[[], None]) -> None:
+    """From a predicted size, one ``step`` of layers at a time: up while it fits, down while it does not.
+
+    Each trial is appended to ``trials`` and saved as soon as it ends.
+    """
     for build in ("init", "configure"):
         layers = start[build]
         first = trial(layers, width, procs, optimizer, build, budget_gib, timeout)
         trials.append(first)
+        save()
         direction = step if first["fits"] else -step
         while layers + direction >= procs:
             layers += direction
             result = trial(layers, width, procs, optimizer, build, budget_gib, timeout)
             trials.append(result)
+            save()
             if result["fits"] != first["fits"]:
                 break
-    return trials
 
 
 def _predict(trials: list[dict], procs: int, optimizer: str, width: int, budget_gib: float) -> dict[str, int]:
@@ -313,6 +317,7 @@ def main() -> None:
     parser.add_argument("--memory-budget-gib", type=float, default=15.0, help="the same for the 2.2 GB model")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per trial")
     parser.add_argument("--only", choices=["memory", "largest"], help="run one part")
+    parser.add_argument("--settings", default="p4-sgd,p8-adamw", help="which largest-model searches to run")
     parser.add_argument("--render", action="store_true", help="print the tables of --out and stop")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("layers", "width", "procs"):
@@ -336,10 +341,13 @@ def main() -> None:
         settings = {"p4-sgd": (4, "sgd", 2048, 4), "p8-adamw": (8, "adamw", 1536, 4)}
         results.setdefault("largest", {})
         for name, (procs, optimizer, width, step) in settings.items():
+            if name not in args.settings.split(","):
+                continue
             start = _predict(results["memory"], procs, optimizer, width, args.budget_gib)
             print(f"largest {name}: predicted {start} layers of width {width}", flush=True)
-            results["largest"][name] = largest(procs, optimizer, width, start, step, args.budget_gib, args.timeout)
-            out.write_text(json.dumps(results, indent=1))
+            results["largest"][name] = []
+            largest(procs, optimizer, width, start, step, args.budget_gib, args.timeout, results["largest"][name],
+                    lambda: out.write_text(json.dumps(results, indent=1)))
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
 
