@@ -5,7 +5,8 @@ calls ``zero_grad`` only on the first batch of an accumulation window. The strat
 whole schedule (backward included), so:
 
 - before the schedule, ``.grad`` holds the last optimizer step's gradients (first batch of a window, cleared by the
-  ``zero_grad`` that follows) or the window's sum so far; both are set aside, and the schedule computes this
+  ``zero_grad`` that follows; dropped right away unless a ``zero_grad`` hook may read them) or the window's sum so
+  far; both are set aside, and the schedule computes this
   batch's gradients alone. On the window's last batch the data-parallel reductions, which start during the
   stage's last backward, add the window's sum (``accumulated``), so they still reduce the whole gradient;
 - after the schedule the set-aside gradients go back, and ``backward`` adds this batch's to them;
@@ -39,14 +40,16 @@ class BatchGradients:
         self._held: list[Tensor | None] = []
         self._fresh: list[tuple[nn.Parameter, Tensor]] = []
 
-    def set_aside(self, first: bool, final: bool) -> Mapping[nn.Parameter, Tensor] | None:
+    def set_aside(self, first: bool, final: bool, drop_stale: bool = False) -> Mapping[nn.Parameter, Tensor] | None:
         """Before the schedule: ``.grad`` is set aside; returns what the reductions must add (the window's sum).
 
         Args:
             first: The batch is the first of its accumulation window.
             final: The batch is the last of its window (the reductions start during its schedule).
+            drop_stale: On the window's first batch, drop the last optimizer step's gradients instead of holding
+                them until ``zero_grad`` (for when nothing reads them there).
         """
-        self._held = [p.grad for p in self.params]
+        self._held = [None if first and drop_stale else p.grad for p in self.params]
         for p in self.params:
             p.grad = None
         if not final or first:

@@ -6,8 +6,10 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 
 1. ``_CheckpointConnector._select_ckpt_path`` (class level, installed when the strategy is created): Lightning
    resolves ``ckpt_path="last"`` to a path before any strategy hook runs, and the strategy needs the value the
-   user asked for ("last" may fall back to an older checkpoint; an explicit path may not). For any other
-   strategy the wrapper only calls Lightning's own method.
+   user asked for ("last" may fall back to an older checkpoint; an explicit path may not), and, at setup,
+   whether a checkpoint will be restored at all (Lightning records the resolved path only after the strategy's
+   setup; ``initial_weights`` are not loaded when a checkpoint supplies the weights). For any other strategy the
+   wrapper only calls Lightning's own method.
 2. ``trainer._signal_connector.register_signal_handlers`` (during ``fit``): Lightning's SIGTERM handler runs a
    collective inside the signal handler, which deadlocks a pipeline when one non-zero rank is signalled while
    its peers wait in a p2p receive; its SLURM handler saves a checkpoint inside the handler. The strategy's
@@ -32,6 +34,14 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 8. ``BasePredictionWriter.write_on_batch_end``/``write_on_epoch_end`` of the trainer's prediction writers
    (during ``predict``, on every stage but the first): every stage of a pipeline holds the same predictions, so
    each replica writes them once, as a process of a plain data-parallel run does.
+9. ``LightningModule._device`` of the user's module (during the dry run of a model built on the meta device):
+   the step then runs on meta tensors, and code that creates tensors on ``self.device`` must create them there.
+10. ``forward`` and ``update`` of the module's torchmetrics ``Metric``s (during that dry run): a metric's state
+    is real and its input validation reads values, neither of which works on meta tensors; the dry run only
+    needs shapes, and metric states are put back after it anyway.
+11. ``cpu`` of the user's module (during ``teardown``, only if setup failed before this stage's parameters were
+    materialized): Lightning's teardown moves the module to the CPU, which raises for meta tensors and would hide
+    the error that ended setup. The module's real tensors are moved to the CPU instead; meta ones stay.
 
 Tested on Lightning 2.5 and 2.6 (``pyproject.toml`` pins that range).
 """
@@ -43,11 +53,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
-    "InstancePatches", "hand_over_dataloader", "install_ckpt_path_recorder", "replaced_log", "requested_ckpt_path",
-    "silence_prediction_writers", "summarize_with", "take_over_sigterm",
+    "InstancePatches", "hand_over_dataloader", "install_ckpt_path_recorder", "kept_on_meta", "meta_dry_run",
+    "replaced_log", "requested_ckpt_path", "selected_ckpt_path", "silence_prediction_writers", "summarize_with",
+    "take_over_sigterm",
 ]
 
 _REQUESTED = "_varuna_requested_ckpt_path"
+_SELECTED = "_varuna_selected_ckpt_path"
 _UNSET = object()
 
 
@@ -64,9 +76,13 @@ def install_ckpt_path_recorder() -> None:
         return
 
     def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_varuna(self.trainer.strategy):
+        varuna = _is_varuna(self.trainer.strategy)
+        if varuna:
             setattr(self, _REQUESTED, ckpt_path)
-        return original(self, state_fn, ckpt_path, *args, **kwargs)
+        selected = original(self, state_fn, ckpt_path, *args, **kwargs)
+        if varuna:
+            setattr(self, _SELECTED, selected)
+        return selected
 
     select._varuna = True  # type: ignore[attr-defined]
     _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]
@@ -75,6 +91,11 @@ def install_ckpt_path_recorder() -> None:
 def requested_ckpt_path(trainer: Any) -> Any:
     """The ``ckpt_path`` the user passed to the running ``fit``/``validate``/... (recorded by patch 1)."""
     return getattr(trainer._checkpoint_connector, _REQUESTED, None)
+
+
+def selected_ckpt_path(trainer: Any) -> Any:
+    """The checkpoint Lightning will restore in the running ``fit``/``validate``/... (None: none; patch 1)."""
+    return getattr(trainer._checkpoint_connector, _SELECTED, None)
 
 
 class InstancePatches:
@@ -150,3 +171,33 @@ def silence_prediction_writers(patches: InstancePatches, callbacks: Any) -> None
         if isinstance(callback, BasePredictionWriter):
             patches.replace(callback, "write_on_batch_end", lambda *args, **kwargs: None)
             patches.replace(callback, "write_on_epoch_end", lambda *args, **kwargs: None)
+
+
+@contextlib.contextmanager
+def meta_dry_run(module: Any) -> Iterator[None]:
+    """Patches 9 and 10: inside the block ``module.device`` is ``meta`` and its metrics do nothing."""
+    import torch
+    from torchmetrics import Metric
+
+    patches = InstancePatches()
+    if hasattr(module, "_device"):
+        patches.replace(module, "_device", torch.device("meta"))
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            patches.replace(metric, "update", lambda *args, **kwargs: None)
+            patches.replace(metric, "forward", lambda *args, **kwargs: torch.zeros((), device="meta"))
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextlib.contextmanager
+def kept_on_meta(module: Any) -> Iterator[None]:
+    """Patch 11: ``module.cpu()`` does nothing inside the block."""
+    patches = InstancePatches()
+    patches.replace(module, "cpu", lambda: module)
+    try:
+        yield
+    finally:
+        patches.undo()

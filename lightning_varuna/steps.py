@@ -19,13 +19,14 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torchmetrics import Metric
 
 from lightning_varuna.log_sync import LogBroadcaster, LogCapture, fill, reduce_records, replay
 from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
 from lightning_varuna.pipeline.executor import SUMMARY_SIZE
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
 
-__all__ = ["StepRunner"]
+__all__ = ["StepRunner", "check_metric_states"]
 
 
 class StepRunner:
@@ -187,6 +188,18 @@ _STEP_CONTEXTS: dict[str, Callable[[Precision], Callable[[], contextlib.Abstract
     "test_step": lambda p: p.test_step_context,
     "predict_step": lambda p: p.predict_step_context,
 }
+
+
+def check_metric_states(module: torch.nn.Module) -> None:
+    """Raises a clear error if a torchmetrics metric was built on the meta device (its state has no values)."""
+    names = [name for name, metric in module.named_modules() if isinstance(metric, Metric)
+             and any(isinstance(value, Tensor) and value.is_meta for value in metric._defaults.values())]
+    if names:
+        raise ValueError(
+            f"The torchmetrics metric(s) {', '.join(names)} were built on the meta device: their states have no values"
+            " to start from. Create metrics outside `torch.device('meta')` (the strategy puts only parameters on"
+            " meta when the model is built in configure_model or under Trainer.init_module(empty_init=True))."
+        )
 
 
 def _concat(outputs: list[Any]) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,14 +35,15 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_varuna.callbacks import (
@@ -53,21 +54,29 @@ from lightning_varuna.callbacks import (
 )
 from lightning_varuna.checkpoint import load as checkpoint
 from lightning_varuna.checkpoint import state as checkpoint_state
+from lightning_varuna.checkpoint.pretrained import InitialWeights, ModelLayout
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import resumable_training_loader, sample_batch
 from lightning_varuna.gradients import BatchGradients
 from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
 from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.log_sync import LogCapture
-from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder
+from lightning_varuna.patches import (
+    InstancePatches,
+    install_ckpt_path_recorder,
+    kept_on_meta,
+    meta_dry_run,
+    selected_ckpt_path,
+)
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
+from lightning_varuna.pipeline.materialize import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import last_fallbacks
-from lightning_varuna.steps import StepRunner
+from lightning_varuna.steps import StepRunner, check_metric_states
 
 __all__ = ["VarunaStrategy"]
 
@@ -116,6 +125,20 @@ class VarunaStrategy(ParallelStrategy):
             process per rank (started with ``fit``, at idle CPU priority, in a process group of its own) writes
             them while training goes on, and the checkpoint appears once every rank's part is written. A save
             waits for the one before; fit's end waits for the last.
+        param_init_fn: For parameters built on the meta device (in ``configure_model``, or under
+            ``Trainer.init_module(empty_init=True)``): initializes the parameters a module owns directly, called
+            once per such module of this rank's stage (default: the module's ``reset_parameters()``). Each
+            module's RNG is seeded from the run's seed and its name, so the weights do not depend on P and D.
+        initial_weights: Pretrained weights loaded after the model is partitioned, each rank reading only the
+            tensors it holds: a state dict saved with ``torch.save`` or a Lightning ``.ckpt`` file, a
+            ``.safetensors`` file, a Hugging Face model folder (``model.safetensors``, sharded with
+            ``model.safetensors.index.json``, or ``pytorch_model.bin``), or a checkpoint directory written by this
+            strategy (its weights). Not used when ``fit`` resumes from a checkpoint (``ckpt_path``).
+        initial_weights_prefix: Prepended to the keys of ``initial_weights``, e.g. ``"model."`` when the
+            pretrained model is the LightningModule's ``self.model``.
+        initial_weights_strict: Whether keys of the model missing from ``initial_weights`` (or keys of the file
+            the model lacks) are an error. With ``False`` they are reported in a warning and the missing ones
+            keep their initialization; a shape mismatch is always an error.
         accelerator: The accelerator (set by the Trainer).
         parallel_devices: The devices of this node (set by the Trainer).
         cluster_environment: The cluster environment (set by the Trainer).
@@ -144,6 +167,10 @@ class VarunaStrategy(ParallelStrategy):
         global_batch_size: int | None = None,
         preemption_notice: PreemptionNotice | None = None,
         async_checkpoint: bool = False,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        initial_weights: str | None = None,
+        initial_weights_prefix: str = "",
+        initial_weights_strict: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -167,7 +194,11 @@ class VarunaStrategy(ParallelStrategy):
         self.config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
-            partition=partition, p2p_timeout=p2p_timeout,
+            partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn,
+        )
+        self.initial_weights = (
+            InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)
+            if initial_weights is not None else None
         )
         self.pipeline_parallel_size = pipeline_parallel_size
         self.boundary_dtype = boundary_dtype
@@ -324,20 +355,38 @@ class VarunaStrategy(ParallelStrategy):
         self.engine = engine = PipelineEngine.from_config(module, config, device=self.root_device)
         step = getattr(module, hook)
         capture = LogCapture(module)
+        on_meta = has_meta_tensors(module)
+        if on_meta:
+            check_metric_states(module)
+        layout = ModelLayout.of(module)  # before partitioning: the whole model's keys and shapes
 
         def dry_step(batch: Any) -> Any:
-            with capture.capturing(), self.precision_plugin.train_step_context():
+            dry = meta_dry_run(module) if on_meta else contextlib.nullcontext()
+            with capture.capturing(), self.precision_plugin.train_step_context(), dry:
                 return step(batch, 0)
 
         plan = engine.setup(self.batch_to_device(sample_batch(trainer, self._patches), self.root_device), dry_step)
         self._gradients = BatchGradients(list(module.parameters()))
         self.topology = topo = engine.topology
         assert topo is not None
+        if on_meta:
+            module.to(self.root_device)  # every tensor is real now: updates the module's `device`
+        self._load_initial_weights(trainer, layout)
         self._steps = StepRunner(module, engine, self.precision_plugin)
         rank_zero_info(
             f"VarunaStrategy: {topo.pipeline_size} stage(s) x {topo.data_size} replica(s), schedule"
             f" {config.schedule!r}, recompute={config.recompute}\n{plan.table()}"
         )
+
+    def _load_initial_weights(self, trainer: Trainer, layout: ModelLayout) -> None:
+        if self.initial_weights is None:
+            return
+        # Lightning restores a checkpoint after this setup: then it supplies the weights (rank 0's view decides)
+        if self.broadcast(selected_ckpt_path(trainer) is not None):
+            rank_zero_info(f"VarunaStrategy: initial_weights ({self.initial_weights.path}) not loaded: resuming"
+                           " from a checkpoint, which holds the weights.")
+            return
+        self.initial_weights.load(self.lightning_module, layout)
 
     def _wire_dtype(self) -> torch.dtype | None:
         if self.boundary_dtype != "auto":
@@ -362,9 +411,34 @@ class VarunaStrategy(ParallelStrategy):
                                          self.global_batch_size)
 
     def model_to_device(self) -> None:
-        """Moves the model to this process's device."""
+        """Moves the model to this process's device (parameters on the meta device stay there until setup)."""
         assert self.model is not None
-        self.model.to(self.root_device)
+        if has_meta_tensors(self.model):
+            move_real_tensors(self.model, self.root_device)
+        else:
+            self.model.to(self.root_device)
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Tensors created inside are on this process's device; with ``empty_init=True``, parameters on ``meta``.
+
+        ``Trainer.init_module(empty_init=True)`` thus builds a model whose parameters take no memory (each stage
+        materializes its own at setup), while its buffers keep the values computed at construction. With
+        ``empty_init`` not set (a plain ``Trainer.init_module()``) parameters are real, as with other strategies.
+        """
+        meta = parameters_on_meta() if empty_init else contextlib.nullcontext()
+        with meta, self.root_device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Inside ``configure_model``: parameters are created on the meta device, buffers are real.
+
+        Each stage materializes and initializes only its own parameters at setup (``param_init_fn``), or loads
+        them (``initial_weights``, or a checkpoint when resuming).
+        """
+        with parameters_on_meta():
+            yield
 
     # -- steps --------------------------------------------------------------------------------------------
     def _run_step(self, hook: str, args: tuple, kwargs: dict, **options: Any) -> Any:
@@ -389,7 +463,9 @@ class VarunaStrategy(ParallelStrategy):
         assert gradients is not None and self.engine is not None
         first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         final = not _accumulating(trainer)
-        accumulated = gradients.set_aside(first, final)
+        # nothing reads the last step's gradients before zero_grad clears them unless a zero_grad hook does:
+        # without one they are dropped now rather than held through the schedule (one gradient's memory less)
+        accumulated = gradients.set_aside(first, final, drop_stale=not _zero_grad_hooks(trainer))
         loss = self._run_step("training_step", args, kwargs, loss_scale=1.0 / trainer.accumulate_grad_batches,
                               start_sync=final, accumulated=accumulated)
         gradients.take(first, skipped=loss is None)
@@ -569,7 +645,22 @@ class VarunaStrategy(ParallelStrategy):
                 self._preemption = None
             # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
             # later validate/test/predict calls
-            super().teardown()
+            module = self.lightning_module
+            if module is not None and has_meta_tensors(module):  # setup failed before materializing
+                move_real_tensors(module, torch.device("cpu"))
+                with kept_on_meta(module):
+                    super().teardown()
+            else:
+                super().teardown()
+
+
+def _zero_grad_hooks(trainer: Trainer) -> bool:
+    """Whether the module or a callback has its own zero_grad hooks (which may read last step's gradients)."""
+    module = trainer.lightning_module
+    return (
+        is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module)
+        or any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks)
+    )
 
 
 def _accumulating(trainer: Trainer) -> bool:

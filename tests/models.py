@@ -90,6 +90,12 @@ class TinyGPT(pl.LightningModule):
             segments). Without them the model cannot be split.
         lr: AdamW learning rate.
         sync_dist: Log losses with ``sync_dist=True`` (mean over data-parallel replicas).
+        head_alias: With ``tie_weights``, register the output head as ``lm_head`` sharing ``wte.weight`` (two
+            ``state_dict`` keys for one tensor, as Hugging Face ties them) instead of using ``wte.weight`` in
+            ``forward``.
+        sinusoidal: Add a fixed sinusoidal position signal computed from a non-persistent buffer (built at
+            construction, like a rotary cache).
+        build_in_configure_model: Build the layers in ``configure_model`` instead of ``__init__``.
     """
 
     def __init__(
@@ -104,9 +110,24 @@ class TinyGPT(pl.LightningModule):
         use_cut_points: bool = True,
         lr: float = 1e-3,
         sync_dist: bool = False,
+        head_alias: bool = False,
+        sinusoidal: bool = False,
+        build_in_configure_model: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.val_acc = MulticlassAccuracy(num_classes=vocab_size, average="micro")
+        if not build_in_configure_model:
+            self._build()
+
+    def configure_model(self) -> None:
+        if self.hparams.build_in_configure_model and not hasattr(self, "blocks"):
+            self._build()
+
+    def _build(self) -> None:
+        vocab_size, block_size, n_embd = self.hparams.vocab_size, self.hparams.block_size, self.hparams.n_embd
+        n_head, n_layer, dropout = self.hparams.n_head, self.hparams.n_layer, self.hparams.dropout
+        tie_weights, use_cut_points = self.hparams.tie_weights, self.hparams.use_cut_points
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.pos = nn.Parameter(torch.randn(1, block_size, n_embd) * 0.02)
         self.drop = nn.Dropout(dropout)
@@ -114,13 +135,20 @@ class TinyGPT(pl.LightningModule):
         self.cuts = nn.ModuleList(CutPoint() for _ in range(n_layer)) if use_cut_points else None
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = None if tie_weights else nn.Linear(n_embd, vocab_size, bias=False)
-        self.val_acc = MulticlassAccuracy(num_classes=vocab_size, average="micro")
+        if tie_weights and self.hparams.head_alias:
+            self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight
+        if self.hparams.sinusoidal:
+            self.register_buffer("inv_freq", 1.0 / 100.0 ** (torch.arange(0, n_embd, 2) / n_embd), persistent=False)
         self.apply(_init_weights)
 
     def forward(self, idx: Tensor) -> Tensor:
         """Return logits of shape ``(B, T, vocab_size)`` for token ids of shape ``(B, T)``."""
         _, T = idx.shape
         x = self.drop(self.wte(idx) + self.pos[:, :T])
+        if self.hparams.sinusoidal:
+            angles = torch.arange(T, device=idx.device)[:, None] * self.inv_freq
+            x = x + torch.cat([angles.sin(), angles.cos()], dim=-1)
         for i, block in enumerate(self.blocks):
             x = block(x)
             if self.cuts is not None:

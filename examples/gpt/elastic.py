@@ -44,7 +44,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from data import StdlibText  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from model import GPT  # noqa: E402
+from model import GPT, init_weights  # noqa: E402
 
 from lightning_varuna import VarunaStrategy  # noqa: E402
 
@@ -119,6 +119,7 @@ def main() -> None:
         partition=args.partition,
         global_batch_size=args.global_batch_size,  # each replica reads global / D: same steps after a shrink
         p2p_timeout=args.p2p_timeout,  # a peer lost without a word ends the others after at most this
+        param_init_fn=init_weights,  # GPT builds its layers on the meta device; each stage initializes its own
     )
     callbacks: list[pl.Callback] = [
         # save_top_k=0: only last.ckpt, overwritten in place (atomically) every N steps

@@ -3,6 +3,11 @@
 The model is ordinary Lightning code. The only pipeline-specific lines are the ``CutPoint`` modules called
 after each block: ``lightning_varuna.VarunaStrategy`` may split the model at any of them and is a plain
 identity otherwise, so the same module trains unchanged with any other strategy.
+
+The layers are built in ``configure_model``, as for Lightning's model-parallel strategies: under
+``VarunaStrategy`` their parameters are created on the meta device (no memory), and each pipeline stage
+materializes and initializes only its own, with :func:`init_weights` (``param_init_fn`` in ``config.yaml``).
+Under any other strategy they are built for real and :func:`init_weights` runs on them here.
 """
 
 from __future__ import annotations
@@ -58,6 +63,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialization of the parameters ``module`` owns directly (``VarunaStrategy(param_init_fn=...)``).
+
+    Linear and embedding weights are normal with std 0.02, or the module's ``init_std`` (the residual output
+    projections: ``0.02 / sqrt(2 * n_layer)``); biases are zero; layer norms start as identities.
+    """
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", 0.02))
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.LayerNorm):
+        module.reset_parameters()
+
+
 class GPT(pl.LightningModule):
     """GPT-style language model with a cut point after every transformer block.
 
@@ -97,25 +116,22 @@ class GPT(pl.LightningModule):
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
         self.save_hyperparameters()
-        self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
-        self.lm_head = None if tie_weights else nn.Linear(n_embd, vocab_size, bias=False)
-        self.apply(self._init_weights)
-        # GPT-2: scale the residual output projections by 1/sqrt(2 * n_layer).
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def configure_model(self) -> None:
+        """Builds the layers (once: Lightning may call this hook again, e.g. for ``trainer.validate``)."""
+        if hasattr(self, "blocks"):
+            return
+        hp = self.hparams
+        self.wte = nn.Embedding(hp.vocab_size, hp.n_embd)
+        self.wpe = nn.Embedding(hp.block_size, hp.n_embd)
+        self.drop = nn.Dropout(hp.dropout)
+        self.blocks = nn.ModuleList(Block(hp.n_embd, hp.n_head, hp.dropout, hp.bias) for _ in range(hp.n_layer))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(hp.n_layer))
+        self.ln_f = nn.LayerNorm(hp.n_embd, bias=hp.bias)
+        self.lm_head = None if hp.tie_weights else nn.Linear(hp.n_embd, hp.vocab_size, bias=False)
+        for block in self.blocks:  # GPT-2: the residual output projections start smaller
+            block.attn.proj.init_std = block.mlp[2].init_std = 0.02 / math.sqrt(2 * hp.n_layer)
+        self.apply(init_weights)  # nothing to do on the meta device: the strategy initializes each stage
 
     def forward(self, idx: Tensor) -> Tensor:
         """Return logits of shape ``(B, T, vocab_size)`` for token ids of shape ``(B, T)``."""

@@ -4,6 +4,7 @@ No process group is needed: both directions run in one process, on local paths o
 
     python -m lightning_varuna.convert to-plain DIR OUT.ckpt
     python -m lightning_varuna.convert from-plain IN.ckpt DIR [--model package.module:ModelClass]
+    python -m lightning_varuna.convert to-safetensors DIR_OR_CKPT OUT.safetensors [--strip-prefix model.]
 
 ``to-plain`` writes what Lightning's default strategies write: the full ``state_dict`` (loads with
 ``Model.load_from_checkpoint``) and optimizer states keyed by parameter *index* (resumes with
@@ -14,6 +15,9 @@ which a plain run does not have.
 any P x D. It needs to know which parameter each index is: from the record a ``to-plain`` file carries, from
 the model (``--model``: the optimizer groups its ``configure_optimizers`` builds), or, for one optimizer with
 one group over every entry of the ``state_dict``, from the ``state_dict``'s order.
+``to-safetensors`` writes the weights alone (of a checkpoint directory or a plain file) as one ``.safetensors``
+file; with ``--strip-prefix model.`` only the keys under ``model.`` are written, without it, which is the
+layout a Hugging Face model wrapped as the LightningModule's ``self.model`` loads back with its own loading.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from lightning_varuna.checkpoint.state import (
 )
 from lightning_varuna.checkpoint.storage import Location
 
-__all__ = ["from_plain", "load_from_checkpoint", "main", "plain_checkpoint", "to_plain"]
+__all__ = ["from_plain", "load_from_checkpoint", "main", "plain_checkpoint", "to_plain", "to_safetensors"]
 
 _Module = TypeVar("_Module", bound=LightningModule)
 
@@ -176,12 +180,7 @@ def from_plain(
         CheckpointError: ``src`` cannot be read, or its optimizer entries cannot be matched to parameters.
     """
     loc = Location.of(src)
-    try:
-        plain = torch.load(io.BytesIO(loc.read_bytes()), map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # noqa: BLE001 - any load error: damaged, truncated or not a checkpoint
-        raise CheckpointError(f"{loc} cannot be read ({type(err).__name__}: {err}).") from err
-    if not isinstance(plain, dict) or not isinstance(plain.get("state_dict"), dict):
-        raise CheckpointError(f"{loc} is not a Lightning checkpoint (no 'state_dict').")
+    plain = _read_plain(loc, weights_only)
     weights = plain.pop("state_dict")
     states = plain.pop("optimizer_states", [])
     record = plain.pop(RECORD, None) or _record(loc, weights, states, model)
@@ -195,6 +194,56 @@ def from_plain(
         _check_shapes(loc, flat, weights)
         shards[f"optimizer_{i}"] = flat
     write_single(dst, shards, plain, record["optimizers"], record["param_names"])
+
+
+def to_safetensors(
+    src: str | os.PathLike, dst: str | os.PathLike, strip_prefix: str = "", weights_only: bool | None = None
+) -> int:
+    """Writes the weights of ``src`` as one ``.safetensors`` file ``dst``; returns how many tensors it holds.
+
+    Args:
+        src: A checkpoint directory written by ``VarunaStrategy``, or a plain Lightning checkpoint file.
+        dst: The file to write (local path).
+        strip_prefix: Keep only the keys that start with it, without it (e.g. ``"model."``).
+        weights_only: Passed to ``torch.load`` for a plain file.
+
+    Raises:
+        CheckpointError: ``src`` is incomplete, damaged, not a checkpoint, or has no key under ``strip_prefix``.
+    """
+    try:
+        from safetensors.torch import save_file
+    except ImportError:  # an optional dependency
+        raise CheckpointError("Writing .safetensors needs the safetensors package: pip install safetensors") from None
+    loc = Location.of(src)
+    if loc.isdir():
+        check_files(loc, weights_only)
+        weights = _read_entries(loc, {"state_dict"})["state_dict"]
+    else:
+        weights = _read_plain(loc, weights_only)["state_dict"]
+    kept = {key[len(strip_prefix):]: value for key, value in weights.items() if key.startswith(strip_prefix)}
+    if not kept:
+        raise CheckpointError(f"{loc} has no weights whose name starts with {strip_prefix!r}.")
+    storages: set[int] = set()
+    tensors = {}
+    for key, value in kept.items():
+        # safetensors refuses tensors sharing memory (a tied parameter saved under two names): copy the others
+        value = value.detach().contiguous()
+        pointer = value.untyped_storage().data_ptr()
+        tensors[key] = value.clone() if pointer in storages else value
+        storages.add(pointer)
+    save_file(tensors, os.fspath(dst), metadata={"format": "pt"})
+    return len(tensors)
+
+
+def _read_plain(loc: Location, weights_only: bool | None) -> dict[str, Any]:
+    """A plain Lightning checkpoint file's dictionary."""
+    try:
+        plain = torch.load(io.BytesIO(loc.read_bytes()), map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001 - any load error: damaged, truncated or not a checkpoint
+        raise CheckpointError(f"{loc} cannot be read ({type(err).__name__}: {err}).") from err
+    if not isinstance(plain, dict) or not isinstance(plain.get("state_dict"), dict):
+        raise CheckpointError(f"{loc} is not a Lightning checkpoint (no 'state_dict').")
+    return plain
 
 
 def _record(
@@ -264,7 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     back.add_argument("--model", help="package.module:Class of the LightningModule, built from the saved hparams")
     to.add_argument("--keep-loader-state", action="store_true",
                     help="keep the data loader's position (for resuming with the same stateful loader)")
-    for command in (to, back):
+    safe = commands.add_parser("to-safetensors", help="checkpoint directory or plain file -> .safetensors weights")
+    safe.add_argument("src", help="checkpoint directory or plain checkpoint file")
+    safe.add_argument("dst", help="file to write, e.g. model.safetensors")
+    safe.add_argument("--strip-prefix", default="", help="write only keys starting with it, without it ('model.')")
+    for command in (to, back, safe):
         command.add_argument(
             "--unsafe-load", action="store_true", help="torch.load with weights_only=False (only for trusted files)"
         )
@@ -273,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "to-plain":
             to_plain(args.src, args.dst, weights_only, args.keep_loader_state)
+        elif args.command == "to-safetensors":
+            to_safetensors(args.src, args.dst, args.strip_prefix, weights_only)
         else:
             model = _model_from(args.model, args.src, weights_only) if args.model else None
             from_plain(args.src, args.dst, model, weights_only)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +37,9 @@ class EngineConfig:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a step.
         max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this (e.g. the processes per
             node, so that pipelines stay inside a node).
+        param_init_fn: For a model built on the meta device: initializes the parameters a module owns directly
+            (default: the module's ``reset_parameters()``).
+        init_seed: The seed of that initialization (default: rank 0's ``torch.initial_seed()``).
     """
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
@@ -50,6 +54,8 @@ class EngineConfig:
     grad_bucket_bytes: int | None = None
     overlap_grad_sync: bool = True
     max_pipeline_size: int | None = None
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    init_seed: int | None = None
 
     def __post_init__(self) -> None:
         size = self.pipeline_parallel_size
@@ -69,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"partition={self.partition!r}: use 'time' or 'params'.")
         if self.cut_at is not None and not isinstance(self.cut_at, str):
             raise ValueError(f"cut_at must be a dotted path string such as 'model.blocks', got {self.cut_at!r}.")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ValueError(
+                f"param_init_fn must be a callable taking a module, got {self.param_init_fn!r}."
+            )
+        if self.init_seed is not None and not _is_int(self.init_seed):
+            raise ValueError(f"init_seed must be an int or None, got {self.init_seed!r}.")
         timeout = self.p2p_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"p2p_timeout must be a positive number of seconds, got {timeout!r}.")

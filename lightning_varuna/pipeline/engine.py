@@ -15,10 +15,12 @@ Typical use, on every rank of an initialised process group::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -28,13 +30,23 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_varuna.pipeline.config import EngineConfig
+from lightning_varuna.pipeline.costs import DeviceRates
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
 from lightning_varuna.pipeline.executor import MemoryStats, StageExecutor
 from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
 from lightning_varuna.pipeline.grad_sync import GradientSync
+from lightning_varuna.pipeline.materialize import ParamInitFn, has_meta_tensors, materialize, on_meta, to_meta
 from lightning_varuna.pipeline.no_trace import no_trace
 from lightning_varuna.pipeline.p2p import P2P
-from lightning_varuna.pipeline.partition import Plan, check_pipeline_size, make_plan, time_segments, trace_step
+from lightning_varuna.pipeline.partition import (
+    PartitionError,
+    Plan,
+    Trace,
+    check_pipeline_size,
+    make_plan,
+    time_segments,
+    trace_step,
+)
 from lightning_varuna.pipeline.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
 from lightning_varuna.pipeline.topology import Topology
@@ -93,8 +105,10 @@ class PipelineEngine:
     """Splits a model into pipeline stages and runs schedules over them.
 
     Args:
-        module: The model, with ``CutPoint`` modules where it may be split (or see ``cut_at``). Every rank
-            holds the full model until :meth:`setup`, which keeps only this rank's stage.
+        module: The model, with ``CutPoint`` modules where it may be split (or see ``cut_at``). Built with real
+            tensors, every rank holds the full model until :meth:`setup`, which keeps only this rank's stage;
+            built with its parameters on the meta device (:func:`~lightning_varuna.pipeline.materialize.
+            parameters_on_meta`), each rank materializes and initializes only its stage's parameters.
         pipeline_parallel_size: P, the number of stages, or ``"auto"``. D = world size / P.
         num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
         microbatch_size: Alternatively, the size of each micro-batch.
@@ -112,6 +126,9 @@ class PipelineEngine:
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
         max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this.
+        param_init_fn: Initializes what a module owns directly, for a model built on the meta device (default:
+            the module's ``reset_parameters()``).
+        init_seed: The seed of that initialization (default: rank 0's ``torch.initial_seed()``).
 
     The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
     :meth:`from_config` builds an engine from a config.
@@ -133,12 +150,15 @@ class PipelineEngine:
         grad_bucket_bytes: int | None = None,
         overlap_grad_sync: bool = True,
         max_pipeline_size: int | None = None,
+        param_init_fn: ParamInitFn | None = None,
+        init_seed: int | None = None,
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, wire_dtype=wire_dtype, grad_bucket_bytes=grad_bucket_bytes,
-            overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size,
+            overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size, param_init_fn=param_init_fn,
+            init_seed=init_seed,
         )
         self.config = config
         self.module = module
@@ -153,6 +173,8 @@ class PipelineEngine:
         self._stand_ins: list[Any] = []
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._batch_dims: tuple[int | None, int | None] = (None, None)
+        self.built_on_meta = False
+        """Whether :meth:`setup` found parameters on the meta device (and materialized this stage's)."""
 
     @classmethod
     def from_config(cls, module: nn.Module, config: EngineConfig, device: torch.device | None = None) -> PipelineEngine:
@@ -185,32 +207,26 @@ class PipelineEngine:
         # everything that can be wrong with the model is checked before the first collective call
         if config.cut_at is not None:
             self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
-        names = {id(m): n for n, m in self.module.named_modules()}
-        cut_names = {id(c): getattr(c, "_varuna_name", names.get(id(c), "")) for c in self._cuts}
-        with no_trace(self.module, self.device):  # the dry run changes no state of the model, nor the RNGs
-            trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
-                                            cut_names=cut_names)
-            world = topology.world_size if topology is not None else _world_size()
-            self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
-                world, trace.num_segments
-            )
-            check_pipeline_size(trace, self._pipeline_size)
-            if config.partition == "time" and trace.cuts:
-                size = batch_size_of(sample_batch)
-                micro = max(1, size // self.microbatches_for(size))
-                trace.segment_seconds = time_segments(lambda: step(first_samples(sample_batch, micro)))
+        self.built_on_meta = has_meta_tensors(self.module)
+        trace, cut_modules = self._dry_run(sample_batch, step, topology)
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
         self.topology = topology or Topology.create(self.pipeline_size, self.device, timeout=config.p2p_timeout)
         destroy_process_groups_at_exit()
         topo = self.topology
+        seed = config.init_seed if config.init_seed is not None else torch.initial_seed()
         if topo.world_size > 1:
             # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
-            seconds = [trace.segment_seconds]
-            dist.broadcast_object_list(seconds, src=0)
-            trace.segment_seconds = seconds[0]
-        self.plan = make_plan(trace, topo.pipeline_size, by=self.config.partition)
+            shared = [trace.segment_seconds, seed]
+            dist.broadcast_object_list(shared, src=0)
+            trace.segment_seconds, seed = shared
+        size = batch_size_of(sample_batch)
+        m = self.microbatches_for(size)
+        self.plan = make_plan(trace, topo.pipeline_size, by=self.config.partition, microbatch=max(1, size // m),
+                              num_microbatches=m, rates=DeviceRates.nominal(self.device))
         stage = self.plan.stages[topo.stage]
+        if self.built_on_meta:
+            self._materialize(stage.params, seed)
         first_cut = stage.segments.start - 1 if topo.stage > 0 else None
         last_cut = stage.segments.stop - 1 if not topo.is_last else None
         self.executor = StageExecutor(topo, P2P(topo, self.config.p2p_timeout), cut_modules, first_cut, last_cut)
@@ -225,6 +241,43 @@ class PipelineEngine:
                                       bucket_bytes=self.config.grad_bucket_bytes,
                                       overlap=self.config.overlap_grad_sync)
         return self.plan
+
+    def _dry_run(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None,
+                 ) -> tuple[Trace, list[CutPoint]]:
+        """Traces the step (on meta tensors for a model built on meta), resolves P, and times the segments."""
+        config = self.config
+        names = {id(m): n for n, m in self.module.named_modules()}
+        cut_names = {id(c): getattr(c, "_varuna_name", names.get(id(c), "")) for c in self._cuts}
+        with no_trace(self.module, self.device):  # the dry run changes no state of the model, nor the RNGs
+            if self.built_on_meta:
+                meta_batch = to_meta(sample_batch)
+                with on_meta(self.module), _explained_meta_errors():
+                    trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(meta_batch, n)),
+                                                    cut_names=cut_names)
+            else:
+                trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
+                                                cut_names=cut_names)
+            world = topology.world_size if topology is not None else _world_size()
+            self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
+                world, trace.num_segments
+            )
+            check_pipeline_size(trace, self._pipeline_size)
+            if config.partition == "time" and trace.cuts and not self.built_on_meta:
+                size = batch_size_of(sample_batch)
+                micro = max(1, size // self.microbatches_for(size))
+                trace.segment_seconds = time_segments(lambda: step(first_samples(sample_batch, micro)))
+        return trace, cut_modules
+
+    def _materialize(self, keep: tuple[str, ...], seed: int) -> None:
+        assert self.topology is not None
+        missing = materialize(self.module, keep, self.device, seed, self.config.param_init_fn)
+        if missing and self.topology.replica == 0:
+            warnings.warn(
+                f"Stage {self.topology.stage}: the parameters of {', '.join(sorted(missing))} were materialized as"
+                " zeros: these modules have no reset_parameters() and no param_init_fn was given. Give a"
+                " param_init_fn that initializes a module's own parameters, or load pretrained weights.",
+                stacklevel=3,
+            )
 
     # -- sizes --------------------------------------------------------------------------------------------
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
@@ -396,6 +449,22 @@ class PipelineEngine:
         self._hooks = []
         remove_stand_ins(self._stand_ins)
         self._stand_ins = []
+
+
+@contextlib.contextmanager
+def _explained_meta_errors() -> Iterator[None]:
+    """Says why a step fails on meta tensors (the model was built on the meta device) and what to change."""
+    try:
+        yield
+    except (CutPointError, PartitionError):
+        raise
+    except Exception as err:  # noqa: BLE001 - user code on meta tensors: any error, re-raised with the reason
+        raise PartitionError(
+            "The model's parameters are on the meta device, so the dry run runs the step on meta tensors (shapes"
+            f" without values), and it failed: {type(err).__name__}: {err}. Create tensors on the device of the"
+            " step's inputs (x.device), and keep reads of values (.item(), printing, branches on values) out of the"
+            " step or behind `if not x.is_meta`."
+        ) from err
 
 
 def _world_size() -> int:

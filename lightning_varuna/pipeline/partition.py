@@ -8,7 +8,11 @@ The dry run runs the user's whole step on a tiny batch and observes, without gue
   function), so a parameter used on two stages (a tied embedding and head) is found automatically;
 - which module calls start and end inside one segment (those can be replaced by stand-ins on other stages);
 - values that depend on parameters and flow from one segment to a later one without passing through a cut
-  point (a skip connection across a cut), which cannot be split there.
+  point (a skip connection across a cut), which cannot be split there;
+- what each segment costs: forward FLOPs and saved-activation bytes (:mod:`~lightning_varuna.pipeline.costs`).
+
+The dry run works on real tensors or on the meta device (a model built there, see
+:mod:`~lightning_varuna.pipeline.materialize`): it reads shapes, never values.
 
 The result is a :class:`Trace`; :func:`make_plan` groups its segments into stages balanced by cost.
 """
@@ -25,11 +29,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from lightning_varuna.pipeline.costs import CostCounter, DeviceRates, SegmentCost, estimated_seconds, fit_costs
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, forward_handler
 
 __all__ = [
-    "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "time_segments", "balance", "make_plan",
-    "check_pipeline_size",
+    "BALANCED_BY", "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "time_segments", "balance", "make_plan",
+    "segment_costs", "check_pipeline_size",
     "PartitionError",
 ]
 
@@ -62,6 +67,11 @@ class Trace:
     module_segments: dict[str, set[int]]
     crossings: dict[tuple[int, int], str] = field(default_factory=dict)
     segment_seconds: list[float] = field(default_factory=list)
+    """Measured forward time of each segment (empty when not timed, e.g. on the meta device)."""
+    costs: list[SegmentCost] = field(default_factory=list)
+    """Each segment's counted cost (FLOPs, saved activations, parameter bytes)."""
+    param_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of each parameter."""
     skipped: bool = False
     """Whether the step returned None before reaching any cut point (it skipped the dry run's batch)."""
 
@@ -77,6 +87,7 @@ class _Tracer:
     def __init__(self, module: nn.Module, cut_names: dict[int, str]) -> None:
         self.cut_names = cut_names
         self.segment = 0
+        self.costs = CostCounter(lambda: self.segment)
         self.cut_order: list[CutPoint] = []
         self.cut_tensors: list[Tensor] = []
         self.module_names = {id(m): name for name, m in module.named_modules()}
@@ -97,6 +108,7 @@ class _Tracer:
                 " CutPoint per place (e.g. an nn.ModuleList of them)."
             )
         self.cut_order.append(cut)
+        self.costs.settle()
         self.paused = True
         try:
             self.cut_tensors.append(x.detach())
@@ -181,7 +193,7 @@ def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[i
     pre = nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook)
     post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
     try:
-        with forward_handler(tracer), _TraceMode(tracer):
+        with forward_handler(tracer), _TraceMode(tracer), tracer.costs:
             tracer.returned = step()
     finally:
         pre.remove()
@@ -263,8 +275,10 @@ def trace_step(
             raise CutPointError(f"{name} got a {small.dtype} tensor; a cut point needs a floating-point activation.")
         cuts.append(CutInfo(name, tuple(large.shape), large.dtype, _batch_dim(small, large, name)))
     seconds = time_segments(timed_step) if timed_step is not None and cuts else []
-    numel = {name: p.numel() for name, p in module.named_parameters()}
+    params = dict(module.named_parameters())
+    numel = {name: p.numel() for name, p in params.items()}
     trace = Trace(
+        param_bytes={name: p.numel() * p.element_size() for name, p in params.items()},
         cuts=cuts,
         param_segments=two.param_segments,
         param_numel=numel,
@@ -272,6 +286,7 @@ def trace_step(
         crossings=two.crossings,
         segment_seconds=seconds,
         skipped=not cuts and one.returned is None,
+        costs=fit_costs(one.costs, two.costs, two.param_segments, params, len(cuts) + 1),
     )
     return trace, list(one.cut_order)
 
@@ -322,6 +337,20 @@ class StageInfo:
     params: tuple[str, ...]
     param_numel: int
     seconds: float
+    """The stage's cost in the plan's unit: measured forward seconds, or estimated training seconds, per
+    micro-batch (0 when balanced by parameters)."""
+    param_bytes: int = 0
+    forward_flops: float = 0.0
+    """Forward FLOPs of a micro-batch."""
+    saved_bytes: float = 0.0
+    """Activation bytes autograd saves for backward, per micro-batch."""
+
+
+BALANCED_BY = {
+    "measured": "measured forward time per micro-batch",
+    "estimated": "estimated training time per micro-batch (FLOPs, activation and parameter bytes; not timed)",
+    "params": "parameter count",
+}
 
 
 @dataclass(frozen=True)
@@ -331,16 +360,23 @@ class Plan:
     stages: tuple[StageInfo, ...]
     tied: tuple[tuple[str, tuple[int, ...]], ...]
     trace: Trace
+    balanced_by: str = "measured"
+    """What the stages were balanced by: ``"measured"``, ``"estimated"`` or ``"params"`` (:data:`BALANCED_BY`)."""
+    microbatch: int = 1
+    """The micro-batch size the costs are given for."""
 
-    def table(self, bytes_per_element: int = 4) -> str:
-        """A printable table: stage, segments, parameters, bytes and estimated forward time."""
-        rows = [("stage", "segments", "parameters", "param MB", "est. fwd ms")]
+    def table(self) -> str:
+        """A printable table: per stage its segments, parameters, FLOPs, saved activations and cost."""
+        unit = {"measured": "fwd ms", "estimated": "est. ms"}.get(self.balanced_by, "ms")
+        rows = [("stage", "segments", "parameters", "param MB", "GFLOP/mb", "act. MB/mb", unit)]
         for s, info in enumerate(self.stages):
             seg = f"{info.segments.start}-{info.segments.stop - 1}"
-            mb = info.param_numel * bytes_per_element / 2**20
-            rows.append((str(s), seg, f"{info.param_numel:,}", f"{mb:.2f}", f"{info.seconds * 1e3:.2f}"))
+            cost = f"{info.seconds * 1e3:.2f}" if self.balanced_by != "params" else "-"
+            rows.append((str(s), seg, f"{info.param_numel:,}", f"{info.param_bytes / 2**20:.2f}",
+                         f"{info.forward_flops / 1e9:.3f}", f"{info.saved_bytes / 2**20:.2f}", cost))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+        lines.append(f"balanced by {BALANCED_BY[self.balanced_by]}; micro-batch of {self.microbatch}")
         if self.tied:
             lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
         return "\n".join(lines)
@@ -367,30 +403,53 @@ def check_pipeline_size(trace: Trace, num_stages: int) -> None:
         )
 
 
-def make_plan(trace: Trace, num_stages: int, by: str = "time") -> Plan:
+def segment_costs(
+    trace: Trace, by: str = "time", microbatch: int = 1, num_microbatches: int = 1, rates: DeviceRates | None = None,
+) -> tuple[str, list[float]]:
+    """What :func:`make_plan` balances: ``(kind, cost per segment)``, the kind a key of :data:`BALANCED_BY`.
+
+    ``by="time"`` uses measured forward times when the dry run took them, else the estimate of
+    :func:`~lightning_varuna.pipeline.costs.estimated_seconds` (FLOPs and bytes, at ``rates``), else parameter
+    counts; ``by="params"`` uses parameter counts (a shared parameter split between the segments using it).
+    """
+    n = trace.num_segments
+    if by not in ("time", "params"):
+        raise PartitionError(f"partition={by!r}: use 'time' or 'params'.")
+    if by == "time" and len(trace.segment_seconds) == n and sum(trace.segment_seconds) > 0:
+        return "measured", list(trace.segment_seconds)
+    if by == "time" and len(trace.costs) == n:
+        rates = rates or DeviceRates.nominal("cpu")
+        estimates = [estimated_seconds(c, microbatch, rates, num_microbatches) for c in trace.costs]
+        if sum(estimates) > 0:
+            return "estimated", estimates
+    param_cost = [0.0] * n
+    for name, segments in trace.param_segments.items():
+        for seg in segments:
+            param_cost[seg] += trace.param_numel[name] / len(segments)
+    return "params", param_cost
+
+
+def make_plan(
+    trace: Trace, num_stages: int, by: str = "time", microbatch: int = 1, num_microbatches: int = 1,
+    rates: DeviceRates | None = None,
+) -> Plan:
     """Groups the traced segments into ``num_stages`` stages.
 
     Args:
         trace: The dry run's trace.
         num_stages: P, any number from 1 to the number of segments.
-        by: ``"time"`` balances measured forward time (falls back to parameters if untimed), ``"params"``
-            balances parameter counts.
+        by: ``"time"`` balances measured forward time, or estimated time if untimed (:func:`segment_costs`);
+            ``"params"`` balances parameter counts.
+        microbatch: Samples per micro-batch (for estimates and the printed costs).
+        num_microbatches: Micro-batches per step (for estimates).
+        rates: The device speeds estimates assume (default: :meth:`DeviceRates.nominal` of a CPU).
 
     Returns:
         The plan. Raises :class:`PartitionError` if it cannot be made.
     """
     n = trace.num_segments
     check_pipeline_size(trace, num_stages)
-    param_cost = [0.0] * n
-    for name, segments in trace.param_segments.items():
-        for seg in segments:
-            param_cost[seg] += trace.param_numel[name] / len(segments)
-    if by == "time" and len(trace.segment_seconds) == n and sum(trace.segment_seconds) > 0:
-        costs = list(trace.segment_seconds)
-    elif by in ("time", "params"):
-        costs = param_cost
-    else:
-        raise PartitionError(f"partition={by!r}: use 'time' or 'params'.")
+    kind, costs = segment_costs(trace, by, microbatch, num_microbatches, rates)
     ranges = balance(costs, num_stages)
     stage_of = {seg: s for s, r in enumerate(ranges) for seg in r}
     for (src, dst), what in sorted(trace.crossings.items()):
@@ -408,14 +467,19 @@ def make_plan(trace: Trace, num_stages: int, by: str = "time") -> Plan:
             stage_params[s].append(name)
         if len(stages) > 1:
             tied.append((name, tuple(stages)))
-    seconds = trace.segment_seconds if len(trace.segment_seconds) == n else [0.0] * n
+    seconds = costs if kind != "params" else [0.0] * n
+    flops = [c.forward_flops.at(microbatch) for c in trace.costs] if len(trace.costs) == n else [0.0] * n
+    saved = [c.saved_bytes.at(microbatch) for c in trace.costs] if len(trace.costs) == n else [0.0] * n
     stages = tuple(
         StageInfo(
             segments=r,
             params=tuple(stage_params[s]),
             param_numel=sum(trace.param_numel[p] for p in stage_params[s]),
             seconds=sum(seconds[i] for i in r),
+            param_bytes=sum(trace.param_bytes.get(p, 4 * trace.param_numel[p]) for p in stage_params[s]),
+            forward_flops=sum(flops[i] for i in r),
+            saved_bytes=sum(saved[i] for i in r),
         )
         for s, r in enumerate(ranges)
     )
-    return Plan(stages=stages, tied=tuple(tied), trace=trace)
+    return Plan(stages=stages, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch)

@@ -28,10 +28,13 @@ from lightning_varuna.pipeline.partition import Plan
 __all__ = ["StandIn", "apply_plan", "free_parameter"]
 
 
-def free_parameter(root: nn.Module, name: str) -> None:
-    """Replaces parameter ``name`` (everywhere it is registered) by a zero-stride, non-persistent buffer."""
+def free_parameter(root: nn.Module, name: str, device: torch.device | None = None) -> None:
+    """Replaces parameter ``name`` (everywhere it is registered) by a zero-stride, non-persistent buffer.
+
+    The placeholder is on ``device`` (default: the parameter's own, which for a meta parameter is meta).
+    """
     target = root.get_parameter(name)
-    placeholder = zero_like_shape(target.shape, target.dtype, target.device)
+    placeholder = zero_like_shape(target.shape, target.dtype, device or target.device)
     for module in root.modules():
         for attr, param in list(module._parameters.items()):
             if param is target:
@@ -139,7 +142,7 @@ def apply_plan(
     keep = set(plan.stages[stage].params)
     for name, _ in list(root.named_parameters()):
         if name not in keep:
-            free_parameter(root, name)
+            free_parameter(root, name, device)
     candidates = {
         name for name, segments in plan.trace.module_segments.items() if name and min(segments) < owned.start
     }
