@@ -6,8 +6,11 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 
 1. ``_CheckpointConnector._select_ckpt_path`` (class level, installed when the strategy is created): Lightning
    resolves ``ckpt_path="last"`` to a path before any strategy hook runs, and the strategy needs the value the
-   user asked for ("last" may fall back to an older checkpoint; an explicit path may not). For any other
-   strategy the wrapper only calls Lightning's own method.
+   user asked for ("last" may fall back to an older checkpoint; an explicit path may not). For ``"last"`` it
+   also chooses the newest complete copy of the run's last checkpoint, which Lightning does not see when an
+   interrupted publication left it under a temporary name (:func:`lightning_varuna.resume.choose_last`, from the
+   files alone: every rank chooses alike before the process group exists). For any other strategy the wrapper
+   only calls Lightning's own method.
 2. ``trainer._signal_connector.register_signal_handlers`` (during ``fit``): Lightning's SIGTERM handler runs a
    collective inside the signal handler, which deadlocks a pipeline when one non-zero rank is signalled while
    its peers wait in a p2p receive; its SLURM handler saves a checkpoint inside the handler. The strategy's
@@ -28,6 +31,7 @@ Tested on Lightning 2.5 and 2.6 (``pyproject.toml`` pins that range).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,8 +45,12 @@ def _is_varuna(strategy: Any) -> bool:
     return getattr(strategy, "strategy_name", None) == "varuna"
 
 
-def install_ckpt_path_recorder() -> None:
-    """Patch 1: records the ``ckpt_path`` the user passed, for trainers of this strategy (installed once)."""
+def install_ckpt_path_recorder(choose_last: Callable[[Any, Any], Any]) -> None:
+    """Patch 1: records the ``ckpt_path`` the user passed and resolves ``"last"``, for this strategy (installed once).
+
+    Args:
+        choose_last: ``(trainer, Lightning's choice) -> path or None``: the checkpoint ``"last"`` stands for.
+    """
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     original = _CheckpointConnector._select_ckpt_path
@@ -50,9 +58,19 @@ def install_ckpt_path_recorder() -> None:
         return
 
     def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_varuna(self.trainer.strategy):
-            setattr(self, _REQUESTED, ckpt_path)
-        return original(self, state_fn, ckpt_path, *args, **kwargs)
+        if not _is_varuna(self.trainer.strategy):
+            return original(self, state_fn, ckpt_path, *args, **kwargs)
+        setattr(self, _REQUESTED, ckpt_path)
+        if ckpt_path != "last":
+            return original(self, state_fn, ckpt_path, *args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:  # "no last checkpoint" may not be so
+            warnings.simplefilter("always")
+            chosen = original(self, state_fn, ckpt_path, *args, **kwargs)
+        ours = choose_last(self.trainer, chosen)
+        if ours is None:
+            for warning in caught:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return ours if ours is not None else chosen
 
     select._varuna = True  # type: ignore[attr-defined]
     _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]

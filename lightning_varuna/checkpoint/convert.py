@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+from lightning_varuna.checkpoint.integrity import CHECKSUMS
 from lightning_varuna.checkpoint.job import write_single
-from lightning_varuna.checkpoint.load import check_files, single_process_quiet
+from lightning_varuna.checkpoint.load import check_files, read_everything
 from lightning_varuna.checkpoint.state import (
     RECORD,
     CheckpointError,
@@ -46,7 +46,11 @@ __all__ = ["from_plain", "main", "to_plain"]
 
 
 def to_plain(
-    src: str | os.PathLike, dst: str | os.PathLike, weights_only: bool | None = None, keep_loader_state: bool = False
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    weights_only: bool | None = None,
+    keep_loader_state: bool = False,
+    verify: bool = True,
 ) -> None:
     """Writes the sharded checkpoint ``src`` as one plain Lightning checkpoint file ``dst``.
 
@@ -57,20 +61,20 @@ def to_plain(
         keep_loader_state: Keep the training data loader's position. It is dropped by default: the strategy
             records it for its own resumable loader, and Lightning refuses it when resuming with a plain
             ``DataLoader`` (the resumed epoch then starts from its beginning, as for any plain loader).
+        verify: Check every file and item against the checksums it was saved with (if it has them).
 
     Raises:
         CheckpointError: ``src`` is incomplete or damaged, or has no parameter record.
     """
     loc = Location.of(src)
-    meta = check_files(loc, weights_only)
+    meta = check_files(loc, weights_only, verify)
     record = meta.get(RECORD)
     if record is None:
         raise CheckpointError(
             f"{loc} has no parameter record ({RECORD!r} in meta.pt): it was written by an earlier version of"
             " lightning_varuna. Resume from it once and save it again."
         )
-    with single_process_quiet():
-        data = _load_state_dict_from_keys(storage_reader=loc.reader())
+    data = read_everything(loc, record.get(CHECKSUMS, {}).get("items", {}) if verify else {})
     saved = sorted(int(key.split("_", 1)[1]) for key in data if key.startswith("optimizer_"))
     if saved != list(range(len(record["optimizers"]))):
         raise CheckpointError(
