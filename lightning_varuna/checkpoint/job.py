@@ -22,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_varuna.checkpoint import lease as leases
 from lightning_varuna.checkpoint.integrity import ALGORITHM, CHECKSUMS, ChecksumSavePlanner, checksum
-from lightning_varuna.checkpoint.publish import TMP_SUFFIX, publish, recover, remove_checkpoint
+from lightning_varuna.checkpoint.publish import TMP_SUFFIX, publish, recover, remove_checkpoint, remove_quietly
 from lightning_varuna.checkpoint.state import RECORD, Groups, make_record, split_shards
-from lightning_varuna.checkpoint.storage import INDEX, META, Location, single_process_quiet, to_bytes
+from lightning_varuna.checkpoint.storage import INDEX, META, Location, is_complete, single_process_quiet, to_bytes
 
 __all__ = ["WriteJob", "write_job", "write_single"]
 
@@ -88,8 +88,11 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
         written: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(planner.checksums if job.verify else None, written, dst=root, group=group)
         outcome: list[str | None] = [error]
-        if written is not None and error is None:
-            outcome[0] = _publish(job, target, tmp, [(g, h) for _, g, h, _ in gathered], written)
+        if written is not None:
+            if error is None:
+                outcome[0] = _publish(job, target, tmp, [(g, h) for _, g, h, _ in gathered], written)
+            if outcome[0] is not None and not is_complete(tmp):  # a complete one is the newest: it stays
+                remove_quietly(tmp)
         dist.broadcast_object_list(outcome, src=root, group=group)
         return outcome[0]
     except Exception as err:  # noqa: BLE001 - a peer lost during the collectives

@@ -218,6 +218,7 @@ def _check_directory(
     loc: Location, weights_only: bool | None, verify: bool = True
 ) -> tuple[str | None, dict[str, Any] | None, Metadata | None]:
     """Whether every file is there, readable and as saved: ``(problem, meta, DCP index)``."""
+    loc.refresh()
     if not loc.exists():
         return f"Checkpoint {loc} does not exist. Check the path, or load another checkpoint.", None, None
     if not loc.child(META).exists():

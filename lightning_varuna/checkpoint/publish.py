@@ -32,10 +32,12 @@ OLD_SUFFIX = ".varuna-old"
 TRASH_SUFFIX = ".varuna-trash"
 
 FAULT_ENV = "LIGHTNING_VARUNA_TEST_FAULT"
-"""Testing only: ``<point>@<n>`` ends the process (``os._exit(86)``) the ``n``-th time it reaches ``<point>``;
-``<point>@<n>:raise`` raises instead. The points are the names passed to :func:`reached`."""
+"""Testing only: ``<point>@<p>.<n>`` ends the process (``os._exit(86)``) the ``n``-th time (default 1) the ``p``-th
+:func:`publish` of this process reaches ``<point>``; ``...:raise`` raises instead. The points are the names passed
+to :func:`reached`."""
 fault_hook: Callable[[str], None] | None = None
 """Testing only: called with each point's name as the publication reaches it (may raise to stop it there)."""
+_publications = 0
 _counts: dict[str, int] = {}
 
 
@@ -47,8 +49,9 @@ def reached(point: str) -> None:
     if not spec:
         return
     name, _, rest = spec.partition("@")
-    count, _, action = rest.partition(":")
-    if name != point:
+    where, _, action = rest.partition(":")
+    publication, _, count = where.partition(".")
+    if name != point or int(publication) != _publications:
         return
     _counts[point] = _counts.get(point, 0) + 1
     if _counts[point] == int(count or 1):
@@ -101,17 +104,15 @@ def remove_checkpoint(loc: Location) -> None:
 
     A local directory is first renamed (``<path>.varuna-trash``, atomic); elsewhere ``meta.pt`` goes first.
     """
-    if not loc.exists():
-        return
-    if loc.isdir():
-        if loc.local:
+    if loc.local:
+        if loc.isdir():
             trash = loc.with_suffix(TRASH_SUFFIX)
             trash.remove()
             loc.fs.mv(loc.path, trash.path)
             loc = trash
-        else:
-            loc.child(META).remove()
-            reached("remove/meta-removed")
+    elif META in loc.names():
+        loc.child(META).remove()
+        reached("remove/meta-removed")
     loc.remove()
 
 
@@ -131,6 +132,9 @@ def publish(tmp: Location, target: Location, meta: bytes, record: bytes | None =
     apart from ``meta`` so that the writer never unpickles Lightning's state (whose classes may live in the user's
     script, and whose tensors may be on a GPU).
     """
+    global _publications
+    _publications += 1
+    _counts.clear()
     if record is not None:
         tmp.child(RECORD_FILE).write_bytes(record)
         reached("publish/record-written")

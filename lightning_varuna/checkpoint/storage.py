@@ -108,11 +108,12 @@ class Location:
         return self.fs.isdir(self.path)
 
     def names(self) -> list[str]:
-        """The names of this directory's entries (none if it is missing)."""
+        """The names of this directory's entries (none if it is missing), listed afresh (not from a cache)."""
         try:
-            return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.path, detail=False))
+            listing = self.fs.ls(self.path, detail=False, refresh=True)
         except FileNotFoundError:
             return []
+        return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in listing)
 
     def read_bytes(self) -> bytes:
         """The whole file."""
@@ -139,8 +140,11 @@ class Location:
         """Deletes the file or directory, if any (a link, not what it points to)."""
         if self.local and os.path.islink(self.path):
             os.unlink(self.path)
-        elif self.exists():
+            return
+        try:
             self.fs.rm(self.path, recursive=True)
+        except FileNotFoundError:
+            pass
 
     def writer(self) -> dcp.StorageWriter:
         """DCP's writer for this directory (files synced to disk where the filesystem has a disk)."""
@@ -163,11 +167,10 @@ class Location:
 def is_complete(path: str | os.PathLike | Location) -> bool:
     """Whether ``path`` is a finished sharded checkpoint (or a plain checkpoint file)."""
     loc = Location.of(path)
-    if not loc.exists():
-        return False
-    if not loc.isdir():
+    names = loc.names()  # one listing (a file lists as itself)
+    if META in names and INDEX in names:
         return True
-    return loc.child(META).exists() and loc.child(INDEX).exists()
+    return bool(names) and loc.fs.isfile(loc.path)
 
 
 @contextlib.contextmanager
@@ -198,6 +201,7 @@ def read_meta(
         raw: If given, receives the bytes read, by file name (for checksums).
     """
     loc = Location.of(path)
+    loc.refresh()  # another process (a writer) may have published it since this one listed it
     data = loc.child(META).read_bytes()
     if raw is not None:
         raw[META] = data
