@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from lightning_varuna.checkpoint.publish import OLD_SUFFIX, TMP_SUFFIX, TRASH_SUFFIX, copies, newest_copy
-from lightning_varuna.checkpoint.storage import META, PART_SUFFIX, Location, is_complete
+from lightning_varuna.checkpoint.storage import PART_SUFFIX, Location, is_complete, written_at
 from lightning_varuna.patches import requested_ckpt_path
 
 __all__ = ["checkpoint_folders", "choose_last", "last_fallbacks", "requested_name"]
@@ -39,11 +39,6 @@ def _family(name: str) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
-
-
-def _written(loc: Location) -> float:
-    """When a complete checkpoint was finished: its ``meta.pt``'s time (the file's own for a plain file)."""
-    return loc.child(META).modified() if loc.isdir() else loc.modified()
 
 
 def choose_last(trainer: Any, lightning_choice: Any) -> str | None:
@@ -71,7 +66,7 @@ def choose_last(trainer: Any, lightning_choice: Any) -> str | None:
     if lightning_choice:
         loc = Location.of(str(lightning_choice))
         targets.setdefault(loc.text, loc)
-    found = [(copy, _written(copy)) for copy in map(newest_copy, targets.values()) if copy is not None]
+    found = [(copy, written_at(copy)) for copy in map(newest_copy, targets.values()) if copy is not None]
     if not found:
         return None
     return max(found, key=lambda pair: (pair[1], pair[0].text))[0].text
@@ -103,5 +98,5 @@ def last_fallbacks(trainer: Any, bad: str) -> list[str]:
                 continue
             for rank, loc in enumerate(copies(base)):  # a newer copy first where two finished together
                 if loc.path != bad_loc.path and is_complete(loc):
-                    found[loc.text] = (_written(loc), -rank)
+                    found[loc.text] = (written_at(loc), -rank)
     return sorted(found, key=found.__getitem__, reverse=True)

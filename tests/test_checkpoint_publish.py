@@ -11,16 +11,20 @@ and resume with ``ckpt_path="last"`` are in ``test_checkpoint_faults.py``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from s3server import fresh_prefix, s3_server
 
 from lightning_varuna.checkpoint import publish
 from lightning_varuna.checkpoint.job import write_single
 from lightning_varuna.checkpoint.load import resolve
 from lightning_varuna.checkpoint.storage import Location, read_meta
+from lightning_varuna.resume import choose_last, last_fallbacks
 
 
 class Stop(Exception):
@@ -142,3 +146,31 @@ def test_a_partial_copy_on_an_object_store_is_never_taken_for_a_checkpoint(s3) -
     finally:
         publish.fault_hook = None
     assert seen == ["remove/meta-removed"] and publish.newest_copy(target) is None
+
+
+def _trainer(*callbacks) -> SimpleNamespace:
+    """What the choice of "last" reads of a trainer: its callbacks, and the ckpt_path asked for ("last")."""
+    checkpoints = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+    connector = SimpleNamespace(_varuna_requested_ckpt_path="last")
+    return SimpleNamespace(callbacks=list(callbacks), checkpoint_callbacks=checkpoints, _checkpoint_connector=connector)
+
+
+def test_last_is_the_newest_complete_copy_of_the_newest_last_checkpoint(folder: str) -> None:
+    trainer = _trainer(ModelCheckpoint(dirpath=folder))
+    assert choose_last(trainer, None) is None
+    last = Location.of(f"{folder}/last.ckpt")
+    _write(last, 1)
+    time.sleep(1.1)  # object stores keep modification times to the second
+    _write(Location.of(f"{folder}/last-v1.ckpt"), 2)
+    assert choose_last(trainer, None) == f"{folder}/last-v1.ckpt"
+    time.sleep(1.1)
+    # a publication of last.ckpt (step 3) interrupted after its temporary copy was complete
+    tmp = last.with_suffix(publish.TMP_SUFFIX)
+    _write(tmp, 3)
+    assert choose_last(trainer, None) == tmp.text
+    publish.move(last, last.with_suffix(publish.OLD_SUFFIX))  # and after the one it replaces was moved aside
+    assert choose_last(trainer, f"{folder}/last-v1.ckpt") == tmp.text
+    # every complete copy is a fallback, newest first; the one being loaded is not
+    _write(Location.of(f"{folder}/epoch=0-step=1.ckpt"), 1)
+    assert last_fallbacks(trainer, tmp.text) == [f"{folder}/epoch=0-step=1.ckpt", f"{folder}/last-v1.ckpt",
+                                                 f"{folder}/last.ckpt.varuna-old"]

@@ -26,7 +26,10 @@ from fsspec.implementations.local import LocalFileSystem
 # private: torch 2.13/2.14 keep DCP's fsspec reader and writer in this module only (see docs/architecture.md)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-__all__ = ["INDEX", "META", "RECORD_FILE", "Location", "is_complete", "read_meta", "single_process_quiet", "to_bytes"]
+__all__ = [
+    "INDEX", "META", "RECORD_FILE", "Location", "is_complete", "read_meta", "single_process_quiet", "to_bytes",
+    "written_at",
+]
 
 META = "meta.pt"
 """Lightning's state without weights and optimizer states, written by rank 0 once every shard is in."""
@@ -179,6 +182,21 @@ def single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
         yield
+
+
+def written_at(loc: Location) -> float:
+    """When a complete checkpoint was written.
+
+    The time its record holds: a move on an object store is a copy, which changes the files' times. Else (an
+    earlier version's checkpoint) its ``meta.pt``'s time, or a plain file's own.
+    """
+    if not loc.isdir():
+        return loc.modified()
+    try:
+        record = torch.load(io.BytesIO(loc.child(RECORD_FILE).read_bytes()), map_location="cpu", weights_only=True)
+        return float(record["written"])
+    except Exception:  # noqa: BLE001 - written by an earlier version, or unreadable: the file's time
+        return loc.child(META).modified()
 
 
 def to_bytes(obj: Any) -> bytes:
