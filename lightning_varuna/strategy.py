@@ -300,6 +300,8 @@ class VarunaStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
         assert self.accelerator is not None and self.model is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._take_leases(trainer)  # before any work: a refused job stops at once
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -316,7 +318,6 @@ class VarunaStrategy(ParallelStrategy):
             precision.check_optimizers(self.optimizers)
             self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device)
             self._preemption.attach()
-            self._take_leases(trainer)
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
 
     def _setup_pipeline(self, trainer: Trainer) -> None:

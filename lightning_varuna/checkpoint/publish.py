@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from collections.abc import Callable
 
 from lightning_varuna.checkpoint.storage import META, RECORD_FILE, Location, is_complete
@@ -57,6 +59,7 @@ def reached(point: str) -> None:
     if _counts[point] == int(count or 1):
         if action == "raise":
             raise RuntimeError(f"fault injected at {point}")
+        print(f"fault injected at {point}, exiting at {time.time():.3f}", file=sys.stderr, flush=True)
         os._exit(86)
 
 

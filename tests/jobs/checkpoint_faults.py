@@ -4,7 +4,7 @@
 
 TinyGPT (2 blocks) at P=2, blocking saves; every scenario is ``name:key=value,...`` and writes
 ``OUT/<name>.rank<r>.json`` (the step it started at, the steps it trained, the ``CheckpointError`` it raised,
-the checkpoint warnings it saw). Kinds (``kind=``, default the name):
+the checkpoint warnings it saw, when ``fit`` was called and when it ended). Kinds (``kind=``, default the name):
 
 - ``train``: ``fit`` with ``ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_last=True,
   save_top_k=0)`` (``last.ckpt`` after every step), plus one keeping ``step=<N>.ckpt`` every ``keep_every`` steps;
@@ -100,13 +100,14 @@ def train(out: Path, name: str, options: dict) -> dict:
         strategy=lightning_varuna.VarunaStrategy(pipeline_parallel_size=2, num_microbatches=2, p2p_timeout=60,
                                                  **options),
     )
-    result: dict = {"error": None}
+    result: dict = {"error": None, "fit_start": time.time()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             trainer.fit(TinyGPT(n_layer=2), DataLoader(RandomTokens(n=64, seed=1), batch_size=4), ckpt_path=ckpt)
         except CheckpointError as err:
             result["error"] = str(err)
+    result["fit_end"] = time.time()
     result["warnings"] = [str(w.message) for w in caught if "checkpoint" in str(w.message).lower()]
     result.update(start=record.start, steps=record.steps, global_step=trainer.global_step)
     return result
