@@ -42,6 +42,16 @@ compute is small. On this machine the default mode keeps both cores busy with 4 
 background write can only take CPU time from training; this mode shows what the asynchronous save costs when
 there is CPU to spare.
 
+``--unverified``: two more modes, ``blocking-unverified`` and ``async-unverified``, with
+``VarunaStrategy(verify_checkpoints=False)`` (no checksums, no check that parameters are finite): the cost of the
+checks. Versions of the package without that option skip them.
+
+After the measured window every saving mode makes ``--timed-writes`` more saves, one per step, each followed at
+once by ``trainer.strategy.wait_for_checkpoint()``: ``save call`` is how long the training thread was in
+``save_checkpoint`` (what a save blocks training for) and ``write`` how long until the checkpoint was complete
+(the call included), both the latest over ranks; for ``async``, ``writer CPU`` is the CPU time the writer processes
+spent on it (the busiest rank's, from ``/proc``). These saves are not in the step-time estimate.
+
 Timing: every rank stamps ``time.monotonic()`` (one clock for the host) at the end of each step; step k lasts
 from the latest stamp of step k-1 to the latest of step k (over ranks), so a save made at the end of step k
 counts in step k+1. For each save, lost = the sum of the ``every // 2`` steps after it minus the mean of the sums
@@ -150,18 +160,47 @@ class IdleCpu:
         self.process.wait(30)
 
 
-def run_mode(mode: str, args, folder: Path) -> dict:
-    """One ``Trainer.fit``; returns this rank's step-end stamps and save-call durations."""
-    import lightning.pytorch as pl
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from ``/proc`` (0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _writer_pid(trainer) -> int | None:
+    """The asynchronous writer's process (the same attribute path in every version measured)."""
+    writer = getattr(trainer.strategy._checkpoints, "_process", None)
+    return writer._process.pid if writer is not None else None
+
+
+def _strategy(mode: str):
+    import inspect
 
     from lightning_varuna import VarunaStrategy
 
-    steps = args.warmup + (args.saves + 1) * args.every
+    options = {"pipeline_parallel_size": 2, "num_microbatches": MICROBATCHES,
+               "async_checkpoint": mode.startswith("async")}
+    if mode.endswith("-unverified"):
+        options["verify_checkpoints"] = False
+    if "verify_checkpoints" in inspect.signature(VarunaStrategy).parameters:
+        options.setdefault("verify_checkpoints", True)
+    return VarunaStrategy(**options)
+
+
+def run_mode(mode: str, args, folder: Path) -> dict:
+    """One ``Trainer.fit``; returns this rank's step-end stamps, save-call durations and timed writes."""
+    import lightning.pytorch as pl
+
+    measured_steps = args.warmup + (args.saves + 1) * args.every
+    steps = measured_steps + (args.timed_writes if mode != "none" and not mode.startswith("idle-cpu-") else 0)
     first_save = args.warmup + args.every // 2
     stamps: list[float] = []
     calls: list[float] = []
 
     first_call: list[float] = []
+    timed: list[dict] = []
     idle_cpu = IdleCpu(float(mode.removeprefix("idle-cpu-"))) if mode.startswith("idle-cpu-") else None
 
     def save(trainer) -> None:
@@ -189,9 +228,20 @@ def run_mode(mode: str, args, folder: Path) -> dict:
                 start = time.monotonic()
                 save(trainer)
                 calls.append(time.monotonic() - start)
+            elif step > measured_steps:
+                timed.append(timed_write(trainer))
 
-    strategy = VarunaStrategy(pipeline_parallel_size=2, num_microbatches=MICROBATCHES,
-                              async_checkpoint=mode == "async")
+    def timed_write(trainer) -> dict:
+        pid = _writer_pid(trainer)
+        cpu = _cpu_seconds(pid) if pid else 0.0
+        start = time.monotonic()
+        trainer.save_checkpoint(folder / "last.ckpt")
+        call = time.monotonic() - start
+        trainer.strategy.wait_for_checkpoint()
+        total = time.monotonic() - start
+        return {"call": call, "write": total, "writer_cpu": _cpu_seconds(pid) - cpu if pid else None}
+
+    strategy = _strategy(mode)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", 4))
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -207,7 +257,7 @@ def run_mode(mode: str, args, folder: Path) -> dict:
     finally:
         if idle_cpu is not None:
             idle_cpu.close()
-    return {"stamps": stamps, "calls": calls, "first_call": first_call}
+    return {"stamps": stamps, "calls": calls, "first_call": first_call, "timed": timed}
 
 
 def summarize(per_rank: list[dict], args) -> dict:
@@ -225,7 +275,13 @@ def summarize(per_rank: list[dict], args) -> dict:
     calls = [max(c) for c in zip(*(r["calls"] for r in per_rank))]
     first = [max(c) for c in zip(*(r["first_call"] for r in per_rank))]
     quiet_mean = statistics.fmean(s for b in before for s in b)
-    return {"step_s": steps, "quiet_mean_step_s": quiet_mean,
+    timed = {}
+    if all(r["timed"] for r in per_rank):
+        for key in ("call", "write", "writer_cpu"):
+            values = [[t[key] for t in r["timed"]] for r in per_rank]
+            if all(v is not None for vs in values for v in vs):
+                timed[f"timed_{key}_s"] = [max(v) for v in zip(*values)]
+    return {**timed, "step_s": steps, "quiet_mean_step_s": quiet_mean,
             "saving_mean_step_s": statistics.fmean(s for a in after for s in a), "save_call_s": calls,
             "first_save_call_s": first, "lost_per_save_s": lost, "lost_per_checkpoint_s": statistics.fmean(lost),
             "lost_fraction_of_step": statistics.fmean(lost) / quiet_mean}
@@ -236,7 +292,8 @@ def _bytes(path: Path) -> int:
 
 
 def modes_of(args) -> list[str]:
-    return MODES + [f"idle-cpu-{n}" for n in args.idle_cpu_ms]
+    extra = ["blocking-unverified", "async-unverified"] if args.unverified else []
+    return MODES + extra + [f"idle-cpu-{n}" for n in args.idle_cpu_ms]
 
 
 def worker(args) -> dict | None:
@@ -271,7 +328,8 @@ def worker(args) -> dict | None:
                       f" {res['quiet_mean_step_s'] * 1e3:6.1f} ms, lost/ckpt {res['lost_per_checkpoint_s'] * 1e3:6.1f}"
                       f" ms, save calls"
                       f" {[round(c * 1e3, 1) for c in res['save_call_s']]} ms (first, not measured:"
-                      f" {[round(c * 1e3, 1) for c in res['first_save_call_s']]} ms)", flush=True)
+                      f" {[round(c * 1e3, 1) for c in res['first_save_call_s']]} ms); timed writes"
+                      f" {[round(c * 1e3, 1) for c in res.get('timed_write_s', [])]} ms", flush=True)
         rounds.append(results)
     if rank != 0:
         return None
@@ -299,10 +357,19 @@ def render(out: dict) -> str:
         per = [r[mode] for r in out["rounds"]]
         first_half = cell([p["saving_mean_step_s"] for p in per])
         second_half = cell([p["quiet_mean_step_s"] for p in per])
-        calls = cell([statistics.fmean(p["save_call_s"]) for p in per]) if mode in ("blocking", "async") else "-"
+        calls = cell([statistics.fmean(p["save_call_s"]) for p in per]) if per[0]["save_call_s"] else "-"
         lost = cell([p["lost_per_checkpoint_s"] for p in per])
         frac = cell([p["lost_fraction_of_step"] for p in per], scale=100, fmt=".0f")
         rows.append(f"| `{mode}` | {first_half} | {second_half} | {calls} | {lost} | {frac} % |")
+    rows += ["", "| mode | save call: training blocked (ms) | write, call to complete (ms) | writer CPU (ms) |",
+             "|---|---:|---:|---:|"]
+    for mode in out["rounds"][0]:
+        per = [r[mode] for r in out["rounds"]]
+        if "timed_call_s" not in per[0]:
+            continue
+        call, write = (cell([v for p in per for v in p[key]]) for key in ("timed_call_s", "timed_write_s"))
+        cpu = cell([v for p in per for v in p["timed_writer_cpu_s"]]) if "timed_writer_cpu_s" in per[0] else "-"
+        rows.append(f"| `{mode}` | {call} | {write} | {cpu} |")
     return "\n".join(rows)
 
 
@@ -320,10 +387,14 @@ def main(argv=None) -> int:
                    help="sleep F_MS per micro-batch forward (2x in backward) instead of most real compute (see above)")
     p.add_argument("--idle-cpu-ms", type=lambda v: [int(n) for n in v.split(",")], default=[], metavar="N[,N...]",
                    help="extra modes: an idle-priority helper per rank spends N ms of CPU per save point (see above)")
+    p.add_argument("--timed-writes", type=int, default=5,
+                   help="saves after the measured window, each waited for: save call and write time (see above)")
+    p.add_argument("--unverified", action="store_true",
+                   help="also the saving modes with verify_checkpoints=False (the cost of the checks)")
     p.add_argument("--smoke", action="store_true", help="1 round, 2 saves 4 steps apart: checks that it runs")
     args = p.parse_args(argv)
     if args.smoke:
-        args.rounds, args.warmup, args.every, args.saves = 1, 4, 4, 2
+        args.rounds, args.warmup, args.every, args.saves, args.timed_writes = 1, 4, 4, 2, 2
     if "RANK" not in os.environ:
         p.error("run it under torchrun --standalone --nproc-per-node=4")
     out = worker(args)
@@ -334,7 +405,8 @@ def main(argv=None) -> int:
                           *(argv or sys.argv[1:])]),
         world_size=int(os.environ["WORLD_SIZE"]),
         config={k: getattr(args, k) for k in ("rounds", "warmup", "every", "saves", "n_layer", "n_embd",
-                                              "accelerator_like", "idle_cpu_ms")},
+                                              "accelerator_like", "idle_cpu_ms", "timed_writes", "unverified")},
+        package=str(Path(__import__("lightning_varuna").__file__).parent),  # PYTHONPATH may point elsewhere
         package_commit=_git("rev-parse", "HEAD"),
         package_uncommitted_changes=_git("status", "--porcelain", "--", "lightning_varuna"),
         loadavg=os.getloadavg(),

@@ -6,7 +6,10 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 
 1. ``_CheckpointConnector._select_ckpt_path`` (class level, installed when the strategy is created): Lightning
    resolves ``ckpt_path="last"`` to a path before any strategy hook runs, and the strategy needs the value the
-   user asked for ("last" may fall back to an older checkpoint; an explicit path may not), and, at setup,
+   user asked for ("last" may fall back to an older checkpoint; an explicit path may not). For ``"last"`` it
+   also chooses the newest complete copy of the run's last checkpoint, which Lightning does not see when an
+   interrupted publication left it under a temporary name (:func:`lightning_varuna.resume.choose_last`, from the
+   files alone: every rank chooses alike before the process group exists). It also records, at setup,
    whether a checkpoint will be restored at all (Lightning records the resolved path only after the strategy's
    setup; ``initial_weights`` are not loaded when a checkpoint supplies the weights). For any other strategy the
    wrapper only calls Lightning's own method.
@@ -49,6 +52,7 @@ Tested on Lightning 2.5 and 2.6 (``pyproject.toml`` pins that range).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,8 +71,12 @@ def _is_varuna(strategy: Any) -> bool:
     return getattr(strategy, "strategy_name", None) == "varuna"
 
 
-def install_ckpt_path_recorder() -> None:
-    """Patch 1: records the ``ckpt_path`` the user passed, for trainers of this strategy (installed once)."""
+def install_ckpt_path_recorder(choose_last: Callable[[Any, Any], Any]) -> None:
+    """Patch 1: records the ``ckpt_path`` the user passed and resolves ``"last"``, for this strategy (installed once).
+
+    Args:
+        choose_last: ``(trainer, Lightning's choice) -> path or None``: the checkpoint ``"last"`` stands for.
+    """
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     original = _CheckpointConnector._select_ckpt_path
@@ -76,13 +84,24 @@ def install_ckpt_path_recorder() -> None:
         return
 
     def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        varuna = _is_varuna(self.trainer.strategy)
-        if varuna:
-            setattr(self, _REQUESTED, ckpt_path)
-        selected = original(self, state_fn, ckpt_path, *args, **kwargs)
-        if varuna:
-            setattr(self, _SELECTED, selected)
+        if not _is_varuna(self.trainer.strategy):
+            return original(self, state_fn, ckpt_path, *args, **kwargs)
+        setattr(self, _REQUESTED, ckpt_path)
+        selected = _select_for_varuna(self, original, state_fn, ckpt_path, *args, **kwargs)
+        setattr(self, _SELECTED, selected)
         return selected
+
+    def _select_for_varuna(self: Any, original: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ckpt_path != "last":
+            return original(self, state_fn, ckpt_path, *args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:  # "no last checkpoint" may not be so
+            warnings.simplefilter("always")
+            chosen = original(self, state_fn, ckpt_path, *args, **kwargs)
+        ours = choose_last(self.trainer, chosen)
+        if ours is None:
+            for warning in caught:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return ours if ours is not None else chosen
 
     select._varuna = True  # type: ignore[attr-defined]
     _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]

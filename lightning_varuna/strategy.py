@@ -54,7 +54,10 @@ from lightning_varuna.callbacks import (
 )
 from lightning_varuna.checkpoint import load as checkpoint
 from lightning_varuna.checkpoint import state as checkpoint_state
+from lightning_varuna.checkpoint.lease import DEFAULT_TIMEOUT_S, Holder, LeaseKeeper, LeaseTicket
 from lightning_varuna.checkpoint.pretrained import InitialWeights, ModelLayout
+from lightning_varuna.checkpoint.state import CheckpointError
+from lightning_varuna.checkpoint.storage import Location
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import resumable_training_loader, sample_batch
 from lightning_varuna.gradients import BatchGradients
@@ -75,7 +78,7 @@ from lightning_varuna.pipeline.materialize import has_meta_tensors, move_real_te
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
-from lightning_varuna.resume import last_fallbacks
+from lightning_varuna.resume import checkpoint_folders, choose_last, last_fallbacks, requested_name
 from lightning_varuna.steps import StepRunner, check_metric_states
 
 __all__ = ["VarunaStrategy"]
@@ -139,6 +142,15 @@ class VarunaStrategy(ParallelStrategy):
         initial_weights_strict: Whether keys of the model missing from ``initial_weights`` (or keys of the file
             the model lacks) are an error. With ``False`` they are reported in a warning and the missing ones
             keep their initialization; a shape mismatch is always an error.
+        verify_checkpoints: Record a checksum of every file and tensor of a checkpoint, check them on loading
+            (a mismatch makes the checkpoint damaged: an error, or the next candidate for ``ckpt_path="last"``),
+            and refuse to save parameters that hold NaN or infinite values (the last good checkpoint stays).
+            Checkpoints without checksums (written by earlier versions) load unchecked.
+        checkpoint_lease_timeout: Seconds after which the lease of a checkpoint folder that is no longer
+            renewed is stale. Rank 0 holds a lease on each folder it saves to during ``fit`` (renewed every
+            quarter of this); another job saving to that folder meanwhile is refused with an error naming this
+            one. A restart of the same job (same SLURM job, same torchrun run id) takes the lease over at once,
+            as does anyone when the holder's process on the same host is gone. ``None``: no lease.
         accelerator: The accelerator (set by the Trainer).
         parallel_devices: The devices of this node (set by the Trainer).
         cluster_environment: The cluster environment (set by the Trainer).
@@ -171,6 +183,8 @@ class VarunaStrategy(ParallelStrategy):
         initial_weights: str | None = None,
         initial_weights_prefix: str = "",
         initial_weights_strict: bool = True,
+        verify_checkpoints: bool = True,
+        checkpoint_lease_timeout: float | None = DEFAULT_TIMEOUT_S,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -204,11 +218,16 @@ class VarunaStrategy(ParallelStrategy):
         self.boundary_dtype = boundary_dtype
         self.global_batch_size = global_batch_size
         self.preemption_notice = preemption_notice
+        if checkpoint_lease_timeout is not None and not checkpoint_lease_timeout > 0:
+            raise ValueError(f"checkpoint_lease_timeout: give seconds (> 0) or None, not {checkpoint_lease_timeout!r}.")
         self.async_checkpoint = async_checkpoint
+        self.verify_checkpoints = verify_checkpoints
+        self.checkpoint_lease_timeout = checkpoint_lease_timeout
+        self._leases: LeaseKeeper | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         self._checkpoints = CheckpointWriter(asynchronous=async_checkpoint, timeout=self._timeout)
-        install_ckpt_path_recorder()
+        install_ckpt_path_recorder(choose_last)
         self.num_nodes = 1
         self.engine: PipelineEngine | None = None
         self.topology: Topology | None = None
@@ -321,6 +340,8 @@ class VarunaStrategy(ParallelStrategy):
         """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
         assert self.accelerator is not None and self.model is not None
         refuse_unsupported_callbacks(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._take_leases(trainer)  # before any work: a refused job stops at once
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -572,7 +593,29 @@ class VarunaStrategy(ParallelStrategy):
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         groups = checkpoint_state.param_groups_by_name(self.lightning_module, optimizers)
         names = self.engine.param_names if self.engine is not None else []
-        self._checkpoints.save(path, shards, checkpoint_dict, groups, names)
+        self._checkpoints.save(path, shards, checkpoint_dict, groups, names, self.verify_checkpoints,
+                               self._lease_ticket(path))
+
+    def _take_leases(self, trainer: Trainer) -> None:
+        """Rank 0 takes the lease of every checkpoint folder of this fit; any refusal is raised on every rank."""
+        if self.checkpoint_lease_timeout is None:
+            return
+        problem = None
+        if self.is_global_zero:
+            self._leases = LeaseKeeper(self.checkpoint_lease_timeout)
+            problem = self._leases.acquire(checkpoint_folders(trainer))
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
+
+    def _lease_ticket(self, path: str) -> LeaseTicket | None:
+        """Rank 0: how a save takes its folder's lease (kept and renewed during fit, released after it otherwise)."""
+        if self.checkpoint_lease_timeout is None or not self.is_global_zero:
+            return None
+        if self._leases is None:
+            return LeaseTicket(Holder.current(), self.checkpoint_lease_timeout, keep=False)
+        self._leases.track(Location.of(path).parent)
+        return self._leases.ticket()
 
     def wait_for_checkpoint(self) -> None:
         """Blocks until the checkpoint being written in the background (``async_checkpoint``) is complete.
@@ -597,7 +640,8 @@ class VarunaStrategy(ParallelStrategy):
         fallbacks = self.broadcast(last_fallbacks(trainer, path) if self.is_global_zero else None)
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         names = self.engine.param_names
-        return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only, fallbacks)
+        return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only, fallbacks,
+                               self.verify_checkpoints, requested_name(trainer, path))
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
@@ -640,6 +684,9 @@ class VarunaStrategy(ParallelStrategy):
             self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
         finally:  # the rest of teardown happens even if that write failed
             self._patches.undo()
+            if self._leases is not None:
+                self._leases.close()
+                self._leases = None
             if self._preemption is not None:
                 self._preemption.detach()
                 self._preemption = None

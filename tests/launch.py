@@ -22,11 +22,17 @@ def _env() -> dict[str, str]:
     return env
 
 
-def torchrun(script: str, *args: str, nproc: int = 4, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs ``tests/jobs/<script>`` under torchrun with ``nproc`` gloo processes; fails the test on error."""
+def torchrun(
+    script: str, *args: str, nproc: int = 4, timeout: float = 300, env: dict[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Runs ``tests/jobs/<script>`` under torchrun with ``nproc`` gloo processes; fails the test on error.
+
+    ``env`` adds to the environment; with ``check=False`` a failed job is returned, not raised.
+    """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(JOBS / script), *args]
-    return _run(command, timeout)
+    return _run(command, timeout, env, check)
 
 
 def python(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -34,9 +40,12 @@ def python(script: str, *args: str, timeout: float = 300) -> subprocess.Complete
     return _run([sys.executable, str(JOBS / script), *args], timeout)
 
 
-def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    if result.returncode != 0:
+def _run(
+    command: list[str], timeout: float, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})},
+                            cwd=ROOT)
+    if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} exited with {result.returncode}:\n"
             f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_varuna.checkpoint import CheckpointError, convert, is_complete
 from lightning_varuna.checkpoint import load as checkpoint_load
+from lightning_varuna.checkpoint import publish as checkpoint_publish
 from lightning_varuna.checkpoint import state as checkpoint
 from lightning_varuna.checkpoint import storage as checkpoint_files
 from lightning_varuna.checkpoint.job import write_single
@@ -152,7 +153,7 @@ def test_interrupted_replacement_leaves_a_loadable_checkpoint(saved) -> None:
     path.rename(old)
     with pytest.warns(UserWarning, match="replacement was interrupted"):
         _load(path, GroupedGPT(n_layer=2))
-    checkpoint_files.recover(checkpoint_files.Location.of(path))  # what rank 0 does before the next save
+    checkpoint_publish.recover(checkpoint_files.Location.of(path))  # what rank 0 does before the next save
     assert is_complete(path) and not old.exists()
 
 
@@ -409,12 +410,12 @@ def test_removing_a_checkpoint_never_leaves_it_half_deleted_under_its_name(tmp_p
 
         loc.fs.mv = recorded
         try:
-            checkpoint_files.remove_quietly(loc)
+            checkpoint_publish.remove_quietly(loc)
         finally:
             del loc.fs.mv
-        assert not loc.exists() and not loc.with_suffix(checkpoint_files.TRASH_SUFFIX).exists()
+        assert not loc.exists() and not loc.with_suffix(checkpoint_publish.TRASH_SUFFIX).exists()
         if isinstance(path, Path):  # locally, renamed away in one step before the files go
-            assert moves == [(loc.path, loc.with_suffix(checkpoint_files.TRASH_SUFFIX).path)]
+            assert moves == [(loc.path, loc.with_suffix(checkpoint_publish.TRASH_SUFFIX).path)]
 
 
 def test_the_async_writer_refuses_a_filesystem_defined_in_the_main_script() -> None:

@@ -35,9 +35,8 @@ from typing import Any
 import fsspec
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map_only
 
-__all__ = ["Slot", "WriterProcess", "fill", "hollow"]
+__all__ = ["Slot", "WriterProcess", "fill", "hollow", "map_tensors"]
 
 _ALIGN = 64
 _JOB_SIGNAL_NAMES = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
@@ -60,6 +59,17 @@ class Slot:
     index: int
 
 
+def map_tensors(fn: Callable[[Any], Any], value: Any, kind: type = Tensor) -> Any:
+    """``value`` with every ``kind`` inside its dicts, lists and tuples replaced by ``fn(it)``."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: map_tensors(fn, inner, kind) for key, inner in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # not a namedtuple
+        return type(value)(map_tensors(fn, inner, kind) for inner in value)
+    return value
+
+
 def hollow(value: Any, tensors: list[Tensor]) -> Any:
     """``value`` with every tensor replaced by a :class:`Slot`, appended to ``tensors`` in that order."""
 
@@ -67,12 +77,12 @@ def hollow(value: Any, tensors: list[Tensor]) -> Any:
         tensors.append(tensor)
         return Slot(len(tensors) - 1)
 
-    return tree_map_only(Tensor, slot, value)
+    return map_tensors(slot, value)
 
 
 def fill(value: Any, tensors: list[Tensor]) -> Any:
     """The reverse of :func:`hollow`."""
-    return tree_map_only(Slot, lambda slot: tensors[slot.index], value)
+    return map_tensors(lambda slot: tensors[slot.index], value, Slot)
 
 
 Layout = list[tuple[torch.dtype, tuple[int, ...]]]
@@ -320,8 +330,9 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from lightning_varuna.checkpoint import storage as files
     from lightning_varuna.checkpoint.job import write_job
+    from lightning_varuna.checkpoint.publish import remove_quietly
+    from lightning_varuna.checkpoint.storage import Location
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=timeout_s)
@@ -335,6 +346,6 @@ def main() -> None:
         return write_job(job, None)
 
     try:
-        serve(conn, write, lambda path: files.remove_quietly(files.Location.of(path)))
+        serve(conn, write, lambda path: remove_quietly(Location.of(path)))
     finally:
         dist.destroy_process_group()

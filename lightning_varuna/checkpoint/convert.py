@@ -33,11 +33,10 @@ from typing import Any, TypeVar
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from lightning_varuna.checkpoint.integrity import CHECKSUMS
 from lightning_varuna.checkpoint.job import write_single
-from lightning_varuna.checkpoint.load import check_files, single_process_quiet
+from lightning_varuna.checkpoint.load import check_files, read_everything
 from lightning_varuna.checkpoint.state import (
     RECORD,
     CheckpointError,
@@ -53,7 +52,11 @@ _Module = TypeVar("_Module", bound=LightningModule)
 
 
 def to_plain(
-    src: str | os.PathLike, dst: str | os.PathLike, weights_only: bool | None = None, keep_loader_state: bool = False
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    weights_only: bool | None = None,
+    keep_loader_state: bool = False,
+    verify: bool = True,
 ) -> None:
     """Writes the sharded checkpoint ``src`` as one plain Lightning checkpoint file ``dst``.
 
@@ -64,11 +67,12 @@ def to_plain(
         keep_loader_state: Keep the training data loader's position. It is dropped by default: the strategy
             records it for its own resumable loader, and Lightning refuses it when resuming with a plain
             ``DataLoader`` (the resumed epoch then starts from its beginning, as for any plain loader).
+        verify: Check every file and item against the checksums it was saved with (if it has them).
 
     Raises:
         CheckpointError: ``src`` is incomplete or damaged, or has no parameter record.
     """
-    plain = plain_checkpoint(src, weights_only, keep_loader_state)
+    plain = plain_checkpoint(src, weights_only, keep_loader_state, verify=verify)
     buffer = io.BytesIO()
     torch.save(plain, buffer)
     Location.of(dst).write_bytes(buffer.getvalue())
@@ -76,7 +80,7 @@ def to_plain(
 
 def plain_checkpoint(
     src: str | os.PathLike, weights_only: bool | None = None, keep_loader_state: bool = False,
-    optimizer_states: bool = True,
+    optimizer_states: bool = True, verify: bool = True,
 ) -> dict[str, Any]:
     """The sharded checkpoint ``src`` as the dictionary of a plain Lightning checkpoint (see :func:`to_plain`).
 
@@ -84,14 +88,15 @@ def plain_checkpoint(
     optimizer states out (and unread).
     """
     loc = Location.of(src)
-    meta = check_files(loc, weights_only)
+    meta = check_files(loc, weights_only, verify)
     record = meta.get(RECORD)
     if record is None:
         raise CheckpointError(
             f"{loc} has no parameter record ({RECORD!r} in meta.pt): it was written by an earlier version of"
             " lightning_varuna. Resume from it once and save it again."
         )
-    data = _read_entries(loc, None if optimizer_states else {"state_dict"})
+    data = read_everything(loc, record.get(CHECKSUMS, {}).get("items", {}) if verify else {},
+                           None if optimizer_states else {"state_dict"})
     saved = sorted(int(key.split("_", 1)[1]) for key in data if key.startswith("optimizer_"))
     if optimizer_states and saved != list(range(len(record["optimizers"]))):
         raise CheckpointError(
@@ -107,17 +112,6 @@ def plain_checkpoint(
             for i, groups in enumerate(record["optimizers"])
         ]
     return plain
-
-
-def _read_entries(loc: Location, keys: set[str] | None) -> dict[str, Any]:
-    """The checkpoint's entries (those under ``keys``, or all), read by this process alone."""
-    entries: dict[str, Any] = {}
-    with single_process_quiet():
-        # DCP's reader of a checkpoint whose keys are not known in advance (what `_load_state_dict_from_keys`
-        # does), with no_dist: a process group, if one exists, plays no part
-        _load_state_dict(state_dict=entries, storage_reader=loc.reader(), no_dist=True,
-                         planner=_EmptyStateDictLoadPlanner(keys=keys))
-    return entries
 
 
 def load_from_checkpoint(
@@ -216,8 +210,9 @@ def to_safetensors(
         raise CheckpointError("Writing .safetensors needs the safetensors package: pip install safetensors") from None
     loc = Location.of(src)
     if loc.isdir():
-        check_files(loc, weights_only)
-        weights = _read_entries(loc, {"state_dict"})["state_dict"]
+        meta = check_files(loc, weights_only)
+        expected = meta.get(RECORD, {}).get(CHECKSUMS, {}).get("items", {})
+        weights = read_everything(loc, expected, {"state_dict"})["state_dict"]
     else:
         weights = _read_plain(loc, weights_only)["state_dict"]
     kept = {key[len(strip_prefix):]: value for key, value in weights.items() if key.startswith(strip_prefix)}

@@ -1,7 +1,10 @@
 """One checkpoint write, collective over a process group, ending with every rank's agreement on the outcome.
 
-Every rank writes its shards; rank 0 then writes the index, ``meta.pt`` and moves it into place. The same
-sequence runs in the training process (a blocking save) or in the writer processes
+Rank 0 first takes the folder's lease and finishes what an interrupted publication left; every rank then runs
+``torch.distributed.checkpoint.save`` (DCP's planner writes each tensor once, replicas sharing the writing,
+and takes each item's checksum on the way); rank 0 adds the parameter record (with the checksums) and
+``meta.pt`` and publishes the checkpoint (:mod:`~lightning_varuna.checkpoint.publish`). The same sequence runs in
+the training process (a blocking save) or in the writer processes
 (:mod:`lightning_varuna.checkpoint.background`). :func:`write_single` writes a whole model's checkpoint from one
 process (conversion).
 """
@@ -17,11 +20,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lightning_varuna.checkpoint import format as checkpoint_format
-from lightning_varuna.checkpoint import storage as files
-from lightning_varuna.checkpoint.load import single_process_quiet
+from lightning_varuna.checkpoint import lease as leases
+from lightning_varuna.checkpoint.integrity import ALGORITHM, CHECKSUMS, ChecksumSavePlanner, checksum
+from lightning_varuna.checkpoint.publish import TMP_SUFFIX, publish, recover, remove_checkpoint, remove_quietly
 from lightning_varuna.checkpoint.state import RECORD, Groups, make_record, split_shards
-from lightning_varuna.checkpoint.storage import Location
+from lightning_varuna.checkpoint.storage import INDEX, META, Location, is_complete, single_process_quiet, to_bytes
 
 __all__ = ["WriteJob", "write_job", "write_single"]
 
@@ -41,6 +44,8 @@ class WriteJob:
         hyper: Each of this rank's optimizer groups' hyper-parameters.
         param_names: The full model's parameter names in ``named_parameters()`` order.
         problem: Found before the write: every rank fails the save alike.
+        verify: Take checksums, and refuse parameters that are not finite.
+        lease: Rank 0: the lease to take on the target's folder (``None``: none is taken).
     """
 
     target: str
@@ -50,97 +55,97 @@ class WriteJob:
     hyper: list[list[dict | None]]
     param_names: list[str]
     problem: str | None = None
+    verify: bool = True
+    lease: leases.LeaseTicket | None = None
 
 
 def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
-    """Writes a checkpoint (collective over ``group``) and returns the error every rank agrees on, if any.
-
-    Rank 0 first puts back what an interrupted replacement left and clears the temporary directory; every
-    rank then writes the shards it is assigned under the temporary name (:mod:`~lightning_varuna.checkpoint.format`:
-    DCP's format, without DCP's planning protocol), and rank 0 writes DCP's index, adds ``record.pt`` (the
-    parameter record of every rank's groups) and ``meta.pt`` and moves it into place.
-    """
+    """Writes a checkpoint (collective over ``group``) and returns the error every rank agrees on, if any."""
     target = Location.of(job.target)
-    tmp = target.with_suffix(files.TMP_SUFFIX)
+    tmp = target.with_suffix(TMP_SUFFIX)
     problem = job.problem
     if job.meta is not None and problem is None:
-        try:
-            files.recover(target)
-            tmp.remove()
-        except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
-            problem = f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
-    flat, held = None, None
-    try:
-        flat = checkpoint_format.flatten(job.shards)
-        held = checkpoint_format.inventory(flat)
-    except checkpoint_format.UnsupportedState:
-        pass  # this rank's state is written by dcp.save, and so every rank's
-    except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
-        problem = problem or f"rank {dist.get_rank(group)} could not list its state: {type(err).__name__}: {err}"
+        problem = _prepare(job, target, tmp)
     try:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (job.target, job.groups, job.hyper, problem, held), group=group)
-        paths = sorted({path for path, *_ in gathered})
-        problem = next((p for _, _, _, p, _ in gathered if p is not None), None)
+        dist.all_gather_object(gathered, (job.target, job.groups, job.hyper, problem), group=group)
+        problem = next((p for *_, p in gathered if p is not None), None)
         if problem is not None:  # seen alike by every rank: no write, no further collective
             return problem
+        paths = sorted({path for path, *_ in gathered})
         if len(paths) > 1:
             return f"the ranks were given different paths ({', '.join(paths)}); give every rank the same one"
-        inventories = [h for *_, h in gathered]
-        members = [(g, h) for _, g, h, _, _ in gathered]
-        if any(h is None for h in inventories):
-            return _write_with_dcp(job, tmp, target, members, group)
-        part, error = None, None
+        planner = ChecksumSavePlanner(_parameter_keys(job) if job.verify else ())
+        error = None
         try:
-            mine = checkpoint_format.assign(inventories)[rank]
-            part = checkpoint_format.write_items(tmp, rank, flat, mine)  # type: ignore[arg-type]
-        except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+            dcp.save(job.shards, storage_writer=tmp.writer(), planner=planner, process_group=group)
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - DCP raises it on every rank (not an Exception)
             log.debug("checkpoint write failed", exc_info=True)
-            error = f"{type(err).__name__}: {err}"
-        # rank 0 (the one with meta) alone reads the parts, publishes, and tells every rank the outcome
+            error = _describe(err)
+        # rank 0 (the one with meta) alone reads the checksums, publishes, and tells every rank the outcome
         root = dist.get_global_rank(group, 0) if group is not None else 0
         written: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object((part, error), written, dst=root, group=group)
-        outcome: list[str | None] = [None]
+        dist.gather_object(planner.checksums if job.verify else None, written, dst=root, group=group)
+        outcome: list[str | None] = [error]
         if written is not None:
-            outcome[0] = next((f"rank {r}: {e}" for r, (_, e) in enumerate(written) if e is not None), None)
-            if outcome[0] is None:
-                try:
-                    expected = {key for listed in inventories for key, _ in listed}
-                    checkpoint_format.write_index(tmp, [p for p, _ in written], expected)
-                    record = files.to_bytes(make_record(job.param_names, members))
-                    files.publish(tmp, target, job.meta, record)  # type: ignore[arg-type]
-                except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
-                    log.debug("checkpoint publication failed", exc_info=True)
-                    outcome[0] = f"rank 0: {type(err).__name__}: {err}"
+            if error is None:
+                outcome[0] = _publish(job, target, tmp, [(g, h) for _, g, h, _ in gathered], written)
+            if outcome[0] is not None and not is_complete(tmp):  # a complete one is the newest: it stays
+                remove_quietly(tmp)
         dist.broadcast_object_list(outcome, src=root, group=group)
         return outcome[0]
     except Exception as err:  # noqa: BLE001 - a peer lost during the collectives
         return f"{type(err).__name__}: {err}"
 
 
-def _write_with_dcp(
-    job: WriteJob, tmp: Location, target: Location, members: list[tuple[Groups, Any]], group: dist.ProcessGroup | None
-) -> str | None:
-    """The write of a state that :mod:`~lightning_varuna.checkpoint.format` does not flatten: DCP's own save."""
-    error = None
+def _prepare(job: WriteJob, target: Location, tmp: Location) -> str | None:
+    """Rank 0, before the write: the folder's lease, an interrupted publication finished, ``tmp`` cleared."""
     try:
-        dcp.save(job.shards, storage_writer=tmp.writer(), process_group=group)
-        if job.meta is not None:
-            # DCP's coordinator returns only after every rank's write: all shards are in
-            files.publish(tmp, target, job.meta, files.to_bytes(make_record(job.param_names, members)))
+        if job.lease is not None:
+            problem = leases.take(target.parent, job.lease.holder, job.lease.timeout_s)
+            if problem is not None:
+                return problem
+        recover(target)
+        remove_checkpoint(tmp)
     except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
-        log.debug("checkpoint write failed", exc_info=True)
-        error = f"{type(err).__name__}: {err}"
-    return _agree(error, group)
+        return f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
+    return None
 
 
-def _agree(error: str | None, group: dist.ProcessGroup | None) -> str | None:
-    """The first rank's error, on every rank (collective)."""
-    errors: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+def _publish(
+    job: WriteJob, target: Location, tmp: Location, members: list[tuple[Groups, Any]], checksums: list[Any]
+) -> str | None:
+    """Rank 0, after every rank's write: the record (with the checksums) and ``meta.pt`` in, then in place."""
+    assert job.meta is not None
+    try:
+        record = make_record(job.param_names, members)
+        if job.verify:
+            files = {META: checksum(job.meta), INDEX: checksum(tmp.child(INDEX).read_bytes())}
+            items = {key: value for part in checksums for key, value in part.items()}
+            record[CHECKSUMS] = {"algorithm": ALGORITHM, "files": files, "items": items}
+        publish(tmp, target, job.meta, to_bytes(record))
+        if job.lease is not None and not job.lease.keep:
+            leases.release(target.parent, job.lease.holder)
+    except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+        log.debug("checkpoint publication failed", exc_info=True)
+        return f"rank 0: {type(err).__name__}: {err}"
+    return None
+
+
+def _parameter_keys(job: WriteJob) -> list[str]:
+    return [f"state_dict.{name}" for name in job.param_names]
+
+
+def _describe(err: Exception) -> str:
+    """One line for a failed ``dcp.save``: the first failing rank's own error, not DCP's wrapper of all of them."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        failure = failures[rank]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(err).__name__}: {err}"
 
 
 def write_single(
@@ -157,15 +162,15 @@ def write_single(
         param_names: The model's parameter names in ``named_parameters()`` order.
     """
     target = Location.of(path)
-    tmp = target.with_suffix(files.TMP_SUFFIX)
-    tmp.remove()
+    tmp = target.with_suffix(TMP_SUFFIX)
+    recover(target)
+    remove_checkpoint(tmp)
     shards, hyper = split_shards(shards, groups)
-    try:
-        flat = checkpoint_format.flatten(shards)
-    except checkpoint_format.UnsupportedState:
-        with single_process_quiet():
-            dcp.save(shards, storage_writer=tmp.writer(), no_dist=True)
-    else:
-        part = checkpoint_format.write_items(tmp, 0, flat, set(flat))
-        checkpoint_format.write_index(tmp, [part], flat)
-    files.publish(tmp, target, files.to_bytes({**metadata, RECORD: make_record(param_names, [(groups, hyper)])}))
+    planner = ChecksumSavePlanner()
+    with single_process_quiet():
+        dcp.save(shards, storage_writer=tmp.writer(), planner=planner, no_dist=True)
+    meta = to_bytes({key: value for key, value in metadata.items() if key != RECORD})
+    record = make_record(param_names, [(groups, hyper)])
+    files = {META: checksum(meta), INDEX: checksum(tmp.child(INDEX).read_bytes())}
+    record[CHECKSUMS] = {"algorithm": ALGORITHM, "files": files, "items": planner.checksums}
+    publish(tmp, target, meta, to_bytes(record))

@@ -10,21 +10,21 @@ its own parameters' weights and optimizer state from it.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
+from lightning_varuna.checkpoint.integrity import CHECKSUMS, VerifyingLoadPlanner, checksum
+from lightning_varuna.checkpoint.publish import newest_copy
 from lightning_varuna.checkpoint.state import (
     RECORD,
     CheckpointError,
@@ -36,23 +36,9 @@ from lightning_varuna.checkpoint.state import (
     param_groups_by_name,
     plain_to_flat,
 )
-from lightning_varuna.checkpoint.storage import (
-    INDEX,
-    META,
-    Location,
-    read_meta,
-    resolve,
-)
+from lightning_varuna.checkpoint.storage import INDEX, META, Location, is_complete, read_meta, single_process_quiet
 
-__all__ = ["check_files", "load", "single_process_quiet"]
-
-
-@contextlib.contextmanager
-def single_process_quiet() -> Iterator[None]:
-    """Silences DCP's warning that it runs without a process group (meant here)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
-        yield
+__all__ = ["check_files", "load", "read_everything", "read_items", "resolve"]
 
 
 # -- reading ------------------------------------------------------------------------------------------------
@@ -70,6 +56,8 @@ def load(
     full_names: Sequence[str],
     weights_only: bool | None = None,
     fallbacks: Sequence[str] = (),
+    verify: bool = True,
+    requested: str | None = None,
 ) -> dict[str, Any]:
     """Loads this rank's share of a checkpoint into ``module`` and ``optimizers``; returns the rest.
 
@@ -83,23 +71,31 @@ def load(
             key optimizer state by position).
         weights_only: Passed to ``torch.load`` for metadata and plain files.
         fallbacks: Checkpoints to try, in order, if ``path`` is missing, incomplete, damaged or does not fit.
+        verify: Check every file and item against the checksums the checkpoint was saved with (if any).
+        requested: What the user asked for (e.g. ``last.ckpt`` when ``path`` is a copy of it), for the error.
 
     Returns:
         Lightning's checkpoint dictionary without the weights and optimizer states.
 
     Raises:
-        CheckpointError: No candidate could be loaded (the error of the last one tried).
+        CheckpointError: No candidate could be loaded: names ``requested`` (or ``path``) and why each failed.
     """
     candidates = [os.fspath(path), *fallbacks]
+    failures: list[str] = []
     for i, candidate in enumerate(candidates):
         try:
-            return _load_one(candidate, module, optimizers, full_names, weights_only)
+            return _load_one(candidate, module, optimizers, full_names, weights_only, verify)
         except CheckpointError as err:
-            if i + 1 == len(candidates):
-                raise
-            if _rank() == 0:
+            failures.append(str(err))
+            if i + 1 < len(candidates):  # every rank says so: a rank's log may be the only one read
                 warnings.warn(f"{err} Falling back to {candidates[i + 1]}.", stacklevel=2)
-    raise AssertionError("unreachable")
+    if len(candidates) == 1:
+        raise CheckpointError(failures[0])
+    tried = " ".join(f"({n}) {failure}" for n, failure in enumerate(failures[1:], 2))
+    raise CheckpointError(
+        f"Could not load {requested or candidates[0]}: {failures[0]} Every other checkpoint of the run was tried"
+        f" and failed too: {tried}"
+    )
 
 
 def _rank() -> int:
@@ -120,16 +116,26 @@ def _agree(problem: str | None, extra: Any = None) -> list[Any]:
     return [e for _, e in gathered]
 
 
+def resolve(loc: Location) -> tuple[Location, str | None]:
+    """``loc``, or, if it is not complete, the newest complete copy an interrupted replacement left (and a note)."""
+    if is_complete(loc):
+        return loc, None
+    newest = newest_copy(loc)
+    if newest is None or newest == loc:
+        return loc, None
+    return newest, f"{loc} is not complete but {newest} is (a replacement was interrupted); loading that."
+
+
 def _load_one(
     path: str, module: nn.Module, optimizers: Sequence[Optimizer], full_names: Sequence[str],
-    weights_only: bool | None,
+    weights_only: bool | None, verify: bool,
 ) -> dict[str, Any]:
     loc, note = resolve(Location.of(path))
-    if note is not None and _rank() == 0:
+    if note is not None:
         warnings.warn(note, stacklevel=3)
     if loc.exists() and not loc.isdir():
         return _load_plain(loc, module, optimizers, full_names, weights_only)
-    problem, meta, index = _check_directory(loc, weights_only)
+    problem, meta, index = _check_directory(loc, weights_only, verify)
     state: dict[str, Any] = {}
     request: dict[str, Any] = {}
     own: list[str] = []
@@ -148,11 +154,8 @@ def _load_one(
     held = _agree(problem, own)
     assert index is not None and meta is not None
     _check_extra(loc, {k[len("state_dict."):] for k in index.state_dict_metadata if k.startswith("state_dict.")}, held)
-    try:
-        with single_process_quiet():
-            dcp.load(request, storage_reader=loc.reader(), no_dist=not dist.is_initialized())
-    except Exception as err:  # noqa: BLE001 - raised on every rank by DCP, re-raised with what to do
-        raise CheckpointError(f"Could not read {loc}: {err}. The files may be damaged. {_USE_ANOTHER}") from err
+    expected = meta.get(RECORD, {}).get(CHECKSUMS, {}).get("items", {}) if verify else {}
+    _agree(read_items(loc, request, expected))
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         state[key].update(request[key])
@@ -161,10 +164,65 @@ def _load_one(
     return meta
 
 
+def read_items(loc: Location, request: dict[str, Any], expected: dict[str, str]) -> str | None:
+    """``dcp.load`` of ``request`` from ``loc`` (collective), each item checked against ``expected``; the problem.
+
+    DCP raises a failure to read on every rank; a checksum that differs is this rank's problem (to agree on).
+    """
+    planner = VerifyingLoadPlanner(expected)
+    try:
+        with single_process_quiet():
+            dcp.load(request, storage_reader=loc.reader(), planner=planner, no_dist=not dist.is_initialized())
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - raised on every rank by DCP, re-raised with what to do
+        raise CheckpointError(f"Could not read {loc}: {err}. The files may be damaged. {_USE_ANOTHER}") from err
+    if not planner.mismatched:
+        return None
+    return (
+        f"{loc}: {_few(sorted(planner.mismatched))} read back different from what was saved (checksum mismatch):"
+        f" a shard file is damaged. {_USE_ANOTHER} (verify_checkpoints=False loads it without this check.)"
+    )
+
+
+def read_everything(loc: Location, expected: dict[str, str], only: set[str] | None = None) -> dict[str, Any]:
+    """Every item of the checkpoint at ``loc`` (or of its entries named in ``only``), nested as saved.
+
+    Reads in this process alone, whether or not a process group exists.
+
+    Raises:
+        CheckpointError: A file cannot be read, or an item differs from its checksum in ``expected``.
+    """
+    index = loc.reader().read_metadata()
+    flat: dict[str, Any] = {}
+    paths = index.planner_data or {}
+    for key, item in index.state_dict_metadata.items():
+        if only is not None and paths.get(key, tuple(key.split(".", 1)))[0] not in only:
+            continue
+        flat[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(
+            item, TensorStorageMetadata) else None
+    planner = VerifyingLoadPlanner(expected, flatten_state_dict=False)
+    try:
+        with single_process_quiet():
+            dcp.load(flat, storage_reader=loc.reader(), planner=planner, no_dist=True)
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any reader error means the same to the user
+        raise CheckpointError(f"Could not read {loc}: {err}. The files may be damaged.") from err
+    if planner.mismatched:
+        raise CheckpointError(f"{loc}: {_few(sorted(planner.mismatched))} read back different from what was saved"
+                              " (checksum mismatch): a shard file is damaged.")
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = paths.get(key, tuple(key.split(".", 1)))
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
 def _check_directory(
-    loc: Location, weights_only: bool | None
+    loc: Location, weights_only: bool | None, verify: bool = True
 ) -> tuple[str | None, dict[str, Any] | None, Metadata | None]:
-    """Whether every file is there and readable: ``(problem, meta, DCP index)``."""
+    """Whether every file is there, readable and as saved: ``(problem, meta, DCP index)``."""
+    loc.refresh()
     if not loc.exists():
         return f"Checkpoint {loc} does not exist. Check the path, or load another checkpoint.", None, None
     if not loc.child(META).exists():
@@ -176,9 +234,32 @@ def _check_directory(
         )
     try:
         index = loc.reader().read_metadata()
-    except Exception as err:  # noqa: BLE001 - any reader error means the same to the user
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any reader error means the same to the user
         problem = f"{loc}: its index ({INDEX}) is missing or damaged ({type(err).__name__}: {err}). {_USE_ANOTHER}"
         return problem, None, None
+    problem = _check_shards(loc, index)
+    if problem is not None:
+        return problem, None, None
+    raw: dict[str, bytes] = {}
+    try:
+        meta = read_meta(loc, weights_only, raw)
+    except Exception as err:  # noqa: BLE001 - truncated or otherwise unreadable
+        return f"{loc}: {META} cannot be read ({type(err).__name__}: {err}); it is damaged. {_USE_ANOTHER}", None, None
+    saved = meta.get(RECORD, {}).get(CHECKSUMS, {}).get("files", {}) if verify else {}
+    for name, value in saved.items():
+        data = raw[name] if name in raw else loc.child(name).read_bytes()
+        if checksum(data) != value:
+            return (
+                f"{loc}: {name} reads back different from what was saved (checksum mismatch); it is damaged."
+                f" {_USE_ANOTHER} (verify_checkpoints=False loads it without this check.)",
+                None,
+                None,
+            )
+    return None, meta, index
+
+
+def _check_shards(loc: Location, index: Metadata) -> str | None:
+    """Whether every shard file the index names is there and long enough."""
     needed: dict[str, int] = {}
     for info in (index.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -186,33 +267,27 @@ def _check_directory(
     if missing:
         return (
             f"{loc} is missing {len(missing)} of its {len(needed)} shard files ({', '.join(missing[:4])}): it was"
-            f" copied or deleted in part. {_USE_ANOTHER}",
-            None,
-            None,
+            f" copied or deleted in part. {_USE_ANOTHER}"
         )
     for name, size in sorted(needed.items()):
         actual = loc.fs.size(loc.child(name).path)
         if actual < size:
             return (
                 f"{loc}: shard file {name} is truncated ({actual} bytes, the index needs {size}); it was cut short"
-                f" while being written or copied. {_USE_ANOTHER}",
-                None,
-                None,
+                f" while being written or copied. {_USE_ANOTHER}"
             )
-    try:
-        meta = read_meta(loc, weights_only)
-    except Exception as err:  # noqa: BLE001 - truncated or otherwise unreadable
-        return f"{loc}: {META} cannot be read ({type(err).__name__}: {err}); it is damaged. {_USE_ANOTHER}", None, None
-    return None, meta, index
+    return None
 
 
-def check_files(path: str | os.PathLike | Location, weights_only: bool | None = None) -> dict[str, Any]:
-    """Checks that a sharded checkpoint is complete and undamaged; returns its ``meta.pt``.
+def check_files(
+    path: str | os.PathLike | Location, weights_only: bool | None = None, verify: bool = True
+) -> dict[str, Any]:
+    """Checks that a sharded checkpoint is complete and its files as saved; returns its ``meta.pt``.
 
     Raises:
         CheckpointError: Saying what is missing or damaged.
     """
-    problem, meta, _ = _check_directory(Location.of(path), weights_only)
+    problem, meta, _ = _check_directory(Location.of(path), weights_only, verify)
     if problem is not None:
         raise CheckpointError(problem)
     assert meta is not None
@@ -240,7 +315,7 @@ def _check_fit(
     ``skip_groups``, the ``param_groups`` entries (set from the record) are not requested either.
     """
     saved = index.state_dict_metadata
-    flat, _ = flatten_state_dict(state)
+    flat = _flatten(state)
     if skip_groups:
         flat = {k: v for k, v in flat.items() if not (k.startswith("optimizer_") and ".param_groups." in k)}
     stateless = {
@@ -275,6 +350,13 @@ def _check_fit(
         if key != "state_dict":
             request[key] = {k: v for k, v in value.items() if f"{key}.{k}" in flat and f"{key}.{k}" not in stateless}
     return None, request
+
+
+def _flatten(state: dict[str, Any]) -> dict[str, Any]:
+    """``state``'s items by the keys DCP saves them under (its default planner's own flattening)."""
+    planner = dcp.DefaultSavePlanner()
+    planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
+    return dict(planner.state_dict)
 
 
 def _check_extra(loc: Location, saved: set[str], held: Sequence[Sequence[str]]) -> None:

@@ -9,6 +9,7 @@ convert between the two.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,14 +38,17 @@ __all__ = [
 ]
 
 RECORD = "varuna"
-"""Key of the parameter record, ``{"param_names": [...], "optimizers": [[[names]]], "hyper": [[{}]]}``, in what
+"""Key of the parameter record, ``{"param_names": [...], "optimizers": [[[names]]], "hyper": [[{}]], "written": t,
+"checksums": {...}}``, in what
 :func:`~lightning_varuna.checkpoint.storage.read_meta` returns (a checkpoint keeps it in ``record.pt``, or, if
 written by :func:`~lightning_varuna.checkpoint.writer.write_single` or an earlier version, in ``meta.pt``).
 
 ``optimizers``: per optimizer, per parameter group, the names of the group's parameters (the order a plain
 checkpoint numbers them in); ``hyper``: each group's hyper-parameters (``lr``, ``betas``, ...). They are kept
 here rather than in DCP's files, where the flat format repeats them for every parameter (most of the items
-of a checkpoint, and most of the time it takes to write).
+of a checkpoint, and most of the time it takes to write). ``written``: when it was written (seconds since the
+epoch), which orders checkpoints where moving one changes its files' times; ``checksums``: see
+:data:`lightning_varuna.checkpoint.integrity.CHECKSUMS`.
 """
 Groups = list[list[list[str]]]
 """Per optimizer, per parameter group, the parameter names in the group's order."""
@@ -165,7 +169,7 @@ def make_record(param_names: Sequence[str], per_rank: Sequence[tuple[Groups, lis
         found = [[h[i][g] for _, h in per_rank if len(h) > i and len(h[i]) > g] for g in range(len(groups))]
         hyper.append([next((h for h in options if h is not None), {}) for options in found])
     return {"param_names": list(param_names), "optimizers": merge_groups([g for g, _ in per_rank], param_names),
-            "hyper": hyper}
+            "hyper": hyper, "written": time.time()}
 
 
 def split_shards(shards: dict[str, Any], groups: Groups) -> tuple[dict[str, Any], list[list[dict | None]]]:

@@ -1,19 +1,19 @@
-"""Where checkpoints live, and how a written one is put in place atomically.
+"""Where checkpoints live: local paths and fsspec URLs, and the files a checkpoint directory holds.
 
-A :class:`Location` is a local path (DCP's ``FileSystemWriter``) or an fsspec URL (``FsspecWriter``, e.g.
-``s3://...``, ``file://...``). A checkpoint directory is written as ``<path>.varuna-tmp``; :func:`publish`
-adds ``meta.pt`` last and moves it into place, after moving aside (``<path>.varuna-old``) the checkpoint it
-replaces, which it deletes only once the new one is in place. :func:`resolve` and :func:`recover` deal with a
-replacement interrupted between the two moves. A directory without ``meta.pt`` is never loaded.
-:func:`remove_quietly` deletes an old one without leaving it half-deleted under its name.
+A :class:`Location` is a local path (DCP's ``FileSystemWriter``) or an fsspec URL (DCP's fsspec writer, e.g.
+``s3://...``, ``file://...``). A checkpoint directory holds DCP's shards and index (``.metadata``), then
+``record.pt`` (the parameter record) and, last, ``meta.pt`` (Lightning's state): a directory without ``meta.pt``
+is never loaded. How a written directory replaces an older one is :mod:`~lightning_varuna.checkpoint.publish`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
-import logging
 import os
 import re
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,14 +22,14 @@ import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+
+# private: torch 2.13/2.14 keep DCP's fsspec reader and writer in this module only (see docs/architecture.md)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 __all__ = [
-    "INDEX", "META", "README", "RECORD_FILE", "Location", "is_complete", "publish", "read_meta", "recover",
-    "remove_quietly", "resolve", "to_bytes",
+    "INDEX", "META", "README", "README_TEXT", "RECORD_FILE", "Location", "is_complete", "read_meta",
+    "single_process_quiet", "to_bytes", "written_at",
 ]
-
-log = logging.getLogger(__name__)
 
 META = "meta.pt"
 """Lightning's state without weights and optimizer states, written by rank 0 once every shard is in."""
@@ -51,9 +51,6 @@ sharded in the format of torch.distributed.checkpoint, and Lightning's own state
 - A plain single-file Lightning checkpoint:
       python -m lightning_varuna.convert to-plain <this directory> model.ckpt
 """
-TMP_SUFFIX = ".varuna-tmp"
-OLD_SUFFIX = ".varuna-old"
-TRASH_SUFFIX = ".varuna-trash"
 PART_SUFFIX = ".part"
 _PROTOCOL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")  # two characters at least: "C:" is a drive
 
@@ -75,7 +72,7 @@ class Location:
     url: bool
 
     @classmethod
-    def of(cls, path: str | os.PathLike) -> Location:
+    def of(cls, path: str | os.PathLike | Location) -> Location:
         """The location of ``path``: a local path, or any URL fsspec understands (``"memory://x"``)."""
         if isinstance(path, Location):
             return path
@@ -90,6 +87,22 @@ class Location:
     def __str__(self) -> str:
         return self.text
 
+    @property
+    def name(self) -> str:
+        """The last component of the path."""
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def local(self) -> bool:
+        """Whether this is the local disk (renames are atomic there; on object stores a rename is a copy)."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def parent(self) -> Location:
+        """The directory holding this entry."""
+        path, text = self.path.rstrip("/"), self.text.rstrip("/")
+        return replace(self, path=path.rsplit("/", 1)[0] or "/", text=text[: len(text) - len(self.name) - 1] or "/")
+
     def child(self, name: str) -> Location:
         """An entry of this directory."""
         return replace(self, path=f"{self.path.rstrip('/')}/{name}", text=f"{self.text.rstrip('/')}/{name}")
@@ -97,6 +110,11 @@ class Location:
     def with_suffix(self, suffix: str) -> Location:
         """A sibling named with ``suffix`` appended."""
         return replace(self, path=self.path.rstrip("/") + suffix, text=self.text.rstrip("/") + suffix)
+
+    def refresh(self) -> None:
+        """Forgets what the filesystem cached about this entry (object stores cache listings per process)."""
+        self.fs.invalidate_cache(self.path)
+        self.fs.invalidate_cache(self.parent.path)
 
     def exists(self) -> bool:
         """Whether anything is at this location."""
@@ -106,27 +124,50 @@ class Location:
         """Whether it is a directory."""
         return self.fs.isdir(self.path)
 
+    def names(self) -> list[str]:
+        """The names of this directory's entries (none if it is missing), listed afresh (not from a cache)."""
+        try:
+            listing = self.fs.ls(self.path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in listing)
+
     def read_bytes(self) -> bytes:
         """The whole file."""
         return self.fs.cat_file(self.path)
 
     def write_bytes(self, data: bytes) -> None:
-        """Writes a file atomically (under another name first, then moved into place)."""
+        """Writes a file atomically: locally under another name first, synced, then renamed; elsewhere one upload."""
+        if not self.local:
+            self.fs.pipe_file(self.path, data)
+            return
         part = self.with_suffix(PART_SUFFIX)
-        with self.fs.open(part.path, "wb") as f:
+        self.fs.makedirs(self.parent.path, exist_ok=True)
+        with open(part.path, "wb") as f:
             f.write(data)
-        self.fs.mv(part.path, self.path)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part.path, self.path)
+
+    def copy_to(self, dst: Location) -> None:
+        """Copies this file to ``dst`` (on the same filesystem; an object store copies on the server)."""
+        self.fs.copy(self.path, dst.path)
 
     def remove(self) -> None:
         """Deletes the file or directory, if any (a link, not what it points to)."""
-        if isinstance(self.fs, LocalFileSystem) and os.path.islink(self.path):
+        if self.local and os.path.islink(self.path):
             os.unlink(self.path)
-        elif self.exists():
+            return
+        try:
             self.fs.rm(self.path, recursive=True)
+        except FileNotFoundError:
+            pass
 
     def writer(self) -> dcp.StorageWriter:
-        """DCP's writer for this directory."""
-        return FsspecWriter(self.text) if self.url else dcp.FileSystemWriter(self.path)
+        """DCP's writer for this directory (files synced to disk where the filesystem has a disk)."""
+        if not self.url:
+            return dcp.FileSystemWriter(self.path)
+        return FsspecWriter(self.text, sync_files=self.local)
 
     def reader(self) -> dcp.StorageReader:
         """DCP's reader for this directory."""
@@ -136,95 +177,41 @@ class Location:
         """Modification time in seconds (0 where the filesystem does not tell)."""
         try:
             return self.fs.modified(self.path).timestamp()
-        except (NotImplementedError, OSError, KeyError, AttributeError):
+        except (NotImplementedError, OSError, KeyError, AttributeError, ValueError):
             return 0.0
 
 
 def is_complete(path: str | os.PathLike | Location) -> bool:
     """Whether ``path`` is a finished sharded checkpoint (or a plain checkpoint file)."""
     loc = Location.of(path)
-    if not loc.exists():
-        return False
-    if not loc.isdir():
+    names = loc.names()  # one listing (a file lists as itself)
+    if META in names and INDEX in names:
         return True
-    return loc.child(META).exists() and loc.child(INDEX).exists()
+    return bool(names) and loc.fs.isfile(loc.path)
 
 
-def move(src: Location, dst: Location) -> None:
-    """Moves a checkpoint; on a filesystem without directory renames, file by file with ``meta.pt`` last.
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Silences DCP's warning that it runs without a process group (meant here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
 
-    Moving ``meta.pt`` last keeps the destination incomplete (never loaded) until it has every shard; the
-    source loses its ``meta.pt`` first, so a half-moved source is incomplete too.
+
+
+def written_at(loc: Location) -> float:
+    """When a complete checkpoint was written.
+
+    The time its record holds: a move on an object store is a copy, which changes the files' times. Else (an
+    earlier version's checkpoint) its ``meta.pt``'s time, or a plain file's own.
     """
-    if isinstance(src.fs, LocalFileSystem) or not src.isdir():
-        src.fs.mv(src.path, dst.path)
-        return
-    names = sorted(
-        (entry.rstrip("/").rsplit("/", 1)[-1] for entry in src.fs.ls(src.path, detail=False)),
-        key=lambda name: name == META,
-    )
-    dst.fs.makedirs(dst.path, exist_ok=True)
-    for name in names:
-        src.fs.mv(src.child(name).path, dst.child(name).path)
-    src.remove()
-
-
-def resolve(loc: Location) -> tuple[Location, str | None]:
-    """``loc``, or what an interrupted replacement left in its place (and a note saying so)."""
-    if loc.exists():
-        return loc, None
-    for suffix in (TMP_SUFFIX, OLD_SUFFIX):
-        other = loc.with_suffix(suffix)
-        if is_complete(other):
-            return other, f"{loc} is missing but {other} is complete (a replacement was interrupted); using it"
-    return loc, None
-
-
-def publish(tmp: Location, target: Location, meta: bytes, record: bytes | None = None) -> None:
-    """Completes a written checkpoint: ``record.pt`` and ``meta.pt`` in, then in place of ``target`` (rank 0 only).
-
-    ``record`` is kept apart from ``meta`` so that the writer never unpickles Lightning's state (whose classes
-    may live in the user's script, and whose tensors may be on a GPU).
-    """
-    if record is not None:
-        tmp.child(RECORD_FILE).write_bytes(record)
-    tmp.child(README).write_bytes(README_TEXT.encode())
-    tmp.child(META).write_bytes(meta)
-    old = target.with_suffix(OLD_SUFFIX)
-    old.remove()
-    if target.exists():
-        move(target, old)
-    move(tmp, target)
-    old.remove()
-
-
-def recover(target: Location) -> None:
-    """Puts back a checkpoint that an interrupted replacement left under another name (rank 0)."""
-    found, note = resolve(target)
-    if note is not None:
-        log.warning(note)
-        move(found, target)
-    target.with_suffix(OLD_SUFFIX).remove()
-
-
-def remove_quietly(loc: Location) -> None:
-    """Deletes a checkpoint, never leaving it half-deleted under its name; a failure is logged, not raised.
-
-    A local directory is first renamed (``<path>.varuna-trash``, atomic); elsewhere ``meta.pt`` goes first, so
-    that what is left while the rest is deleted is an incomplete checkpoint, never loaded.
-    """
+    if not loc.isdir():
+        return loc.modified()
     try:
-        if loc.isdir():
-            if isinstance(loc.fs, LocalFileSystem):
-                trash = loc.with_suffix(TRASH_SUFFIX)
-                trash.remove()
-                loc.fs.mv(loc.path, trash.path)
-                loc = trash
-            else:
-                loc.child(META).remove()
-        loc.remove()
-    except OSError as err:
-        log.warning(f"Could not remove checkpoint {loc}: {err}")
+        record = torch.load(io.BytesIO(loc.child(RECORD_FILE).read_bytes()), map_location="cpu", weights_only=True)
+        return float(record["written"])
+    except Exception:  # noqa: BLE001 - written by an earlier version, or unreadable: the file's time
+        return loc.child(META).modified()
 
 
 def to_bytes(obj: Any) -> bytes:
@@ -234,13 +221,24 @@ def to_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def read_meta(path: str | os.PathLike | Location, weights_only: bool | None = None) -> dict[str, Any]:
+def read_meta(
+    path: str | os.PathLike | Location, weights_only: bool | None = None, raw: dict[str, bytes] | None = None
+) -> dict[str, Any]:
     """A sharded checkpoint's ``meta.pt`` (Lightning's state without weights and optimizer states).
 
     The parameter record of ``record.pt``, where there is one, is put under its key.
+
+    Args:
+        path: The checkpoint directory.
+        weights_only: Passed to ``torch.load``.
+        raw: If given, receives the bytes read, by file name (for checksums).
     """
     loc = Location.of(path)
-    meta = torch.load(io.BytesIO(loc.child(META).read_bytes()), map_location="cpu", weights_only=weights_only)
+    loc.refresh()  # another process (a writer) may have published it since this one listed it
+    data = loc.child(META).read_bytes()
+    if raw is not None:
+        raw[META] = data
+    meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     record = loc.child(RECORD_FILE)
     if record.exists():
         from lightning_varuna.checkpoint.state import RECORD

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._pytree import tree_map_only
 
-from lightning_varuna.checkpoint import storage as files
-from lightning_varuna.checkpoint.background import WriterProcess, hollow
+from lightning_varuna.checkpoint.background import WriterProcess, hollow, map_tensors
 from lightning_varuna.checkpoint.job import WriteJob, write_job
+from lightning_varuna.checkpoint.lease import LeaseTicket
+from lightning_varuna.checkpoint.publish import remove_quietly
 from lightning_varuna.checkpoint.state import CheckpointError, Groups, split_shards
-from lightning_varuna.checkpoint.storage import Location
+from lightning_varuna.checkpoint.storage import Location, to_bytes
 
 __all__ = ["CheckpointWriter"]
 
@@ -86,6 +86,8 @@ class CheckpointWriter:
         metadata: dict[str, Any],
         groups: Groups = (),  # type: ignore[assignment]
         param_names: Sequence[str] = (),
+        verify: bool = True,
+        lease: LeaseTicket | None = None,
     ) -> None:
         """Writes a checkpoint directory atomically (collective: every rank calls it).
 
@@ -95,6 +97,8 @@ class CheckpointWriter:
             metadata: Everything else Lightning saves (only rank 0's is written).
             groups: This rank's optimizer groups by parameter name (:func:`param_groups_by_name`).
             param_names: The full model's parameter names in ``named_parameters()`` order.
+            verify: Record checksums, and refuse to publish parameters that are not finite.
+            lease: Rank 0: the lease to take on the checkpoint's folder (:mod:`~lightning_varuna.checkpoint.lease`).
 
         Raises:
             CheckpointError: On every rank, if this write (blocking) or the background write before it failed.
@@ -106,15 +110,16 @@ class CheckpointWriter:
         meta, problem = None, None
         if dist.get_rank() == 0:
             try:
-                meta = files.to_bytes(metadata)
+                meta = to_bytes(metadata)
             except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
                 problem = f"rank 0 could not prepare the write: {type(err).__name__}: {err}"
         groups = [g for i, g in enumerate(groups) if f"optimizer_{i}" in shards]  # none with save_weights_only
         shards, hyper = split_shards(shards, groups)
         target = Location.of(path).text
         # a tensor hyper-parameter (a scheduler's lr) must not bring CUDA into the writer process
-        hyper = tree_map_only(Tensor, lambda t: t.detach().cpu(), hyper)
-        job = WriteJob(target, shards, meta, list(groups), hyper, list(param_names), problem)
+        hyper = map_tensors(lambda t: t.detach().cpu(), hyper)
+        job = WriteJob(target, shards, meta, list(groups), hyper, list(param_names), problem, verify,
+                       lease if dist.get_rank() == 0 else None)
         if not self.asynchronous or self._process is None:  # outside fit (no writer started): blocking
             error = write_job(job, None)
             if error is not None:
@@ -163,7 +168,7 @@ class CheckpointWriter:
         loc = Location.of(path)
         if self.wait(0):
             if self._error is None:
-                files.remove_quietly(loc)
+                remove_quietly(loc)
             else:  # the write that was to replace it failed (raised at the next save): keep it
                 log.warning(f"Keeping checkpoint {loc}: the checkpoint written after it failed.")
         else:

@@ -35,7 +35,6 @@ from forked import marked_time, run_ranks  # noqa: E402
 from models import RandomTokens, TinyGPT  # noqa: E402
 
 import lightning_varuna  # noqa: E402
-from lightning_varuna.checkpoint import format as checkpoint_format  # noqa: E402
 from lightning_varuna.preemption import HTTPNotice  # noqa: E402
 
 WORLD = 4
@@ -88,16 +87,21 @@ class Faulty(TinyGPT):
 
 
 def _kill_in_checkpoint_write(trainer: pl.Trainer, step: int) -> None:
-    """The rank dies as its write of last.ckpt's shards at ``step`` starts; the other ranks are writing theirs."""
-    write_items = checkpoint_format.write_items
+    """The rank dies as DCP hands it the first item of last.ckpt to write at ``step``; the others write theirs."""
+    import torch.distributed.checkpoint as dcp
 
-    def die_or_write(directory, *args, **kwargs):
-        if trainer.global_step == step and Path(directory.path).name.startswith("last"):
-            print(f"{FAULT_MARK} {time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return write_items(directory, *args, **kwargs)
+    save = dcp.save
 
-    checkpoint_format.write_items = die_or_write
+    def die_in_write(state, *args, storage_writer, planner, **kwargs):
+        if trainer.global_step == step and Path(str(storage_writer.checkpoint_id)).name.startswith("last"):
+            def die(*_):
+                print(f"{FAULT_MARK} {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            planner.transform_object = die
+        return save(state, *args, storage_writer=storage_writer, planner=planner, **kwargs)
+
+    dcp.save = die_in_write
 
 
 def train(out: Path, run: str, url: str, rank: int) -> None:

@@ -1,0 +1,171 @@
+"""Checkpoint faults in real jobs (``tests/jobs/checkpoint_faults.py``, 2 gloo processes, P=2, blocking saves).
+
+- A publication interrupted between its moves (rank 0 dies there, on a local disk; on an S3-compatible server,
+  where a rename is a copy, it stops halfway through copying the new checkpoint into place): the resume with
+  ``ckpt_path="last"`` takes the newest complete checkpoint and deletes nothing newer.
+- A shard damaged without changing its size: refused by its checksum on every rank (an explicit path is an
+  error; ``"last"`` falls back, warning on every rank); when every candidate is bad the error names
+  ``last.ckpt``; parameters that are not finite are never published.
+- Two jobs on one folder: the second is refused naming the first; after the first is killed, a new job takes its
+  lease over at once (the holder's processes are gone) and resumes.
+
+Each test prints what the fault cost, as measured (seconds from the fault to the last exit, steps lost).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch import JOBS, ROOT, _env, torchrun
+from s3server import fresh_prefix, s3_server
+
+from lightning_varuna.checkpoint import Location, is_complete
+from lightning_varuna.checkpoint.lease import LEASE_FILE
+from lightning_varuna.checkpoint.storage import read_meta
+
+
+def _ranks(out: Path, name: str, world: int = 2) -> list[dict]:
+    return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def _names(folder: str) -> list[str]:
+    """The checkpoints (and copies) in ``folder``."""
+    loc = Location.of(folder)
+    loc.refresh()
+    return [name for name in loc.names() if name != LEASE_FILE]
+
+
+def _step(path: str) -> int:
+    return read_meta(path, weights_only=False)["global_step"]
+
+
+@pytest.mark.slow
+def test_a_job_stopped_inside_a_publication_resumes_from_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    local = str(tmp_path / "ckpt")
+    with s3_server() as env:
+        remote = fresh_prefix()
+        # S3: step 4's publication stops after two files of the new checkpoint were copied into place (the
+        # checkpoint being replaced already copied aside); local: rank 0 dies between the two renames
+        died = torchrun("checkpoint_faults.py", str(tmp_path),
+                        f"s3:kind=train,folder={remote},steps=6,fault=move/copied-file@4.6:raise",
+                        f"local:kind=train,folder={local},steps=6,fault=publish/target-moved-aside@4",
+                        nproc=2, env=env, check=False, timeout=400)
+        assert died.returncode != 0, died.stdout[-2000:]
+        death = re.search(r"fault injected at publish/target-moved-aside, exiting at ([0-9.]+)", died.stderr)
+        assert death is not None, died.stderr[-3000:]
+        s3_run = _ranks(tmp_path, "s3")
+        assert all("fault injected at move/copied-file" in r["error"] for r in s3_run), s3_run
+        survivor = json.loads((tmp_path / "local.rank1.json").read_text())  # rank 0 died: rank 1 raised
+        assert survivor["error"] is not None and survivor["global_step"] == 4, survivor
+        ended = survivor["fit_end"] - float(death.group(1))
+        assert sorted(_names(remote)) == ["last.ckpt", "last.ckpt.varuna-old", "last.ckpt.varuna-tmp"]
+        assert not is_complete(f"{remote}/last.ckpt") and _step(f"{remote}/last.ckpt.varuna-tmp") == 4
+        assert sorted(_names(local)) == ["last.ckpt.varuna-old", "last.ckpt.varuna-tmp"]
+        assert (Path(local) / LEASE_FILE).exists()  # left by the dead job; its processes are gone
+        assert _step(f"{local}/last.ckpt.varuna-tmp") == 4 and _step(f"{local}/last.ckpt.varuna-old") == 3
+        # Lightning alone finds no last*.ckpt in either folder; the resumes start at step 4, the newest complete
+        torchrun("checkpoint_faults.py", str(tmp_path), f"s3-resume:kind=train,folder={remote},steps=6,ckpt=last",
+                 f"local-resume:kind=train,folder={local},steps=6,ckpt=last", nproc=2, env=env, timeout=400)
+        for name, folder in (("s3-resume", remote), ("local-resume", local)):
+            runs = _ranks(tmp_path, name)
+            assert [r["start"] for r in runs] == [4, 4] and runs[0]["steps"] == [5, 6], (name, runs)
+            assert runs[0]["error"] is None
+            assert sorted(_names(folder)) == ["last.ckpt"] and _step(f"{folder}/last.ckpt") == 6, name
+    print(f"\nrank 0 killed between the two moves of step 4's publication: rank 1 raised {ended:.2f} s later;"
+          " both resumes started at step 4 (0 steps lost)")
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_refused_on_every_rank_and_last_falls_back(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    torchrun("checkpoint_faults.py", str(tmp_path),
+             f"train:folder={folder},steps=4,keep_every=3",  # last.ckpt = step 4, step=3.ckpt
+             f"damage:target={folder / 'last.ckpt'}",
+             f"explicit:kind=train,folder={folder},steps=5,ckpt={folder / 'last.ckpt'}",
+             f"fallback:kind=train,folder={folder},steps=5,ckpt=last,keep_every=3",
+             f"damage:target={folder / 'last.ckpt'}", f"damage:target={folder / 'step=3.ckpt'}",
+             f"all-bad:kind=train,folder={folder},steps=6,ckpt=last",
+             f"unverified:kind=train,folder={folder},steps=6,ckpt={folder / 'step=3.ckpt'},verify_checkpoints=false",
+             f"nan:kind=train,folder={tmp_path / 'nan'},steps=3,nan_at=2", nproc=2, timeout=500)
+    explicit = _ranks(tmp_path, "explicit")
+    refused = max(r["fit_end"] for r in explicit) - min(r["fit_start"] for r in explicit)
+    for run in explicit:
+        assert "last.ckpt: " in run["error"] and "checksum mismatch" in run["error"], run["error"]
+        assert run["start"] is None  # nothing trained
+    fallback = _ranks(tmp_path, "fallback")
+    for run in fallback:  # every rank warns, and resumes at step 3 (one step lost to the damage)
+        assert run["error"] is None and run["start"] == 3 and run["steps"] == [4, 5], run
+        assert any("checksum mismatch" in w and "Falling back to" in w and "step=3.ckpt" in w for w in run["warnings"])
+    all_bad = _ranks(tmp_path, "all-bad")
+    for run in all_bad:
+        error = run["error"]
+        last = folder / "last.ckpt"
+        assert error.startswith(f'Could not load ckpt_path="last" ({last}): {last}: '), error
+        assert "step=3.ckpt" in error and error.count("checksum mismatch") == 2, error
+        assert sum("Falling back" in w for w in run["warnings"]) == 1, run["warnings"]
+    assert [r["start"] for r in _ranks(tmp_path, "unverified")] == [3, 3]  # verify_checkpoints=False loads it
+    nan = _ranks(tmp_path, "nan")
+    for run in nan:  # refused at step 2 on every rank; last.ckpt stays at step 1
+        assert "NaN or infinite" in run["error"] and run["global_step"] == 2, run
+    assert _step(str(tmp_path / "nan" / "last.ckpt")) == 1
+    assert sorted(_names(str(tmp_path / "nan"))) == ["last.ckpt"]
+    print(f"\ndamaged last.ckpt: an explicit path refused {refused:.1f} s after fit() was called (setup and the"
+          " check included); 'last' resumed from the step-3 checkpoint, 1 step lost; NaN parameters at step 2:"
+          " refused, last.ckpt stayed at step 1")
+
+
+def _start(out: Path, spec: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(JOBS / "checkpoint_faults.py"), str(out), spec]
+    return subprocess.Popen(command, cwd=ROOT, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for(path: Path, job: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if job.poll() is not None:
+            raise AssertionError(f"the job ended ({job.returncode}):\n{job.stdout.read()[-3000:]}")
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_second_job_on_a_checkpoint_folder_is_refused_and_a_dead_jobs_lease_is_taken_over(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    first = _start(tmp_path, f"first:kind=train,folder={folder},steps=6,wait_at=3")
+    try:
+        for rank in range(2):  # steps 1-3 saved; waits before step 4, holding the lease
+            _wait_for(tmp_path / f"first.waiting.rank{rank}", first)
+        second = torchrun("checkpoint_faults.py", str(tmp_path), f"second:kind=train,folder={folder},steps=6",
+                          nproc=2, timeout=300)
+        refused = max(r["fit_end"] - r["fit_start"] for r in _ranks(tmp_path, "second"))
+        for run in _ranks(tmp_path, "second"):
+            assert run["error"].startswith(f"Another job is writing checkpoints in {folder}: "), run["error"]
+            assert "holds its lease" in run["error"] and "process" in run["error"], run["error"]
+            assert run["start"] is None
+        assert second.returncode == 0  # the job script records the error on every rank
+        assert _step(str(folder / "last.ckpt")) == 3 and (folder / LEASE_FILE).exists()
+        for rank in range(2):  # the first job dies without releasing its lease
+            os.kill(int((tmp_path / f"first.waiting.rank{rank}").read_text()), signal.SIGKILL)
+        first.wait(60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    # a new start takes the dead job's lease over at once and resumes from its checkpoint
+    torchrun("checkpoint_faults.py", str(tmp_path), f"restart:kind=train,folder={folder},steps=5,ckpt=last",
+             nproc=2, timeout=300)
+    restart = _ranks(tmp_path, "restart")
+    assert [r["start"] for r in restart] == [3, 3] and restart[0]["error"] is None, restart
+    assert _step(str(folder / "last.ckpt")) == 5 and not (folder / LEASE_FILE).exists()  # released at the end
+    print(f"\nsecond job on the folder: refused on every rank {refused:.2f} s after fit() was called; the dead"
+          " job's lease taken over at once, its last checkpoint (step 3) resumed")
