@@ -54,8 +54,9 @@ from lightning_varuna.log_sync import LogCapture
 from lightning_varuna.patches import install_ckpt_path_recorder
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
+from lightning_varuna.pipeline.failures import PipelineError, report_failure, waiting_on_peers
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.watchdog import current_watchdog
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import last_fallbacks
@@ -178,6 +179,7 @@ class VarunaStrategy(ParallelStrategy):
         self._hook_logs: HookLogMerger | None = None
         self._params: list[torch.nn.Parameter] = []
         self._preemption: PreemptionGuard | None = None
+        self._forget_cleanup: Callable[[], None] | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -285,6 +287,7 @@ class VarunaStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._setup_pipeline(trainer)
+        self._watch()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -295,9 +298,20 @@ class VarunaStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             precision.check_optimizers(self.optimizers)
-            self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device)
+            self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device, self.topology)
             self._preemption.attach()
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
+
+    def _watch(self) -> None:
+        """This rank waits on its peers from now on: a failure elsewhere ends it (see the engine's watchdog)."""
+        watchdog = current_watchdog()
+        if watchdog is None:
+            return
+        verdict = watchdog.activate()
+        if verdict is not None and verdict.origin != watchdog.rank:
+            raise PipelineError(f"rank {watchdog.rank}: the job cannot go on: {verdict.text}.")
+        # a write that can no longer complete is stopped at once, not left to its timeout
+        self._forget_cleanup = watchdog.add_cleanup(self._checkpoints.abort)
 
     def _setup_pipeline(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -342,8 +356,16 @@ class VarunaStrategy(ParallelStrategy):
             loaders = loop._data_source.dataloader()
             while isinstance(loaders, (list, tuple, dict)):
                 loaders = next(iter(loaders.values())) if isinstance(loaders, dict) else loaders[0]
+            iterator = iter(loaders)
+            if iterator is loaders:
+                raise MisconfigurationException(
+                    f"VarunaStrategy takes one batch from the loader for its dry run, but this one"
+                    f" ({type(loaders).__name__}) is a one-shot iterator (iter() returns the object itself) that"
+                    " would lose that batch. Pass an iterable whose __iter__ starts a new pass, e.g. a DataLoader"
+                    " over a torch.utils.data.IterableDataset."
+                )
             try:
-                batch = next(iter(loaders))
+                batch = next(iterator)
             except StopIteration:
                 raise MisconfigurationException(
                     "VarunaStrategy needs one batch from the dataloader for its dry run, but it is empty."
@@ -539,24 +561,31 @@ class VarunaStrategy(ParallelStrategy):
         if name == "Trainer.save_checkpoint":
             return  # the save ended with the ranks' agreement on its outcome, or (async) goes on in the background
         if _distributed_is_initialized():
-            dist.barrier()
+            self._waiting(f"a barrier ({name or 'unnamed'})", dist.barrier)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Sends ``obj`` from ``src`` to every process."""
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        self._waiting(f"a broadcast from rank {src}", lambda: dist.broadcast_object_list(box, src))
         return box[0]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduces a tensor over all processes (mean by default)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return self._waiting("a reduction of logged values (sync_dist)",
+                                 lambda: _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
         return tensor
 
+    def _waiting(self, what: str, wait: Callable[[], Any]) -> Any:
+        """Runs a collective of Lightning's; its failure becomes a :class:`PipelineError` naming this rank."""
+        if self.topology is None:  # before the pipeline exists (the dry run's broadcast of timings)
+            return wait()
+        return waiting_on_peers(self.topology, what, wait)
+
     def on_exception(self, exception: BaseException) -> None:
-        """Leaves the error where the other ranks can quote it when they lose contact with this one."""
+        """Reports the error to the other ranks (their watchdogs end them; they quote it if they lose contact)."""
         if _distributed_is_initialized() and not isinstance(exception, Preempted):
             report_failure(exception)
 
@@ -567,6 +596,12 @@ class VarunaStrategy(ParallelStrategy):
         try:
             self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
         finally:  # the rest of teardown happens even if that write failed
+            watchdog = current_watchdog()
+            if watchdog is not None and not interrupted:  # done with the peers: this rank may exit before them
+                watchdog.deactivate("finished")
+            if self._forget_cleanup is not None:
+                self._forget_cleanup()
+                self._forget_cleanup = None
             if self._preemption is not None:
                 self._preemption.detach()
                 self._preemption = None
