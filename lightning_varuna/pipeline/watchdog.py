@@ -230,7 +230,11 @@ class Watchdog:
         connecting = True
         while not self._stopping.is_set():
             if connecting:
-                connecting = not self._connect_successor() and time.monotonic() < connect_by
+                connecting = not self._connect_successor()
+                if connecting and time.monotonic() > connect_by:
+                    connecting = False
+                    _say(f"[rank {self.rank}] lightning_varuna: rank {self._successor} did not start its watchdog"
+                         f" within {CONNECT_TIMEOUT_S:g}s; a failure there is noticed by p2p_timeout only.")
             timeout = _POLL_S if connecting else self._next_timer()
             for key, _ in self._selector.select(timeout):
                 link = self._links.get(key.fileobj)  # type: ignore[call-overload]
@@ -439,7 +443,7 @@ def _local_address() -> tuple[str, socket.AddressFamily]:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(sockaddr)  # UDP: picks the route, sends nothing
             return probe.getsockname()[0], family
-    except OSError:
+    except OSError:  # no route to it: the host's own name (raises if that does not resolve either)
         return socket.gethostbyname(socket.gethostname()), socket.AF_INET
 
 
@@ -466,8 +470,13 @@ def watch_job() -> Watchdog | None:
         return watchdog
     if watchdog is not None:  # the process group was made again: a new job
         watchdog.stop()
-    watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size())
-    watchdog.start()
+    try:
+        watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size())
+        watchdog.start()
+    except Exception as err:  # noqa: BLE001 - training goes on; failures are then noticed by the timeouts only
+        _say(f"[rank {dist.get_rank()}] lightning_varuna: the watchdog could not start ({err}); a failure of another"
+             " rank is noticed by p2p_timeout only.")
+        return None
     _running.update(watchdog=watchdog, store=store)
     return watchdog
 
