@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_varuna.patches import InstancePatches, hand_over_dataloader
 
@@ -179,7 +179,7 @@ _LOADER_ARGS = (
 
 
 def make_resumable(
-    loader: DataLoader,
+    loader: Any,
     num_replicas: int,
     rank: int,
     batch_size: int | None,
@@ -189,20 +189,21 @@ def make_resumable(
     """A :class:`ResumableDataLoader` reading what ``loader`` reads, or ``None`` if ``loader`` is not plain.
 
     Only a plain ``DataLoader`` with the ``DistributedSampler`` Lightning injected and the default batch sampler
-    is replaced; a custom sampler or loader is the user's own and is left alone.
+    is replaced; a custom sampler or loader (or any other iterable) is the user's own and is left alone.
 
     Args:
-        loader: The training loader as Lightning prepared it.
+        loader: The training loader as Lightning prepared it (any iterable).
         num_replicas: Number of data-parallel replicas.
         rank: This replica's index.
         batch_size: Per-replica batch size; ``None`` keeps the loader's.
         epoch_of: Returns the current epoch.
         position: Returns ``(epoch, finished batches in that epoch)``.
     """
+    if type(loader) is not DataLoader:
+        return None
     sampler = loader.sampler
     if (
-        type(loader) is not DataLoader
-        or type(sampler) is not DistributedSampler
+        type(sampler) is not DistributedSampler
         or type(loader.batch_sampler) is not BatchSampler
         or loader.batch_size is None
     ):
@@ -231,6 +232,9 @@ def resumable_training_loader(
     """The training loader Lightning prepared, made resumable (see :func:`make_resumable`) where it can be.
 
     Its position comes from Lightning's fit loop: the epoch, and the batches whose step has finished in it.
+    Any other iterable (a ``DataLoader`` with its own sampler or over an ``IterableDataset``, a streaming
+    dataset's loader, any object with ``__iter__``) is kept as it is, with a warning: each process reads what
+    it yields, and a run resumed mid-epoch starts wherever the iterable starts.
 
     Args:
         dataloader: The training loader as Lightning prepared it.
@@ -259,10 +263,7 @@ def resumable_training_loader(
                 " custom sampler or batch_sampler) and keep Trainer(use_distributed_sampler=True), or drop"
                 " global_batch_size and set the DataLoader's batch_size to the per-replica batch."
             )
-        rank_zero_info(
-            "VarunaStrategy: the training DataLoader has its own sampler; a run resumed mid-epoch restarts"
-            " wherever that sampler does."
-        )
+        rank_zero_warn(_not_resumable(dataloader, num_replicas))
         return dataloader
     if batch_size is not None and batch_size != dataloader.batch_size:
         rank_zero_info(
@@ -288,8 +289,16 @@ def sample_batch(trainer: Any, patches: InstancePatches) -> Any:
         first = loaders
         while isinstance(first, (list, tuple, dict)):
             first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+        iterator = iter(first)
+        if iterator is first:
+            raise MisconfigurationException(
+                f"VarunaStrategy takes one batch from the loader for its dry run, but this one"
+                f" ({type(first).__name__}) is a one-shot iterator (iter() returns the object itself) that"
+                " would lose that batch. Pass an iterable whose __iter__ starts a new pass, e.g. a DataLoader"
+                " over a torch.utils.data.IterableDataset."
+            )
         try:
-            batch = next(iter(first))
+            batch = next(iterator)
         except StopIteration:
             raise MisconfigurationException(
                 "VarunaStrategy needs one batch from the dataloader for its dry run, but it is empty."
@@ -305,3 +314,21 @@ def _holds_iterator(loaders: Any) -> bool:
     if isinstance(loaders, dict):
         return any(_holds_iterator(x) for x in loaders.values())
     return isinstance(loaders, Iterator)
+
+
+def _not_resumable(loader: Any, num_replicas: int) -> str:
+    """What a training loader that is not made resumable means for the user, and what it needs."""
+    if type(loader) is DataLoader and not isinstance(loader.dataset, IterableDataset):
+        what = "The training DataLoader has its own sampler"
+    else:
+        what = f"The training loader ({type(loader).__name__}) is an iterable without Lightning's sampler"
+    replicas = (
+        f" (and each of the {num_replicas} replicas its own: split the data by replica with"
+        " `trainer.strategy.distributed_sampler_kwargs`, num_replicas and rank, not by global rank)"
+        if num_replicas > 1 else ""
+    )
+    return (
+        f"VarunaStrategy: {what}: every process reads what it yields, and a run resumed mid-epoch starts wherever"
+        " it starts (no exact-sample resume). Every pipeline stage of a replica must get the same batches in the"
+        f" same order{replicas}."
+    )

@@ -29,6 +29,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.patches import InstancePatches, take_over_sigterm
+from lightning_varuna.pipeline.failures import check_job, waiting_on_peers
+from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.watchdog import current_watchdog
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -195,10 +198,17 @@ class PreemptionWatch:
             )
             self._thread.start()
 
-    def stop(self) -> None:
-        """Puts the previous handlers back and stops polling."""
+    def stop(self, exiting: bool = False) -> None:
+        """Puts the previous handlers back and stops polling.
+
+        Args:
+            exiting: Ignore these signals from now on instead (a preempted process on its way out: a launcher that
+                stops the stragglers with SIGTERM, as torchrun does once the first worker has exited, would end
+                them with -15 instead of their exit status). An ignored signal stays ignored while the interpreter
+                shuts down, whereas Python's own handlers are dropped before the end of it.
+        """
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_IGN if exiting else handler)
         self._previous = {}
         self._stopping.set()
         if self._thread is not None:
@@ -239,11 +249,15 @@ class PreemptionGuard:
         trainer: The trainer, during ``strategy.setup`` of a fit.
         notice: A notice source to poll, if any.
         device: The device of the agreement's tensor.
+        topology: The process grid (names this rank in errors).
     """
 
-    def __init__(self, trainer: Trainer, notice: PreemptionNotice | None, device: torch.device) -> None:
+    def __init__(self, trainer: Trainer, notice: PreemptionNotice | None, device: torch.device,
+                 topology: Topology | None = None) -> None:
         self.trainer = trainer
         self.device = device
+        self.topology = topology
+        self.preempted = False
         environment = trainer._accelerator_connector.cluster_environment
         requeue: tuple[signal.Signals, ...] = ()
         self.slurm_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
@@ -265,8 +279,13 @@ class PreemptionGuard:
         self.watch.start()
 
     def detach(self) -> None:
-        """Stops watching and gives Lightning its signal handling back."""
-        self.watch.stop()
+        """Stops watching and gives Lightning its signal handling back.
+
+        After a preemption the signals are ignored instead, so that every rank exits with
+        :data:`PREEMPTED_EXIT_CODE`: torchrun sends SIGTERM to the workers still running once the first one has
+        exited, and they are only finishing their exit.
+        """
+        self.watch.stop(exiting=self.preempted)
         self._patches.undo()
 
     def checkpoint_callback(self) -> ModelCheckpoint | None:
@@ -286,12 +305,13 @@ class PreemptionGuard:
         """At a step boundary, on every rank: stops the job if any rank has been warned."""
         flag = torch.tensor([self.watch.kind], dtype=torch.int64, device=self.device)
         if self.trainer.world_size > 1:
-            try:
+            # a rank already known to be dead or failed can neither agree nor help write a checkpoint
+            check_job("the preemption agreement")
+            if self.topology is not None:
+                waiting_on_peers(self.topology, "agreeing on preemption warnings (all-reduce over every rank)",
+                                 lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))
+            else:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            except Exception as err:  # noqa: BLE001 - as in Lightning's broadcast that this replaces
-                # a peer died or hangs: the step that follows fails and names it (a checkpoint needs it too)
-                log.debug("VarunaStrategy: the preemption agreement failed: %s", err)
-                flag.zero_()
         kind = int(flag.item())
         # the partial gradient sums of an accumulation window are not in checkpoints: stop where one begins (the
         # warned rank keeps its flag, so the agreement repeats at every batch until then)
@@ -317,6 +337,10 @@ class PreemptionGuard:
             flush()
         if kind == _REQUEUE and self.slurm_requeue and trainer.is_global_zero:
             requeue_slurm_job()
+        self.preempted = True
+        watchdog = current_watchdog()
+        if watchdog is not None:  # the checkpoint is complete: this rank's exit is no failure for the others
+            watchdog.deactivate("preempted")
         rank_zero_info(
             f"VarunaStrategy: checkpoint written; every process exits with {PREEMPTED_EXIT_CODE}."
             " Resume with `trainer.fit(..., ckpt_path='last')`."

@@ -73,9 +73,10 @@ from lightning_varuna.patches import (
 )
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
+from lightning_varuna.pipeline.failures import PipelineError, report_failure, waiting_on_peers
 from lightning_varuna.pipeline.materialize import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.watchdog import current_watchdog
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import checkpoint_folders, choose_last, last_fallbacks, requested_name
@@ -237,6 +238,7 @@ class VarunaStrategy(ParallelStrategy):
         self._preemption: PreemptionGuard | None = None
         self._patches = InstancePatches()
         self._summaries: list[tuple[Any, FrozenSummary]] | None = None
+        self._forget_cleanup: Callable[[], None] | None = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -349,6 +351,7 @@ class VarunaStrategy(ParallelStrategy):
         if fitting and self._summaries is None:  # of the whole model, before it is partitioned
             self._summaries = whole_model_summaries(trainer, self.lightning_module)
         self._setup_pipeline(trainer)
+        self._watch()
         assert self.topology is not None
         adapt_callbacks(trainer, self._patches, self._summaries if fitting and self._summaries else [],
                         first_stage=self.topology.is_first)
@@ -361,9 +364,20 @@ class VarunaStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             precision.check_optimizers(self.optimizers)
-            self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device)
+            self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device, self.topology)
             self._preemption.attach()
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
+
+    def _watch(self) -> None:
+        """This rank waits on its peers from now on: a failure elsewhere ends it (see the engine's watchdog)."""
+        watchdog = current_watchdog()
+        if watchdog is None:
+            return
+        verdict = watchdog.activate()
+        if verdict is not None and verdict.origin != watchdog.rank:
+            raise PipelineError(f"rank {watchdog.rank}: the job cannot go on: {verdict.text}.")
+        # a write that can no longer complete is stopped at once, not left to its timeout
+        self._forget_cleanup = watchdog.add_cleanup(self._checkpoints.abort)
 
     def _setup_pipeline(self, trainer: Trainer) -> None:
         module = self.lightning_module
@@ -655,24 +669,31 @@ class VarunaStrategy(ParallelStrategy):
         if name == "Trainer.save_checkpoint":
             return  # the save ended with the ranks' agreement on its outcome, or (async) goes on in the background
         if _distributed_is_initialized():
-            dist.barrier()
+            self._waiting(f"a barrier ({name or 'unnamed'})", dist.barrier)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Sends ``obj`` from ``src`` to every process."""
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        self._waiting(f"a broadcast from rank {src}", lambda: dist.broadcast_object_list(box, src))
         return box[0]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduces a tensor over all processes (mean by default)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return self._waiting("a reduction of logged values (sync_dist)",
+                                 lambda: _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
         return tensor
 
+    def _waiting(self, what: str, wait: Callable[[], Any]) -> Any:
+        """Runs a collective of Lightning's; its failure becomes a :class:`PipelineError` naming this rank."""
+        if self.topology is None:  # before the pipeline exists (the dry run's broadcast of timings)
+            return wait()
+        return waiting_on_peers(self.topology, what, wait)
+
     def on_exception(self, exception: BaseException) -> None:
-        """Leaves the error where the other ranks can quote it when they lose contact with this one."""
+        """Reports the error to the other ranks (their watchdogs end them; they quote it if they lose contact)."""
         if _distributed_is_initialized() and not isinstance(exception, Preempted):
             report_failure(exception)
 
@@ -683,6 +704,12 @@ class VarunaStrategy(ParallelStrategy):
         try:
             self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
         finally:  # the rest of teardown happens even if that write failed
+            watchdog = current_watchdog()
+            if watchdog is not None and not interrupted:  # done with the peers: this rank may exit before them
+                watchdog.deactivate("finished")
+            if self._forget_cleanup is not None:
+                self._forget_cleanup()
+                self._forget_cleanup = None
             self._patches.undo()
             if self._leases is not None:
                 self._leases.close()

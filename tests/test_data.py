@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_varuna.data import ElasticBatchSampler, ResumableDataLoader, make_resumable
@@ -97,3 +99,45 @@ def test_resume_under_another_replica_count_gives_every_replica_as_many_batches(
         sampler.resume_at(0, saved)
         counts.append(len(list(sampler)))
     assert len(set(counts)) == 1 and counts[0] >= 1
+
+
+class _Stream:
+    """A streaming dataset's loader as users pass it: an iterable that is not a DataLoader."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_an_iterable_that_is_not_a_data_loader_is_kept_with_a_warning_that_says_what_it_needs() -> None:
+    from types import SimpleNamespace
+
+    from lightning_varuna.data import resumable_training_loader
+
+    stream = _Stream([torch.zeros(2, 3)])
+    assert make_resumable(stream, 2, 0, None, lambda: 0, lambda: (0, 0)) is None
+    progress = SimpleNamespace(current=SimpleNamespace(processed=0))
+    fit_loop = SimpleNamespace(epoch_progress=progress, epoch_loop=SimpleNamespace(batch_progress=progress))
+    with pytest.warns(UserWarning) as caught:
+        assert resumable_training_loader(stream, fit_loop, 2, 1, None) is stream
+    message = str(caught[0].message)
+    assert "The training loader (_Stream) is an iterable without Lightning's sampler" in message
+    assert "no exact-sample resume" in message and "distributed_sampler_kwargs" in message
+    with pytest.raises(MisconfigurationException, match="global_batch_size needs Lightning's default"):
+        resumable_training_loader(stream, fit_loop, 2, 1, 8)
+
+
+def test_a_one_shot_iterator_is_refused_with_what_to_pass_instead(tmp_path) -> None:
+    import lightning.pytorch as pl
+    from models import RandomTokens, TinyGPT
+
+    from lightning_varuna import VarunaStrategy
+
+    batches = iter(DataLoader(RandomTokens(n=8), batch_size=4))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         strategy=VarunaStrategy(pipeline_parallel_size=1, num_microbatches=2))
+    with pytest.raises(MisconfigurationException, match="one-shot iterator .* Pass an iterable whose __iter__"):
+        trainer.fit(TinyGPT(n_layer=1), batches)

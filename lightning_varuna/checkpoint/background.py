@@ -237,6 +237,13 @@ class WriterProcess:
         """Has the helper delete ``path`` once the job in flight has succeeded (dropped if it fails)."""
         _send(self._conn, ("remove", path))
 
+    def kill(self) -> None:
+        """Ends the helper at once (whatever it is writing)."""
+        try:
+            self._process.kill()
+        except OSError:
+            pass
+
     def close(self, timeout: float = 30.0) -> None:
         """Stops the helper (after the job it is writing, if any, within ``timeout``)."""
         try:

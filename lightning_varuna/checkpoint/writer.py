@@ -186,6 +186,11 @@ class CheckpointWriter:
         if error is not None:
             raise CheckpointError(f"The checkpoint could not be written: {error}")
 
+    def abort(self) -> None:
+        """Kills the helper process at once: the job is ending after a failure, and no write in flight can complete."""
+        if self._process is not None:
+            self._process.kill()
+
     def close(self, interrupted: bool = False) -> None:
         """Waits for the write in flight (at the end of a run), stops the helper, reports a failure.
 

@@ -47,9 +47,11 @@ from lightning_varuna.pipeline.partition import (
     time_segments,
     trace_step,
 )
+from lightning_varuna.pipeline.replicas import broadcast_initial_state
 from lightning_varuna.pipeline.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.watchdog import current_watchdog, watch_job
 
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "default_loss"]
 
@@ -192,8 +194,11 @@ class PipelineEngine:
     def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None) -> Plan:
         """Dry-runs ``step`` on a slice of ``sample_batch``, partitions, and keeps only this rank's stage.
 
-        Every rank must call it (it is collective). Errors in the model are raised on every rank before any
-        rank waits on another.
+        Every replica's copy of the stage then takes replica 0's parameters and buffers, and every copy of a
+        parameter held by several stages its first holder's (as ``DistributedDataParallel`` broadcasts rank 0's
+        state), so the replicas train one model whatever the seeding. Every rank must call it (it is
+        collective). Errors in the model are raised on every rank before any rank waits on another; from the
+        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.pipeline.watchdog`).
 
         Args:
             sample_batch: A batch like the training batches (on this rank's device).
@@ -211,6 +216,8 @@ class PipelineEngine:
         trace, cut_modules = self._dry_run(sample_batch, step, topology)
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
+        # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
+        watch_job()
         self.topology = topology or Topology.create(self.pipeline_size, self.device, timeout=config.p2p_timeout)
         destroy_process_groups_at_exit()
         topo = self.topology
@@ -237,6 +244,8 @@ class PipelineEngine:
             trace.cuts[first_cut].batch_dim if first_cut is not None else None,
             trace.cuts[last_cut].batch_dim if last_cut is not None else None,
         )
+        # whatever the user's seeding, every replica of a stage (and every copy of a tied parameter) starts equal
+        broadcast_initial_state(topo, self.module, self.plan.tied)
         self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.plan.tied,
                                       bucket_bytes=self.config.grad_bucket_bytes,
                                       overlap=self.config.overlap_grad_sync)
@@ -443,7 +452,14 @@ class PipelineEngine:
         return self.executor.stats
 
     def teardown(self) -> None:
-        """Removes cut_at hooks and stand-ins (freed parameters stay freed)."""
+        """Removes cut_at hooks and stand-ins (freed parameters stay freed); this rank's work with the others is done.
+
+        From here on this process may end without its peers taking it for a failure (see
+        :mod:`~lightning_varuna.pipeline.watchdog`).
+        """
+        watchdog = current_watchdog()
+        if watchdog is not None:
+            watchdog.deactivate("finished")
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

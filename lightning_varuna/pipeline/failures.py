@@ -1,8 +1,9 @@
-"""Failures across ranks: the error a lost peer raises, reports left in the job's store, and clean exits.
+"""Failures across ranks: the error a lost peer raises, reports to the job, and clean exits.
 
-A rank that fails leaves its error in the job's store (:func:`report_failure`), so that a peer that loses
-contact with it raises a :class:`PipelineError` quoting the cause (:func:`peer_error`) instead of a bare
-timeout or "connection closed".
+A rank that fails leaves its error in the job's store and tells the job's watchdogs
+(:func:`report_failure`; :mod:`~lightning_varuna.pipeline.watchdog` then ends every other rank), so that a peer
+that loses contact with it raises a :class:`PipelineError` quoting the cause (:func:`peer_error`) instead of a
+bare timeout or "connection closed".
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.watchdog import SETTLE_S, current_watchdog
 
 __all__ = [
-    "PipelineError", "destroy_process_groups_at_exit", "finish_together", "peer_error", "report_failure",
+    "PipelineError", "check_job", "destroy_process_groups_at_exit", "finish_together", "peer_error", "report_failure",
     "waiting_on_peers",
 ]
 
@@ -62,9 +64,13 @@ def report_failure(error: BaseException) -> None:
 
     Besides one key per rank, the first error reported in the job is kept (first writer wins), separately
     for errors of the user's code or model (the cause) and for :class:`PipelineError` (a rank that lost a
-    peer), so that peers quote the cause rather than another rank's report of it.
+    peer), so that peers quote the cause rather than another rank's report of it. The watchdog, if running,
+    passes it to every rank (a lost peer only once the cause had a moment to arrive first).
     """
     _exit["failed"] = True
+    watchdog = current_watchdog()
+    if watchdog is not None:
+        watchdog.report(error, cause=not _lost_peer(error))
     try:
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()
@@ -74,6 +80,14 @@ def report_failure(error: BaseException) -> None:
         store.compare_set(f"{_ERROR_KEY}first-{kind}", "", f"Rank {rank} failed first with: {text}")
     except Exception:  # noqa: BLE001 - best effort: the store may be gone with rank 0
         pass
+
+
+def _lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is what a rank sees when a peer failed (a symptom), rather than a cause of its own."""
+    if isinstance(error, PipelineError) or isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    # gloo raises plain RuntimeErrors from its transport ("Connection closed by peer", "Timed out waiting ...")
+    return isinstance(error, RuntimeError) and "gloo/transport/" in str(error)
 
 
 def _peer_failure() -> str:
@@ -98,14 +112,32 @@ def peer_error(
         except Exception as err:
             raise peer_error(topo, "averaging gradients over ranks [1, 3]", err) from err
 
-    It quotes the first failure reported in the job, when there is one.
+    It quotes the first failure known in the job, when there is one: the watchdog's (given a moment to
+    arrive after a closed connection), else the first one reported in the store.
     """
     me = f"rank {topology.rank} (stage {topology.stage})"
     timeout = timeout or topology.timeout
     hint = ""
-    if timeout is not None and ("timed out" in str(err).lower() or "timeout" in str(err).lower()):
+    timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+    if timeout is not None and timed_out:
         hint = f" (no answer within p2p_timeout={timeout.total_seconds():g}s: the peer is hung or far behind)"
-    return PipelineError(f"{me}: {what} failed{hint}: {err}.{_peer_failure()}")
+    watchdog = current_watchdog()
+    verdict = None
+    if watchdog is not None:
+        verdict = watchdog.verdict if timed_out else watchdog.wait_for_verdict(SETTLE_S)
+    cause = f" {verdict.text}." if verdict is not None else _peer_failure()
+    return PipelineError(f"{me}: {what} failed{hint}: {err}.{cause}")
+
+
+def check_job(what: str) -> None:
+    """Raises a :class:`PipelineError` if a failure of another rank is known (so that ``what`` is not started).
+
+    A wait on peers after one of them failed could only fail, or (a checkpoint) leave a partial write behind.
+    """
+    watchdog = current_watchdog()
+    failure = watchdog.failure if watchdog is not None else None
+    if failure is not None and failure.origin != watchdog.rank:  # type: ignore[union-attr]
+        raise PipelineError(f"rank {watchdog.rank}: {what} not started: {failure.text}.")  # type: ignore[union-attr]
 
 
 def waiting_on_peers(topology: Topology, what: str, wait: Callable[[], _T]) -> _T:

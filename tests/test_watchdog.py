@@ -1,0 +1,180 @@
+"""The watchdog's rules, with several ranks' watchdogs in this one process over a real TCPStore and real sockets.
+
+A rank "dies" by closing its sockets without a word (what the kernel does for a killed process) and "ends"
+(instead of ``os._exit``) by recording it and closing its sockets. The multi-process behaviour under each
+launcher is in ``test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from lightning_varuna.pipeline.watchdog import KEEPALIVE_S, Watchdog
+
+WAIT = 10.0
+"""Seconds a test waits for something that should take milliseconds (a loaded CI machine)."""
+
+
+class Rank(Watchdog):
+    """A watchdog whose process end is recorded instead of happening."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ended = threading.Event()
+        self.cleaned = False
+        self.add_cleanup(lambda: setattr(self, "cleaned", True))
+
+    def _terminate(self) -> None:  # the process ends: its sockets close
+        self.ended.set()
+        self._stopping.set()
+        self._close()
+
+    def die(self) -> None:
+        """Ends without a word, as a SIGKILL would."""
+        self._stopping.set()
+        self._wake()
+        self._thread.join(WAIT)
+        self._close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[dist.TCPStore]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield store
+
+
+def ring(server: dist.TCPStore, n: int, **options) -> list[Rank]:
+    store = dist.PrefixStore(uuid.uuid4().hex, server)
+    ranks = [Rank(store, r, n, **options) for r in range(n)]
+    for rank in ranks:
+        rank.start()
+    deadline = time.monotonic() + WAIT
+    while any(len(r._links) < 2 for r in ranks):  # each rank: one link to its successor, one from its predecessor
+        assert time.monotonic() < deadline, [len(r._links) for r in ranks]
+        time.sleep(0.01)
+    return ranks
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def stop_all(ranks: list[Rank]) -> None:
+    for rank in ranks:
+        if not rank.ended.is_set():
+            rank.deactivate("test over")
+    for rank in ranks:
+        rank.die()
+
+
+def test_a_dead_rank_ends_every_other_rank_naming_it(server) -> None:
+    ranks = ring(server, 5)
+    start = time.monotonic()
+    ranks[2].die()
+    wait_until(lambda: all(r.ended.is_set() for r in ranks if r is not ranks[2]), "the others did not end")
+    print(f"\n5 ranks in one process: death to the last end {time.monotonic() - start:.3f}s")
+    for rank in ranks:
+        if rank is not ranks[2]:
+            assert rank.verdict is not None and rank.verdict.origin == 2, rank.verdict
+            assert rank.verdict.text.startswith("rank 2 died: its connection to rank ")
+            assert rank.cleaned
+    # only the dead rank's neighbours saw it; the others were told by theirs
+    assert {r.verdict.text for r in ranks if r is not ranks[2]} == {
+        "rank 2 died: its connection to rank 1 closed while the job was running",
+        "rank 2 died: its connection to rank 3 closed while the job was running",
+    } or len({r.verdict.text for r in ranks if r is not ranks[2]}) == 1
+
+
+def test_a_rank_that_said_goodbye_may_go_and_idle_ranks_stay(server) -> None:
+    ranks = ring(server, 3)
+    ranks[1].deactivate("finished")
+    time.sleep(0.1)  # the message travels before the close
+    ranks[1].die()
+    ranks[0].deactivate("finished")
+    time.sleep(0.5)
+    assert not any(r.ended.is_set() for r in ranks) and all(r.verdict is None for r in ranks)
+    ranks[2].die()  # rank 0 is idle: it records what happened but is not ended
+    wait_until(lambda: ranks[0].verdict is not None, "rank 0 did not learn of rank 2's death")
+    assert ranks[0].verdict.origin == 2 and not ranks[0].ended.is_set()
+    assert ranks[0].activate() is ranks[0].verdict  # a new fit is told
+    ranks[0].die()
+
+
+def test_a_rank_whose_step_failed_is_ended_only_after_its_grace(server) -> None:
+    ranks = ring(server, 4, grace=1.0)
+    try:
+        raise RuntimeError("injected")
+    except RuntimeError as err:
+        ranks[1].report(err, cause=True)
+    wait_until(lambda: all(r.ended.is_set() for r in ranks if r is not ranks[1]), "the others did not end")
+    assert {r.verdict.text for r in ranks} == {"rank 1 failed: RuntimeError: injected"}
+    assert not ranks[1].ended.is_set()  # raising and reporting its own error
+    wait_until(ranks[1].ended.is_set, "the failed rank was not ended after its grace")
+    stop_all(ranks)
+
+
+def test_a_lost_peer_reported_while_the_cause_is_on_its_way_does_not_hide_the_cause(server) -> None:
+    ranks = ring(server, 4, settle=5.0)
+    ranks[0].report(ConnectionError("Connection closed by peer"), cause=False)  # a symptom: it settles
+    ranks[2].die()
+    wait_until(lambda: all(r.ended.is_set() for r in (ranks[0], ranks[1], ranks[3])), "not ended")
+    assert {r.verdict.origin for r in (ranks[0], ranks[1], ranks[3])} == {2}
+
+
+def test_lost_peers_with_no_cause_known_are_all_named_after_settling(server) -> None:
+    # a hang: ranks that timed out waiting report it (symptoms); with no death or error anywhere within the
+    # settling time, every rank ends naming what each of them saw
+    ranks = ring(server, 4, settle=0.3, grace=WAIT * 3)
+    start = time.monotonic()
+    ranks[0].report(TimeoutError("no answer from rank 1 within p2p_timeout=5s"), cause=False)
+    ranks[2].report(TimeoutError("no answer from rank 1 within p2p_timeout=5s"), cause=False)
+    wait_until(lambda: ranks[1].ended.is_set() and ranks[3].ended.is_set(), "not ended")
+    assert time.monotonic() - start >= 0.3
+    for rank in (ranks[1], ranks[3]):
+        assert "rank 0 failed: TimeoutError: no answer from rank 1" in rank.verdict.text
+        assert "rank 2 failed: TimeoutError: no answer from rank 1" in rank.verdict.text
+    assert not ranks[0].ended.is_set() and not ranks[2].ended.is_set()  # reporting their own errors
+    stop_all(ranks)
+
+
+def test_a_rank_that_reported_its_error_and_exited_at_once_is_not_taken_for_dead(server) -> None:
+    ranks = ring(server, 3, settle=0.3)
+    ranks[0].report(ConnectionError("Connection closed by peer"), cause=False)
+    ranks[0].die()  # e.g. os._exit right after the error: no goodbye
+    wait_until(lambda: ranks[1].ended.is_set() and ranks[2].ended.is_set(), "not ended")
+    assert {r.verdict.text for r in ranks[1:]} == {"rank 0 failed: ConnectionError: Connection closed by peer"}
+
+
+def test_an_uncaught_exception_at_exit_is_a_failure_and_a_clean_exit_is_not(server, monkeypatch) -> None:
+    ranks = ring(server, 3)
+    ranks[0].stop()  # a clean exit: goodbye
+    time.sleep(0.3)
+    assert not ranks[1].ended.is_set() and not ranks[2].ended.is_set()
+    monkeypatch.setattr("sys.last_value", ValueError("uncaught"), raising=False)
+    ranks[1].stop()
+    wait_until(ranks[2].ended.is_set, "rank 2 was not ended")
+    assert ranks[2].verdict.text == "rank 1 failed: ValueError: uncaught"
+
+
+def test_ring_connections_probe_for_a_lost_machine() -> None:
+    from lightning_varuna.pipeline.watchdog import _tune
+
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as client:
+        _tune(client)
+        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+            idle = client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+            interval = client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+            count = client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+            assert idle + interval * count == KEEPALIVE_S <= 5
