@@ -8,13 +8,12 @@ Every job runs under a deadline there and a ``subprocess`` timeout here, so a ha
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from launch import JOBS, ROOT, _env, python
+from launch import JOBS, python, run_checked
 
 SCENARIOS = ["error", "hook-error", "hang", "hang-dp", "hang-sync", "kill", "exit"]
 PROMPT = 20.0
@@ -55,8 +54,7 @@ def test_world_size_not_divisible_by_pipeline_size() -> None:
     # Trainer(devices=3, strategy=VarunaStrategy(pipeline_parallel_size=2)) under Lightning's own launcher:
     # rank 0 starts ranks 1 and 2 by running the script again; run() waits until all three have closed stderr
     start = time.monotonic()
-    result = subprocess.run([sys.executable, str(JOBS / "faults.py"), "indivisible"], capture_output=True,
-                            text=True, timeout=120, env=_env(), cwd=ROOT)
+    result = run_checked([sys.executable, str(JOBS / "faults.py"), "indivisible"], timeout=120)
     message = (
         "ValueError: The world size (3 processes) is not divisible by pipeline_parallel_size=2. Use a P that"
         " divides 3, or change devices/num_nodes."

@@ -9,9 +9,10 @@ import torch
 
 from lightning_varuna.pipeline.schedules import SCHEDULES
 
-__all__ = ["PARTITIONS", "EngineConfig"]
+__all__ = ["P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
 
 PARTITIONS: tuple[str, ...] = ("time", "params")
+P2P_BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class EngineConfig:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a step.
         max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this (e.g. the processes per
             node, so that pipelines stay inside a node).
+        p2p_backend: The backend of the pipeline's sends and receives. ``"auto"``: the default process group's
+            (NCCL for a CUDA job). ``"gloo"``: through pinned host memory over gloo, data-parallel all-reduces
+            staying on the default backend (what Varuna shipped; for CUDA jobs where NCCL's point-to-point
+            misbehaves, or whose processes share a GPU). ``"nccl"``: NCCL even if the default group is gloo
+            (CUDA only).
     """
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
@@ -50,6 +56,7 @@ class EngineConfig:
     grad_bucket_bytes: int | None = None
     overlap_grad_sync: bool = True
     max_pipeline_size: int | None = None
+    p2p_backend: str = "auto"
 
     def __post_init__(self) -> None:
         size = self.pipeline_parallel_size
@@ -69,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"partition={self.partition!r}: use 'time' or 'params'.")
         if self.cut_at is not None and not isinstance(self.cut_at, str):
             raise ValueError(f"cut_at must be a dotted path string such as 'model.blocks', got {self.cut_at!r}.")
+        if self.p2p_backend not in P2P_BACKENDS:
+            raise ValueError(f"p2p_backend={self.p2p_backend!r}: choose one of {P2P_BACKENDS}.")
         timeout = self.p2p_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"p2p_timeout must be a positive number of seconds, got {timeout!r}.")
@@ -79,6 +88,18 @@ class EngineConfig:
             return self.pipeline_parallel_size  # type: ignore[return-value]
         limit = min(num_segments, world_size, self.max_pipeline_size or world_size)
         return max(p for p in range(1, limit + 1) if world_size % p == 0)
+
+    def link_backend(self, device: torch.device) -> str | None:
+        """The backend of the link groups on ``device`` (None: the default group's).
+
+        Raises:
+            ValueError: For ``p2p_backend="nccl"`` on a device that is not CUDA.
+        """
+        if self.p2p_backend == "nccl" and device.type != "cuda":
+            raise ValueError(
+                f"p2p_backend='nccl' needs CUDA devices; this rank runs on {device}. Use 'auto' or 'gloo'."
+            )
+        return None if self.p2p_backend == "auto" else self.p2p_backend
 
 
 def _is_int(value: object) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -28,10 +30,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
-from lightning_varuna.pipeline.executor import MemoryStats, StageExecutor
+from lightning_varuna.pipeline.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
+from lightning_varuna.pipeline.executor import StageExecutor
 from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
 from lightning_varuna.pipeline.grad_sync import GradientSync
-from lightning_varuna.pipeline.p2p import P2P
+from lightning_varuna.pipeline.p2p import P2P, HostStaging
 from lightning_varuna.pipeline.partition import Plan, check_pipeline_size, make_plan, time_segments, trace_step
 from lightning_varuna.pipeline.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
@@ -110,9 +113,12 @@ class PipelineEngine:
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
         max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this.
+        p2p_backend: ``"auto"`` (the default process group's backend), ``"gloo"`` (activations and gradients
+            through pinned host memory over gloo, for CUDA jobs) or ``"nccl"``.
 
     The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
-    :meth:`from_config` builds an engine from a config.
+    :meth:`from_config` builds an engine from a config. :attr:`events` is the executor's event hook: recorders
+    added there (:mod:`~lightning_varuna.pipeline.events`) see every task and transfer; there are none by default.
     """
 
     def __init__(
@@ -131,12 +137,13 @@ class PipelineEngine:
         grad_bucket_bytes: int | None = None,
         overlap_grad_sync: bool = True,
         max_pipeline_size: int | None = None,
+        p2p_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, wire_dtype=wire_dtype, grad_bucket_bytes=grad_bucket_bytes,
-            overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size,
+            overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size, p2p_backend=p2p_backend,
         )
         self.config = config
         self.module = module
@@ -145,6 +152,8 @@ class PipelineEngine:
         self.plan: Plan | None = None
         self.executor: StageExecutor | None = None
         self.grad_sync: GradientSync | None = None
+        self.events = EventHooks()
+        """The executor's event hook: add recorders (:mod:`~lightning_varuna.pipeline.events`) before or after setup."""
         self._pipeline_size = pipeline_parallel_size if pipeline_parallel_size != "auto" else None
         self._cuts: list[CutPoint] = []
         self._hooks: list[Any] = []
@@ -181,6 +190,7 @@ class PipelineEngine:
         """
         config = self.config
         # everything that can be wrong with the model is checked before the first collective call
+        link_backend = config.link_backend(self.device)
         if config.cut_at is not None:
             self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
         names = {id(m): n for n, m in self.module.named_modules()}
@@ -199,19 +209,23 @@ class PipelineEngine:
                 trace.segment_seconds = time_segments(lambda: step(first_samples(sample_batch, micro)))
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
-        self.topology = topology or Topology.create(self.pipeline_size, self.device, timeout=config.p2p_timeout)
+        self.topology = topology or Topology.create(
+            self.pipeline_size, self.device, timeout=config.p2p_timeout, link_backend=link_backend
+        )
         destroy_process_groups_at_exit()
         topo = self.topology
+        run = uuid.uuid4().hex[:12]
         if topo.world_size > 1:
             # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
-            seconds = [trace.segment_seconds]
-            dist.broadcast_object_list(seconds, src=0)
-            trace.segment_seconds = seconds[0]
+            shared = [trace.segment_seconds, run]
+            dist.broadcast_object_list(shared, src=0)
+            trace.segment_seconds, run = shared
         self.plan = make_plan(trace, topo.pipeline_size, by=self.config.partition)
         stage = self.plan.stages[topo.stage]
         first_cut = stage.segments.start - 1 if topo.stage > 0 else None
         last_cut = stage.segments.stop - 1 if not topo.is_last else None
-        self.executor = StageExecutor(topo, P2P(topo, self.config.p2p_timeout), cut_modules, first_cut, last_cut)
+        self._trace_p2p(run)
+        self.executor = StageExecutor(topo, self._p2p(), cut_modules, first_cut, last_cut, self.events)
         self.executor.wire_dtype = self.config.wire_dtype
         self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
@@ -223,6 +237,24 @@ class PipelineEngine:
                                       bucket_bytes=self.config.grad_bucket_bytes,
                                       overlap=self.config.overlap_grad_sync)
         return self.plan
+
+    def _p2p(self) -> P2P:
+        """The transport; on a CUDA device whose links run on gloo, staged through pinned host memory."""
+        topo = self.topology
+        assert topo is not None
+        staging = None
+        if self.device.type == "cuda" and topo.pipeline_size > 1:
+            group = next(iter(topo.links.values()), None)
+            if dist.get_backend(group) == "gloo":
+                staging = HostStaging(pin=True)
+        return P2P(topo, self.config.p2p_timeout, self.events, staging)
+
+    def _trace_p2p(self, run: str) -> None:
+        """In the NCCL-rules mode (:data:`~lightning_varuna.pipeline.events.P2P_TRACE_ENV`), records the p2p trace."""
+        directory = os.environ.get(P2P_TRACE_ENV)
+        topo = self.topology
+        if directory and topo is not None and topo.pipeline_size > 1:
+            self.events.add(P2PTraceWriter(directory, run, topo.rank, topo.world_size))
 
     # -- sizes --------------------------------------------------------------------------------------------
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
@@ -286,7 +318,7 @@ class PipelineEngine:
         m = self.microbatches_for(size, train)
         micro = split_batch(batch, m)
         sizes = [batch_size_of(mb) for mb in micro]
-        tasks = self._schedule(m, train)[self.topology.stage]
+        schedule = self._schedule(m, train)
         loss_of = loss_of or default_loss
         weights = [n / size * loss_scale for n in sizes]
         # reductions that start during this step: each bucket in the last backward, the rest right after
@@ -297,7 +329,7 @@ class PipelineEngine:
             return loss_transform(loss) if loss_transform is not None else loss
 
         outputs = self.executor.run(
-            tasks,
+            schedule,
             lambda k: step(micro[k]),
             sizes,
             self._batch_dims,
@@ -362,12 +394,6 @@ class PipelineEngine:
         """Whether the forward that is running is a recompute (its side effects already happened once)."""
         current = self.executor.current if self.executor is not None else None
         return current is not None and current.recomputing
-
-    @property
-    def stats(self) -> MemoryStats:
-        """Memory counters of this stage."""
-        assert self.executor is not None
-        return self.executor.stats
 
     def teardown(self) -> None:
         """Removes cut_at hooks and stand-ins (freed parameters stay freed)."""

@@ -31,6 +31,7 @@ from models import RandomTokens, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
+from lightning_varuna.pipeline.events import StageCounters  # noqa: E402
 
 STEPS = 8
 
@@ -49,9 +50,13 @@ class Recorder(pl.Callback):
         self.clipped_norms: list[dict[str, float]] = []
         self.overlapped: list[int] = []
         self.bucket, self.overlap = bucket, overlap
+        self.counters = StageCounters()
 
     def on_train_start(self, trainer, pl_module) -> None:
-        sync = getattr(getattr(trainer.strategy, "engine", None), "grad_sync", None)
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            engine.events.add(self.counters)
+        sync = getattr(engine, "grad_sync", None)
         if sync is not None:
             sync.overlap = self.overlap
             if self.bucket is not None:
@@ -150,7 +155,7 @@ def run(out: Path, spec: str) -> None:
     result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms,
               "logged_norms": recorder.logged_norms}
     if not reference:
-        result["sent_bytes"] = trainer.strategy.engine.stats.sent_bytes
+        result["sent_bytes"] = recorder.counters.sent_bytes
         result["stage"] = trainer.strategy.topology.stage
         sync = trainer.strategy.engine.grad_sync
         result["overlapped"] = recorder.overlapped

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -37,6 +36,7 @@ from models import RandomTokens, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
+from lightning_varuna.pipeline.events import StageCounters  # noqa: E402
 
 FIT_EPOCHS = 2
 STEPS = 4
@@ -70,6 +70,12 @@ class Recorder(pl.Callback):
         self.train_acc: list[float | None] = []
         self.val: list[dict[str, float]] = []
         self.predict_inputs: list[list[list[int]]] = []
+        self.counters = StageCounters()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:  # the strategy has partitioned the model: count what its stage holds from now on
+            engine.events.add(self.counters)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
@@ -114,7 +120,7 @@ def trainer_for(reference: bool, options: dict, **kwargs) -> pl.Trainer:
     )
 
 
-def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: int) -> dict:
+def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: int, counters: StageCounters) -> dict:
     strategy = trainer.strategy
     if not isinstance(strategy, lightning_varuna.VarunaStrategy):
         return {}
@@ -123,7 +129,7 @@ def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: i
     return {
         "stage": stage,
         "pipeline_size": strategy.topology.pipeline_size,
-        "stats": asdict(engine.stats),
+        "stats": counters.memory(),
         "num_microbatches": engine.config.num_microbatches,
         "local_numel": sum(p.numel() for p in model.parameters()),
         "plan_numel": engine.plan.stages[stage].param_numel,
@@ -160,7 +166,7 @@ def fit(out: Path, name: str, options: dict, reference: bool) -> dict:
         "val": recorder.val,
         "best_score": float(checkpoint.best_model_score),
         "best_exists": Path(checkpoint.best_model_path).exists() if trainer.global_rank == 0 else None,
-        **strategy_facts(trainer, model, full_numel),
+        **strategy_facts(trainer, model, full_numel, recorder.counters),
     }
     result["validate"] = trainer.validate(model, val_loader, verbose=False)
     test_loader = DataLoader(RandomTokens(n=40, seed=3), batch_size=batch)
@@ -199,7 +205,7 @@ def steps(out: Path, name: str, options: dict, reference: bool) -> dict:
         "lrs": recorder.lrs,
         "train_acc": recorder.train_acc,
         "lengths": recorder.lengths,
-        **strategy_facts(trainer, model, full_numel),
+        **strategy_facts(trainer, model, full_numel, recorder.counters),
     }
 
 
