@@ -30,9 +30,10 @@ all-reduce starts after the stage's schedule), so both are measured in the same 
 
 Bytes per step and rank (measured on every step, identical from step to step):
 
-* p2p: the bytes of the sends the engine posted (a ``StageCounters`` on ``engine.events``: activations forward, their gradients backward, one 80-byte shape header per
-  step); analytic: ``m`` activations of ``mbs x T x C x 4`` bytes forward unless last stage, as many gradients
-  backward unless first stage, plus the header.
+* p2p: the bytes of the sends the engine posted (a ``StageCounters`` on ``engine.events``: activations forward,
+  their gradients backward, one 80-byte shape header per step); analytic: ``m`` activations of
+  ``mbs x T x C x 4`` bytes forward unless last stage, as many gradients backward unless first stage, plus the
+  header.
 * all-reduce payload: ``grad_sync.reduced_bytes`` (data-parallel buckets and the tied embedding's copies);
   analytic: this stage's parameter bytes when D > 1 (embedding excluded when tied across stages), plus the
   tied embedding (V x C x 4) on its holders when P > 1. A ring all-reduce of N bytes among n ranks sends
