@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.patches import InstancePatches, take_over_sigterm
+from lightning_varuna.pipeline.failures import peer_error
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -288,10 +289,11 @@ class PreemptionGuard:
         if self.trainer.world_size > 1:
             try:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            except Exception as err:  # noqa: BLE001 - as in Lightning's broadcast that this replaces
-                # a peer died or hangs: the step that follows fails and names it (a checkpoint needs it too)
-                log.debug("VarunaStrategy: the preemption agreement failed: %s", err)
-                flag.zero_()
+            except Exception as err:  # noqa: BLE001 - re-raised naming this rank and the first failure
+                # a peer died or hangs: end here. The step's transfers run on groups of their own, where live
+                # peers may wait for this rank while it would wait for them in this collective
+                raise peer_error(self.trainer.strategy.topology, "agreeing on preemption at a step boundary",
+                                 err) from err
         kind = int(flag.item())
         # the partial gradient sums of an accumulation window are not in checkpoints: stop where one begins (the
         # warned rank keeps its flag, so the agreement repeats at every batch until then)
