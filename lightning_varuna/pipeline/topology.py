@@ -121,6 +121,7 @@ class Topology:
                     group = dist.new_group([upper, lower], timeout=timeout, backend=link_backend)
                     if rank in (src, dst):
                         links[(src, dst)] = group
+        _connect(links, rank, device)
         pipe_group, data_group = pipes[rank // pipeline_size], datas[rank % pipeline_size]
         return cls(
             world_size=world,
@@ -139,3 +140,21 @@ class Topology:
             ranks = [self.rank_of(s, d) for d in range(self.data_size) for s in stages]
             self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
         return self._shared_groups[stages]
+
+
+def _connect(links: dict[tuple[int, int], object], rank: int, device: torch.device) -> None:
+    """Moves one element over every link of this rank, link after link in the order they were created.
+
+    NCCL creates a pair's communicator at its first transfer and blocks the calling thread until the peer gets
+    there too. In a step a stage posts receives ahead of use (the gradient of micro-batch 0 right after sending
+    its activation, before the next activation), so a first transfer inside a step could block a stage while its
+    peer waits for that next activation. Here every rank meets each peer in the same global order (the links
+    along the pipeline, edge by edge), which cannot deadlock. On gloo it only checks the connections.
+    """
+    for (src, dst), group in links.items():
+        on_device = device.type == "cuda" and dist.get_backend(group) != "gloo"
+        token = torch.zeros(1, device=device if on_device else "cpu")
+        if rank == src:
+            dist.send(token, dst=dst, group=group)
+        else:
+            dist.recv(token, src=src, group=group)

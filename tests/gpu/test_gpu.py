@@ -112,3 +112,5 @@ def test_nccl_point_to_point_trains_as_the_plain_run(tmp_path: Path) -> None:
     runs = _ranks(tmp_path, "nccl", world)
     assert len({run["fp32"]["device"] for run in runs}) == world
     _check_engine(runs)
+    if world == 4:
+        _check_against_plain(runs, "fp32-p4", FP32)

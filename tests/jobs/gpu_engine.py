@@ -13,6 +13,8 @@ device; the test compares them. Configurations:
 - ``fp32``: recompute on, dropout off: equal to the plain run;
 - ``dropout-recompute`` / ``dropout-plain``: dropout on, with and without recompute: equal to each other (the
   recompute replays the forward's CUDA RNG state, so its dropout masks are the forward's);
+- ``fp32-p4`` (four GPUs): P=4, 1F1B, where a stage posts a gradient's receive before the next activation's
+  send (links are connected at setup, so no first transfer waits for a peer inside a step);
 - ``bf16``: the step under ``torch.autocast("cuda", torch.bfloat16)`` and bfloat16 on the wire, against the plain
   run under the same autocast;
 - ``memory-*`` (shared only): ``torch.cuda.max_memory_allocated`` of a step with recompute and with GPipe without
@@ -34,7 +36,6 @@ from lightning_varuna import CutPoint
 from lightning_varuna.pipeline.engine import PipelineEngine
 
 STEPS = 3
-STAGES = 2
 
 
 class Net(nn.Module):
@@ -81,9 +82,9 @@ def _train(model: nn.Module, step, batches: list[Tensor], pipelined: PipelineEng
 
 
 def run(name: str, device: torch.device, width: int, rows: int, dropout: float, recompute: bool, schedule: str,
-        bf16: bool, p2p_backend: str) -> dict:
+        bf16: bool, p2p_backend: str, stages: int = 2) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    replicas = world // STAGES
+    replicas = world // stages
     torch.manual_seed(0)
     model = Net(width, dropout).to(device)
     plain = Net(width, dropout).to(device)
@@ -95,10 +96,10 @@ def run(name: str, device: torch.device, width: int, rows: int, dropout: float, 
                 return net(batch)
         return step
 
-    engine = PipelineEngine(model, STAGES, num_microbatches=4, schedule=schedule, recompute=recompute,
+    engine = PipelineEngine(model, stages, num_microbatches=4, schedule=schedule, recompute=recompute,
                             partition="params", device=device, p2p_timeout=120, p2p_backend=p2p_backend,
                             wire_dtype=torch.bfloat16 if bf16 else None)
-    replica = rank // STAGES
+    replica = rank // stages
     batches = _batches(replicas, rows, width, device)
     mine = [b[replica * rows: (replica + 1) * rows] for b in batches]
     engine.setup(mine[0], step_of(model))
@@ -142,6 +143,9 @@ def main(out: Path, mode: str) -> None:
         "dropout-plain": dict(width=64, rows=16, dropout=0.2, recompute=False, schedule="varuna", bf16=False),
         "bf16": dict(width=64, rows=16, dropout=0.0, recompute=True, schedule="1f1b", bf16=True),
     }
+    if mode != "shared" and dist.get_world_size() == 4:  # P=4 as well: links connected before the first step
+        configs["fp32-p4"] = dict(width=64, rows=16, dropout=0.0, recompute=True, schedule="1f1b", bf16=False,
+                                  stages=4)
     if mode == "shared":
         configs["memory-recompute"] = dict(width=1024, rows=512, dropout=0.0, recompute=True, schedule="varuna",
                                            bf16=False)
