@@ -37,8 +37,8 @@ it (as with real network latency), and the real gloo transfer still happens in t
 exactly the same delay for the same message, whatever its schedule order or recompute.
 Polling: a schedule that asks "has the message arrived?" (our executor's ``is_completed`` check, used by
 Varuna's opportunistic rule) would see the gloo arrival, not the emulated deadline. So in this mode our
-engine's receives are wrapped (``_ArrivesAtDeadline`` on the executor's ``irecv``) and count as arrived only
-from the message's deadline on: our schedule sees the same arrival times that the torch stages wait for.
+engine's receives count as arrived only from the message's deadline on (the transport's ``completed`` is
+wrapped): our schedule sees the same arrival times that the torch stages wait for.
 ``--jitter-mode sender`` (the sender sleeps ``d`` before returning its output / input-gradient, so the real
 send is late) is the alternative: the delay is visible to any polling, at the price of also stalling the
 sender.
@@ -508,7 +508,18 @@ class _ArrivesAtDeadline:
 
 
 def _arrive_at_deadlines(p2p, rt: Runtime) -> None:
-    irecv = p2p.irecv
+    if hasattr(p2p, "completed"):  # an engine whose executor asks the transport whether a receive completed
+        completed = p2p.completed
+
+        def completed_at_deadline(transfer) -> bool:
+            if not completed(transfer):
+                return False
+            ok, _, deadline = _header(transfer.tensor)
+            return transfer.kind != "recv" or not ok or rt.now() >= deadline
+
+        p2p.completed = completed_at_deadline
+        return
+    irecv = p2p.irecv  # earlier engines: wrap the receive's work
 
     def deadline_irecv(tensor: torch.Tensor, src: int, tag: int, **kwargs):
         return _ArrivesAtDeadline(irecv(tensor, src, tag, **kwargs), tensor, rt)

@@ -30,9 +30,10 @@ all-reduce starts after the stage's schedule), so both are measured in the same 
 
 Bytes per step and rank (measured on every step, identical from step to step):
 
-* p2p: ``engine.stats.sent_bytes`` (activations forward, their gradients backward, one 80-byte shape header per
-  step); analytic: ``m`` activations of ``mbs x T x C x 4`` bytes forward unless last stage, as many gradients
-  backward unless first stage, plus the header.
+* p2p: the bytes of the sends the engine posted (a ``StageCounters`` on ``engine.events``: activations forward,
+  their gradients backward, one 80-byte shape header per step); analytic: ``m`` activations of
+  ``mbs x T x C x 4`` bytes forward unless last stage, as many gradients backward unless first stage, plus the
+  header.
 * all-reduce payload: ``grad_sync.reduced_bytes`` (data-parallel buckets and the tied embedding's copies);
   analytic: this stage's parameter bytes when D > 1 (embedding excluded when tied across stages), plus the
   tied embedding (V x C x 4) on its holders when P > 1. A ring all-reduce of N bytes among n ranks sends
@@ -125,6 +126,7 @@ class Config:
         import torch.distributed as dist
 
         from lightning_varuna.pipeline.engine import PipelineEngine
+        from lightning_varuna.pipeline.events import StageCounters
 
         world = dist.get_world_size()
         self.compute, self.P, self.D = compute, P, world // P
@@ -138,6 +140,7 @@ class Config:
         replica = dist.get_rank() // P
         self.batches = make_batches(args.warmup + args.steps + 1, self.replica_batch, replica)
         plan = self.engine.setup(self.batches[-1], self.loss)
+        self.counters = self.engine.events.add(StageCounters())
         topo = self.engine.topology
         self.stage = topo.stage
         stage_plan = plan.stages[topo.stage]
@@ -159,7 +162,7 @@ class Config:
         import torch.distributed as dist
 
         self.sync.overlap = overlap
-        sent, reduced = self.engine.stats.sent_bytes, self.sync.reduced_bytes
+        sent, reduced = self.counters.sent_bytes, self.sync.reduced_bytes
         dist.barrier(group=group)
         tx = self._tx()
         t0 = time.monotonic()
@@ -173,7 +176,7 @@ class Config:
         dist.barrier(group=group)
         self.records.append({
             "overlap": overlap, "start": t0, "end": t3, "train_step_s": t1 - t0, "exposed_sync_s": t2 - t1,
-            "p2p_bytes": self.engine.stats.sent_bytes - sent, "allreduce_bytes": self.sync.reduced_bytes - reduced,
+            "p2p_bytes": self.counters.sent_bytes - sent, "allreduce_bytes": self.sync.reduced_bytes - reduced,
             "overlapped_buckets": self.sync.overlapped_buckets if overlap else 0, "iface_tx_bytes": self._tx() - tx,
         })
 

@@ -161,6 +161,11 @@ class VarunaStrategy(ParallelStrategy):
         timeout: Timeout of collective operations of the default process group (Lightning's barriers,
             ``sync_dist``, checkpoint collectives). Default: ``p2p_timeout``, so no wait on a dead or hung
             peer lasts longer than that.
+        p2p_backend: The backend of the activations and gradients between stages. ``"auto"``: the process group
+            backend's (NCCL on GPUs). ``"gloo"``: through pinned host memory over gloo, with data-parallel
+            all-reduces still on the process group backend (what Varuna shipped; for GPUs where NCCL's
+            point-to-point misbehaves, and with ``process_group_backend="gloo"`` for processes that share a GPU).
+            ``"nccl"``: NCCL (GPUs only).
     """
 
     strategy_name = "varuna"
@@ -193,6 +198,7 @@ class VarunaStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        p2p_backend: Literal["auto", "nccl", "gloo"] = "auto",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -210,6 +216,7 @@ class VarunaStrategy(ParallelStrategy):
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn,
+            p2p_backend=p2p_backend,
         )
         self.initial_weights = (
             InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)

@@ -178,6 +178,7 @@ def run_elastic(
     deadline: float = 180.0,
     extra_args: list[str] | None = None,
     action: str = "kill",
+    environment: dict[str, str] | None = None,
 ) -> ElasticRun:
     """Runs the two-agent job, kills the second agent's "machine" after ``kill_after`` steps, waits for the end.
 
@@ -190,13 +191,15 @@ def run_elastic(
         extra_args: More arguments for ``examples/gpt/elastic.py``.
         action: ``"kill"``: SIGKILL the second agent and its workers (a machine lost). ``"sigterm"``: SIGTERM one
             worker of the second agent (a preemption warning that reaches one rank); both agents stay.
+        environment: More environment variables for the agents (e.g. the NCCL-rules mode's trace directory).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / "steps.jsonl"
     port = free_port()
     conf = ",".join(f"{k}={v}" for k, v in (rdzv_conf or {}).items())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               **(environment or {}))
     script = [str(SCRIPT), "--ckpt-dir", str(workdir / "ckpt"), "--record", str(record), "--max-steps",
               str(max_steps), "--p2p-timeout", "30", *TINY, *(extra_args or [])]
     processes = _Processes()

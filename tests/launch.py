@@ -1,14 +1,27 @@
-"""Launching real multi-process jobs from tests: always a subprocess, always a timeout."""
+"""Launching real multi-process jobs from tests: always a subprocess, always a timeout, always NCCL's rules.
+
+Every job runs in the NCCL-rules mode: its engines record each step's p2p ops in a fresh trace directory
+(``LIGHTNING_VARUNA_P2P_TRACE``) and after the job every step that all ranks completed is replayed under NCCL's
+matching rules (:mod:`lightning_varuna.pipeline.p2p_check`); a deadlock or a mismatch fails the test, on CPU, as
+the same order would hang on GPUs. The number of steps checked is in the returned result's ``p2p_steps``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from lightning_varuna.pipeline.events import P2P_TRACE_ENV
+from lightning_varuna.pipeline.p2p_check import CheckSummary, P2POrderError, check_trace_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"
@@ -40,11 +53,44 @@ def python(script: str, *args: str, timeout: float = 300) -> subprocess.Complete
     return _run([sys.executable, str(JOBS / script), *args], timeout)
 
 
+@contextlib.contextmanager
+def nccl_rules(env: dict[str, str]) -> Iterator[dict[str, CheckSummary]]:
+    """Turns the NCCL-rules mode on in ``env`` for the block; afterwards replays the traces (``box["summary"]``).
+
+    Raises:
+        AssertionError: If a completed step deadlocks or mismatches under NCCL's rules.
+    """
+    directory = tempfile.mkdtemp(prefix="varuna-p2p-")
+    env[P2P_TRACE_ENV] = directory
+    box: dict[str, CheckSummary] = {}
+    try:
+        yield box
+        try:
+            box["summary"] = check_trace_dir(directory)
+        except P2POrderError as err:
+            raise AssertionError(f"p2p order violates NCCL's rules: {err}") from None
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_checked(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run`` in the NCCL-rules mode; ``result.p2p_steps`` is the number of steps replayed."""
+    env = dict(env if env is not None else _env())
+    result = None
+    try:
+        with nccl_rules(env) as box:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except AssertionError as err:
+        output = f"\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}" if result is not None else ""
+        raise AssertionError(f"{' '.join(command)}: {err}{output}") from None
+    result.p2p_steps = box["summary"].steps  # type: ignore[attr-defined]
+    return result
+
+
 def _run(
     command: list[str], timeout: float, env: dict[str, str] | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})},
-                            cwd=ROOT)
+    result = run_checked(command, timeout, {**_env(), **(env or {})})
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} exited with {result.returncode}:\n"
@@ -62,12 +108,19 @@ def torchrun_nodes(script: str, *args: str, nodes: int = 2, nproc: int = 2, time
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = _env()
+    with nccl_rules(env):
+        _run_agents(script, args, nodes, nproc, port, env, timeout)
+
+
+def _run_agents(script: str, args: tuple[str, ...], nodes: int, nproc: int, port: int, env: dict[str, str],
+                timeout: float) -> None:
     agents = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={i}",
              f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", str(JOBS / script),
              *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True,
         )
         for i in range(nodes)
     ]

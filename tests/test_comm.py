@@ -18,10 +18,15 @@ def test_watched_transfers_report_completion_without_a_wait_and_a_missing_messag
     torchrun("comm.py", str(tmp_path), nproc=2, timeout=120)
     sender = json.loads((tmp_path / "comm.rank0.json").read_text())
     receiver = json.loads((tmp_path / "comm.rank1.json").read_text())
-    assert sender == {"send_completed_without_wait": True, "posted_by": ["varuna-send-1"]}
+    assert sender == {"send_completed_without_wait": True, "posted_by": ["varuna-0>1", "varuna-0>1"],
+                      "staged_wire_is_a_copy": True}
     assert receiver["completed_before_send"] is False
     assert receiver["completed_without_wait"] is True
     assert receiver["received"] == [0.0, 1.0, 2.0, 3.0]
+    # staged (p2p_backend="gloo" in a CUDA job): the receiver's tensor is written when it is waited for
+    assert receiver["staged_lands_in_host_buffer"] is True
+    assert receiver["staged_before_wait"] == [[0.0] * 3] * 2
+    assert receiver["staged_after_wait"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert "no answer within p2p_timeout=2s" in receiver["timeout_error"], receiver
     assert 1.5 < receiver["timeout_after"] < 10, receiver
 

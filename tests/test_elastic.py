@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from elastic_harness import TUNED, run_elastic
+from launch import nccl_rules
 
 MAX_STEPS = 12
 KILL_AFTER = 4
@@ -17,7 +18,10 @@ KILL_AFTER = 4
 
 @pytest.mark.slow
 def test_survivor_resumes_from_last_checkpoint_at_smaller_world_size(tmp_path: Path) -> None:
-    run = run_elastic(tmp_path, max_steps=MAX_STEPS, kill_after=KILL_AFTER, rdzv_conf=TUNED, deadline=240)
+    environment: dict[str, str] = {}
+    with nccl_rules(environment):
+        run = run_elastic(tmp_path, max_steps=MAX_STEPS, kill_after=KILL_AFTER, rdzv_conf=TUNED, deadline=240,
+                          environment=environment)
     logs = "\n".join(f"--- agent {name} ---\n{text[-6000:]}" for name, text in run.logs.items())
     assert run.kill_time is not None, f"the job never reached {KILL_AFTER} steps at world size 4:\n{logs}"
     assert run.returncodes == {"host": 0, "other": -9}, f"{run.returncodes}\n{logs}"
@@ -44,8 +48,10 @@ def test_sigterm_to_one_worker_checkpoints_exits_143_and_torchrun_resumes_withou
     """A preemption warning that reaches one rank of one machine: every rank stops at the next step boundary with a
     checkpoint and exit status 143, which torchrun treats as a failure and restarts from; no step is lost or repeated.
     """
-    run = run_elastic(tmp_path, max_steps=MAX_STEPS, kill_after=KILL_AFTER, rdzv_conf=TUNED, deadline=240,
-                      action="sigterm")
+    environment: dict[str, str] = {}
+    with nccl_rules(environment):
+        run = run_elastic(tmp_path, max_steps=MAX_STEPS, kill_after=KILL_AFTER, rdzv_conf=TUNED, deadline=240,
+                          action="sigterm", environment=environment)
     logs = "\n".join(f"--- agent {name} ---\n{text[-6000:]}" for name, text in run.logs.items())
     assert run.kill_time is not None, f"the job never reached {KILL_AFTER} steps:\n{logs}"
     assert run.returncodes == {"host": 0, "other": 0}, f"{run.returncodes}\n{logs}"

@@ -79,6 +79,7 @@ POSITIVE_P = "pipeline_parallel_size must be a positive int or 'auto'"
         ({"schedule": "zero-bubble"}, r"schedule='zero-bubble': choose one of"),
         ({"partition": "flops"}, "partition='flops': use 'time' or 'params'"),
         ({"cut_at": 3}, r"cut_at must be a dotted path string .* got 3"),
+        ({"p2p_backend": "mpi"}, r"p2p_backend='mpi': choose one of \('auto', 'nccl', 'gloo'\)"),
     ],
 )
 def test_strategy_rejects_bad_arguments(options: dict, match: str) -> None:
@@ -95,6 +96,11 @@ def test_engine_rejects_non_positive_p2p_timeout(timeout: float) -> None:
 def test_strategy_rejects_non_positive_p2p_timeout() -> None:
     with pytest.raises(ValueError, match="p2p_timeout must be a positive number of seconds, got 0"):
         VarunaStrategy(p2p_timeout=0)
+
+
+def test_nccl_point_to_point_on_a_cpu_device_raised_before_any_collective() -> None:
+    with pytest.raises(ValueError, match="p2p_backend='nccl' needs CUDA devices; this rank runs on cpu"):
+        setup_engine(Chain(3), topology(2, 2), p2p_backend="nccl")
 
 
 def test_world_size_not_divisible_by_pipeline_size() -> None:

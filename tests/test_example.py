@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import ROOT, _env
+from launch import run_checked
 
 SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
          "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
@@ -14,7 +14,7 @@ SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--tra
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     command = [sys.executable, "examples/gpt/train.py", *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    result = run_checked(command, timeout)
     assert result.returncode == 0, f"{' '.join(command)}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from launch import JOBS, ROOT, _env, python
+from launch import JOBS, python, run_checked
 
 from lightning_varuna.checkpoint import is_complete
 from lightning_varuna.preemption import PREEMPTED_EXIT_CODE
@@ -63,8 +62,7 @@ def test_world_size_not_divisible_by_pipeline_size() -> None:
     # Trainer(devices=3, strategy=VarunaStrategy(pipeline_parallel_size=2)) under Lightning's own launcher:
     # rank 0 starts ranks 1 and 2 by running the script again; run() waits until all three have closed stderr
     start = time.monotonic()
-    result = subprocess.run([sys.executable, str(JOBS / "faults.py"), "indivisible"], capture_output=True,
-                            text=True, timeout=120, env=_env(), cwd=ROOT)
+    result = run_checked([sys.executable, str(JOBS / "faults.py"), "indivisible"], timeout=120)
     message = (
         "ValueError: The world size (3 processes) is not divisible by pipeline_parallel_size=2. Use a P that"
         " divides 3, or change devices/num_nodes."
@@ -152,8 +150,7 @@ def test_error_after_the_last_step_fails_every_rank(faults: Path, scenario: str,
 @pytest.mark.slow
 def test_error_after_the_last_step_fails_the_job_under_lightnings_launcher() -> None:
     # rank 0 is the process Lightning's launcher runs in (it starts rank 1): its exit status is the job's
-    result = subprocess.run([sys.executable, str(JOBS / "faults.py"), "train-end-error-lightning"],
-                            capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    result = run_checked([sys.executable, str(JOBS / "faults.py"), "train-end-error-lightning"], timeout=120)
     assert result.returncode != 0, result.stderr[-3000:]
     assert "RuntimeError: injected failure on rank 1 in on_train_end" in result.stderr, result.stderr[-3000:]
     assert "VARUNA-FINISHED" not in result.stdout

@@ -10,9 +10,10 @@ import torch
 
 from lightning_varuna.pipeline.schedules import SCHEDULES
 
-__all__ = ["PARTITIONS", "EngineConfig"]
+__all__ = ["P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
 
 PARTITIONS: tuple[str, ...] = ("time", "params")
+P2P_BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class EngineConfig:
         param_init_fn: For a model built on the meta device: initializes the parameters a module owns directly
             (default: the module's ``reset_parameters()``).
         init_seed: The seed of that initialization (default: rank 0's ``torch.initial_seed()``).
+        p2p_backend: The backend of the pipeline's sends and receives. ``"auto"``: the default process group's
+            (NCCL for a CUDA job). ``"gloo"``: through pinned host memory over gloo, data-parallel all-reduces
+            staying on the default backend (what Varuna shipped; for CUDA jobs where NCCL's point-to-point
+            misbehaves, or whose processes share a GPU). ``"nccl"``: NCCL even if the default group is gloo
+            (CUDA only).
     """
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
@@ -56,6 +62,7 @@ class EngineConfig:
     max_pipeline_size: int | None = None
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     init_seed: int | None = None
+    p2p_backend: str = "auto"
 
     def __post_init__(self) -> None:
         size = self.pipeline_parallel_size
@@ -81,6 +88,8 @@ class EngineConfig:
             )
         if self.init_seed is not None and not _is_int(self.init_seed):
             raise ValueError(f"init_seed must be an int or None, got {self.init_seed!r}.")
+        if self.p2p_backend not in P2P_BACKENDS:
+            raise ValueError(f"p2p_backend={self.p2p_backend!r}: choose one of {P2P_BACKENDS}.")
         timeout = self.p2p_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"p2p_timeout must be a positive number of seconds, got {timeout!r}.")
@@ -91,6 +100,18 @@ class EngineConfig:
             return self.pipeline_parallel_size  # type: ignore[return-value]
         limit = min(num_segments, world_size, self.max_pipeline_size or world_size)
         return max(p for p in range(1, limit + 1) if world_size % p == 0)
+
+    def link_backend(self, device: torch.device) -> str | None:
+        """The backend of the link groups on ``device`` (None: the default group's).
+
+        Raises:
+            ValueError: For ``p2p_backend="nccl"`` on a device that is not CUDA.
+        """
+        if self.p2p_backend == "nccl" and device.type != "cuda":
+            raise ValueError(
+                f"p2p_backend='nccl' needs CUDA devices; this rank runs on {device}. Use 'auto' or 'gloo'."
+            )
+        return None if self.p2p_backend == "auto" else self.p2p_backend
 
 
 def _is_int(value: object) -> bool:

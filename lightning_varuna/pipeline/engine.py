@@ -19,6 +19,8 @@ import contextlib
 import functools
 import logging
 import math
+import os
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -32,12 +34,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.costs import DeviceRates
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
-from lightning_varuna.pipeline.executor import MemoryStats, StageExecutor
+from lightning_varuna.pipeline.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
+from lightning_varuna.pipeline.executor import StageExecutor
 from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
 from lightning_varuna.pipeline.grad_sync import GradientSync
 from lightning_varuna.pipeline.materialize import ParamInitFn, has_meta_tensors, materialize, on_meta, to_meta
 from lightning_varuna.pipeline.no_trace import no_trace
-from lightning_varuna.pipeline.p2p import P2P
+from lightning_varuna.pipeline.p2p import P2P, HostStaging
 from lightning_varuna.pipeline.partition import (
     PartitionError,
     Plan,
@@ -131,9 +134,12 @@ class PipelineEngine:
         param_init_fn: Initializes what a module owns directly, for a model built on the meta device (default:
             the module's ``reset_parameters()``).
         init_seed: The seed of that initialization (default: rank 0's ``torch.initial_seed()``).
+        p2p_backend: ``"auto"`` (the default process group's backend), ``"gloo"`` (activations and gradients
+            through pinned host memory over gloo, for CUDA jobs) or ``"nccl"``.
 
     The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
-    :meth:`from_config` builds an engine from a config.
+    :meth:`from_config` builds an engine from a config. :attr:`events` is the executor's event hook: recorders
+    added there (:mod:`~lightning_varuna.pipeline.events`) see every task and transfer; there are none by default.
     """
 
     def __init__(
@@ -154,13 +160,14 @@ class PipelineEngine:
         max_pipeline_size: int | None = None,
         param_init_fn: ParamInitFn | None = None,
         init_seed: int | None = None,
+        p2p_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, wire_dtype=wire_dtype, grad_bucket_bytes=grad_bucket_bytes,
             overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size, param_init_fn=param_init_fn,
-            init_seed=init_seed,
+            init_seed=init_seed, p2p_backend=p2p_backend,
         )
         self.config = config
         self.module = module
@@ -169,6 +176,8 @@ class PipelineEngine:
         self.plan: Plan | None = None
         self.executor: StageExecutor | None = None
         self.grad_sync: GradientSync | None = None
+        self.events = EventHooks()
+        """The executor's event hook: add recorders (:mod:`~lightning_varuna.pipeline.events`) before or after setup."""
         self._pipeline_size = pipeline_parallel_size if pipeline_parallel_size != "auto" else None
         self._cuts: list[CutPoint] = []
         self._hooks: list[Any] = []
@@ -210,6 +219,7 @@ class PipelineEngine:
         """
         config = self.config
         # everything that can be wrong with the model is checked before the first collective call
+        link_backend = config.link_backend(self.device)
         if config.cut_at is not None:
             self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
         self.built_on_meta = has_meta_tensors(self.module)
@@ -218,15 +228,18 @@ class PipelineEngine:
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
         watch_job()
-        self.topology = topology or Topology.create(self.pipeline_size, self.device, timeout=config.p2p_timeout)
+        self.topology = topology or Topology.create(
+            self.pipeline_size, self.device, timeout=config.p2p_timeout, link_backend=link_backend
+        )
         destroy_process_groups_at_exit()
         topo = self.topology
         seed = config.init_seed if config.init_seed is not None else torch.initial_seed()
+        run = uuid.uuid4().hex[:12]
         if topo.world_size > 1:
             # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
-            shared = [trace.segment_seconds, seed]
+            shared = [trace.segment_seconds, seed, run]
             dist.broadcast_object_list(shared, src=0)
-            trace.segment_seconds, seed = shared
+            trace.segment_seconds, seed, run = shared
         size = batch_size_of(sample_batch)
         m = self.microbatches_for(size)
         self.plan = make_plan(trace, topo.pipeline_size, by=self.config.partition, microbatch=max(1, size // m),
@@ -236,7 +249,8 @@ class PipelineEngine:
             self._materialize(stage.params, seed)
         first_cut = stage.segments.start - 1 if topo.stage > 0 else None
         last_cut = stage.segments.stop - 1 if not topo.is_last else None
-        self.executor = StageExecutor(topo, P2P(topo, self.config.p2p_timeout), cut_modules, first_cut, last_cut)
+        self._trace_p2p(run)
+        self.executor = StageExecutor(topo, self._p2p(), cut_modules, first_cut, last_cut, self.events)
         self.executor.wire_dtype = self.config.wire_dtype
         self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
@@ -287,6 +301,24 @@ class PipelineEngine:
                 " param_init_fn that initializes a module's own parameters, or load pretrained weights.",
                 stacklevel=3,
             )
+
+    def _p2p(self) -> P2P:
+        """The transport; on a CUDA device whose links run on gloo, staged through pinned host memory."""
+        topo = self.topology
+        assert topo is not None
+        staging = None
+        if self.device.type == "cuda" and topo.pipeline_size > 1:
+            group = next(iter(topo.links.values()), None)
+            if dist.get_backend(group) == "gloo":
+                staging = HostStaging(pin=True)
+        return P2P(topo, self.config.p2p_timeout, self.events, staging)
+
+    def _trace_p2p(self, run: str) -> None:
+        """In the NCCL-rules mode (:data:`~lightning_varuna.pipeline.events.P2P_TRACE_ENV`), records the p2p trace."""
+        directory = os.environ.get(P2P_TRACE_ENV)
+        topo = self.topology
+        if directory and topo is not None and topo.pipeline_size > 1:
+            self.events.add(P2PTraceWriter(directory, run, topo.rank, topo.world_size))
 
     # -- sizes --------------------------------------------------------------------------------------------
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
@@ -359,7 +391,7 @@ class PipelineEngine:
         m = self.microbatches_for(size, train)
         micro = split_batch(batch, m)
         sizes = [batch_size_of(mb) for mb in micro]
-        tasks = self._schedule(m, train)[self.topology.stage]
+        schedule = self._schedule(m, train)
         loss_of = loss_of or default_loss
         weights = [n / size * loss_scale for n in sizes]
         # reductions that start during this step: each bucket in the last backward, the rest right after
@@ -370,7 +402,7 @@ class PipelineEngine:
             return loss_transform(loss) if loss_transform is not None else loss
 
         outputs = self.executor.run(
-            tasks,
+            schedule,
             lambda k: step(micro[k]),
             sizes,
             self._batch_dims,
@@ -444,12 +476,6 @@ class PipelineEngine:
         """Whether the forward that is running is a recompute (its side effects already happened once)."""
         current = self.executor.current if self.executor is not None else None
         return current is not None and current.recomputing
-
-    @property
-    def stats(self) -> MemoryStats:
-        """Memory counters of this stage."""
-        assert self.executor is not None
-        return self.executor.stats
 
     def teardown(self) -> None:
         """Removes cut_at hooks and stand-ins (freed parameters stay freed); this rank's work with the others is done.

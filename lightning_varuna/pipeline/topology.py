@@ -4,6 +4,12 @@ Ranks are laid out replica-major: ``rank = replica * P + stage``. Pipeline neigh
 adjacent ranks and share a node whenever P divides the processes per node (Varuna's rule: the chatty
 per-micro-batch p2p traffic stays on the node), while the replicas of a stage, which exchange gradients
 once per step, sit on different nodes.
+
+Each direction of each pipeline edge is a *link* with a two-rank process group of its own: activations go down
+one, gradients and the step summary come up the other. On NCCL each process group has its own stream per pair of
+ranks, so a link's stream carries one direction, in the order of the p2p plan, and a receive posted early on it can
+never hold up a send (:mod:`~lightning_varuna.pipeline.p2p_plan`). Data-parallel all-reduces run on the data
+groups, the pipeline's collectives (log sharing) on the pipeline groups: never on a link.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class Topology:
     data_group: object = None
     timeout: timedelta | None = None
     """Timeout of collectives in the pipeline, data and shared-parameter groups (None: torch's default)."""
+    links: dict[tuple[int, int], object] = field(default_factory=dict)
+    """The process group of each link this rank is on, by ``(sending rank, receiving rank)``."""
     _shared_groups: dict = field(default_factory=dict)
 
     @property
@@ -76,25 +84,44 @@ class Topology:
                 f"{pipeline_size}. Use a P that divides {world_size}, or change devices/num_nodes."
             )
 
+    def link_group(self, src: int, dst: int) -> object:
+        """The process group of the link from global rank ``src`` to ``dst`` (None: the default group).
+
+        A hand-built topology (tests) has no link groups; its transfers use the default group.
+        """
+        return self.links.get((src, dst))
+
     @classmethod
     def create(
-        cls, pipeline_size: int, device: torch.device, timeout: float | timedelta | None = None
+        cls, pipeline_size: int, device: torch.device, timeout: float | timedelta | None = None,
+        link_backend: str | None = None,
     ) -> Topology:
         """Builds the grid over the initialised default process group (a collective call on every rank).
 
         ``timeout`` (seconds) bounds every collective of the groups made here. Without it a hung peer can
         hold the others in a gradient all-reduce or log broadcast for torch's default (30 minutes): subgroups
-        do not inherit the default process group's timeout.
+        do not inherit the default process group's timeout. ``link_backend`` is the backend of the link groups
+        (None: the default group's).
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         cls.check(world, pipeline_size)
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before the first NCCL call, or communicators can hang at creation
         data_size = world // pipeline_size
         layout = torch.arange(world).view(data_size, pipeline_size)
         # every rank creates every group, in the same order
         pipes = [dist.new_group(row.tolist(), timeout=timeout) for row in layout]
         datas = [dist.new_group(col.tolist(), timeout=timeout) for col in layout.t()]
+        links = {}
+        for row in layout.tolist():
+            for upper, lower in zip(row, row[1:]):
+                for src, dst in ((upper, lower), (lower, upper)):
+                    group = dist.new_group([upper, lower], timeout=timeout, backend=link_backend)
+                    if rank in (src, dst):
+                        links[(src, dst)] = group
+        _connect(links, rank, device)
         pipe_group, data_group = pipes[rank // pipeline_size], datas[rank % pipeline_size]
         return cls(
             world_size=world,
@@ -104,6 +131,7 @@ class Topology:
             pipe_group=pipe_group,
             data_group=data_group,
             timeout=timeout,
+            links=links,
         )
 
     def stages_group(self, stages: tuple[int, ...]) -> object:
@@ -112,3 +140,21 @@ class Topology:
             ranks = [self.rank_of(s, d) for d in range(self.data_size) for s in stages]
             self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
         return self._shared_groups[stages]
+
+
+def _connect(links: dict[tuple[int, int], object], rank: int, device: torch.device) -> None:
+    """Moves one element over every link of this rank, link after link in the order they were created.
+
+    NCCL creates a pair's communicator at its first transfer and blocks the calling thread until the peer gets
+    there too. In a step a stage posts receives ahead of use (the gradient of micro-batch 0 right after sending
+    its activation, before the next activation), so a first transfer inside a step could block a stage while its
+    peer waits for that next activation. Here every rank meets each peer in the same global order (the links
+    along the pipeline, edge by edge), which cannot deadlock. On gloo it only checks the connections.
+    """
+    for (src, dst), group in links.items():
+        on_device = device.type == "cuda" and dist.get_backend(group) != "gloo"
+        token = torch.zeros(1, device=device if on_device else "cpu")
+        if rank == src:
+            dist.send(token, dst=dst, group=group)
+        else:
+            dist.recv(token, src=src, group=group)

@@ -1,10 +1,12 @@
 """Two gloo ranks exercise watched p2p transfers; each rank writes what it saw to ``<out>/comm.rank<r>.json``.
 
 Rank 0 sends a tensor 0.3 s after the start (gloo writes it into the socket in the thread that posts it: a
-helper thread must, not the caller); rank 1 has posted a watched receive and polls ``is_completed()``
-without waiting on it (Varuna's opportunistic rule needs exactly that). Then rank 1 waits on a receive that
-is never sent, which must end in a PipelineError after ``p2p_timeout`` (rank 0 stays up meanwhile, so that it is
-a timeout and not a closed connection). A gloo timeout closes the pair, so no collective follows.
+helper thread must, not the caller); rank 1 has posted a watched receive and polls ``completed()``
+without waiting on it (Varuna's opportunistic rule needs exactly that). Then a transfer through host staging
+(what ``p2p_backend="gloo"`` does in a CUDA job; here with CPU tensors): the bytes cross in host buffers and land
+in the receiver's own tensor once waited for. Then rank 1 waits on a receive that is never sent, which must end
+in a PipelineError after ``p2p_timeout`` (rank 0 stays up meanwhile, so that it is a timeout and not a closed
+connection). A gloo timeout closes the pair, so no collective follows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_varuna.pipeline import PipelineError, Topology
-from lightning_varuna.pipeline.p2p import P2P
+from lightning_varuna.pipeline.p2p import P2P, HostStaging
+from lightning_varuna.pipeline.p2p_plan import Message, MessageKind
 
 TIMEOUT = 2.0
 
@@ -28,6 +31,8 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     p2p = P2P(Topology(world_size=2, rank=rank, pipeline_size=2, device=torch.device("cpu")), TIMEOUT)
+    link = p2p.link(0, 1)
+    first, staged, never = (Message(MessageKind.ACTIVATION, 0, k) for k in range(3))
     seen: dict = {}
     if rank == 0:
         posted_by = []
@@ -39,22 +44,35 @@ def main(out: Path) -> None:
 
         dist.isend = recording_isend
         time.sleep(0.3)
-        work = p2p.isend(torch.arange(4.0), dst=1, tag=7, watch=True)
-        seen["send_completed_without_wait"] = _poll(work, 5.0)
+        transfer = p2p.isend(torch.arange(4.0), link, first, watch=True)
+        seen["send_completed_without_wait"] = _poll(p2p, transfer, 5.0)
         seen["posted_by"] = posted_by
-        p2p.wait(work, "sending", 1)
+        p2p.wait(transfer, "sending")
+        p2p.staging = HostStaging(pin=False)
+        tensor = torch.arange(6.0).view(2, 3)
+        transfer = p2p.isend(tensor, link, staged, watch=True)
+        seen["staged_wire_is_a_copy"] = transfer.wire is not tensor and transfer.wire.data_ptr() != tensor.data_ptr()
+        p2p.wait(transfer, "sending")
         time.sleep(2 * TIMEOUT + 1.0)
     else:
         buffer = torch.zeros(4)
-        work = p2p.irecv(buffer, src=0, tag=7, watch=True)
-        seen["completed_before_send"] = work.is_completed()
-        seen["completed_without_wait"] = _poll(work, 5.0)
-        p2p.wait(work, "receiving", 0)
+        transfer = p2p.irecv(buffer, link, first, watch=True)
+        seen["completed_before_send"] = p2p.completed(transfer)
+        seen["completed_without_wait"] = _poll(p2p, transfer, 5.0)
+        p2p.wait(transfer, "receiving")
         seen["received"] = buffer.tolist()
-        never = p2p.irecv(torch.zeros(4), src=0, tag=8, watch=True)
+        p2p.staging = HostStaging(pin=False)
+        landing = torch.zeros(2, 3)
+        transfer = p2p.irecv(landing, link, staged, watch=True)
+        seen["staged_lands_in_host_buffer"] = transfer.wire.data_ptr() != landing.data_ptr()
+        _poll(p2p, transfer, 5.0)
+        seen["staged_before_wait"] = landing.tolist()
+        p2p.wait(transfer, "receiving")
+        seen["staged_after_wait"] = landing.tolist()
+        lost = p2p.irecv(torch.zeros(4), link, never, watch=True)
         start = time.monotonic()
         try:
-            p2p.wait(never, "receiving a message that is never sent", 0)
+            p2p.wait(lost, "receiving a message that is never sent")
         except PipelineError as err:
             seen["timeout_error"] = str(err)
         seen["timeout_after"] = time.monotonic() - start
@@ -62,10 +80,10 @@ def main(out: Path) -> None:
     (out / f"comm.rank{rank}.json").write_text(json.dumps(seen))
 
 
-def _poll(work, deadline: float) -> bool:
+def _poll(p2p: P2P, transfer, deadline: float) -> bool:
     end = time.monotonic() + deadline
     while time.monotonic() < end:
-        if work.is_completed():
+        if p2p.completed(transfer):
             return True
         time.sleep(0.01)
     return False

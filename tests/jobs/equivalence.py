@@ -10,7 +10,8 @@ CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``,
 written after fit), ``save_every`` (a ModelCheckpoint directory, written every that many steps as ``ckpt.ckpt``)
 and ``resume``;
 ``gradnorm`` (the model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket
-bytes) and ``overlap`` (all-reduce during the last backward, default on).
+bytes), ``overlap`` (all-reduce during the last backward, default on), ``accelerator`` (default ``cpu``) and
+``shared_gpu`` (every process on ``cuda:0``: gloo process group and p2p).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from models import RandomTokens, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
+from lightning_varuna.pipeline.events import StageCounters  # noqa: E402
 
 STEPS = 8
 
@@ -49,9 +51,13 @@ class Recorder(pl.Callback):
         self.clipped_norms: list[dict[str, float]] = []
         self.overlapped: list[int] = []
         self.bucket, self.overlap = bucket, overlap
+        self.counters = StageCounters()
 
     def on_train_start(self, trainer, pl_module) -> None:
-        sync = getattr(getattr(trainer.strategy, "engine", None), "grad_sync", None)
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            engine.events.add(self.counters)
+        sync = getattr(engine, "grad_sync", None)
         if sync is not None:
             sync.overlap = self.overlap
             if self.bucket is not None:
@@ -100,6 +106,11 @@ def run(out: Path, spec: str) -> None:
     gradnorm = options.pop("gradnorm", False)
     bucket = options.pop("bucket", None)
     overlap = options.pop("overlap", True)
+    accelerator = options.pop("accelerator", "cpu")
+    shared_gpu = options.pop("shared_gpu", False)
+    if shared_gpu:  # NCCL refuses two ranks on one device: gloo, staged through host memory; one device to Lightning
+        options.update(parallel_devices=[torch.device("cuda", 0)] * int(os.environ["LOCAL_WORLD_SIZE"]),
+                       process_group_backend="gloo", p2p_backend="gloo")
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
     model_class = NormLoggingGPT if gradnorm else TinyGPT
@@ -121,8 +132,8 @@ def run(out: Path, spec: str) -> None:
             pl.callbacks.ModelCheckpoint(dirpath=save_dir, filename="ckpt", every_n_train_steps=save_every)
         )
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1 if reference else int(os.environ["LOCAL_WORLD_SIZE"]),
+        accelerator=accelerator,
+        devices=1 if reference or shared_gpu else int(os.environ["LOCAL_WORLD_SIZE"]),
         num_nodes=1 if reference else int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
         max_steps=-1 if epochs else steps,
@@ -150,7 +161,7 @@ def run(out: Path, spec: str) -> None:
     result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms,
               "logged_norms": recorder.logged_norms}
     if not reference:
-        result["sent_bytes"] = trainer.strategy.engine.stats.sent_bytes
+        result["sent_bytes"] = recorder.counters.sent_bytes
         result["stage"] = trainer.strategy.topology.stage
         sync = trainer.strategy.engine.grad_sync
         result["overlapped"] = recorder.overlapped

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_varuna import CutPoint
 from lightning_varuna.pipeline.engine import PipelineEngine
+from lightning_varuna.pipeline.events import StageCounters
 
 F_S = 0.03
 
@@ -69,13 +70,14 @@ def main(out: Path) -> None:
                             recompute=True, partition="params", p2p_timeout=60.0)
     batch = torch.randn(16, 8)
     engine.setup(batch, lambda b: model(b))
+    counters = engine.events.add(StageCounters())
     orders = {}
     for fed in (True, False):
         engine.executor.feed_next_stage = fed
         for _ in range(2):
             dist.barrier()
             engine.train_step(batch, lambda b: model(b))
-        orders["fed" if fed else "varuna_rule_alone"] = [repr(task) for task in engine.executor.executed]
+        orders["fed" if fed else "varuna_rule_alone"] = [repr(task) for task in counters.executed]
     (out / f"feed.rank{dist.get_rank()}.json").write_text(json.dumps(orders))
     dist.barrier()
     dist.destroy_process_group()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -42,6 +41,7 @@ from parity import parity  # noqa: E402
 from spec import parse_spec, trainer_for  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
+from lightning_varuna.pipeline.events import StageCounters  # noqa: E402
 
 FIT_EPOCHS = 2
 STEPS = 4
@@ -75,6 +75,12 @@ class Recorder(pl.Callback):
         self.train_acc: list[float | None] = []
         self.val: list[dict[str, float]] = []
         self.predict_inputs: list[list[list[int]]] = []
+        self.counters = StageCounters()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:  # the strategy has partitioned the model: count what its stage holds from now on
+            engine.events.add(self.counters)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
@@ -107,7 +113,7 @@ def train_loader(dataset, batch: int, reference: bool, **kwargs) -> DataLoader:
     return DataLoader(dataset, batch_size=batch, sampler=sampler, **kwargs)
 
 
-def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: int) -> dict:
+def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: int, counters: StageCounters) -> dict:
     strategy = trainer.strategy
     if not isinstance(strategy, lightning_varuna.VarunaStrategy):
         return {}
@@ -116,7 +122,7 @@ def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: i
     return {
         "stage": stage,
         "pipeline_size": strategy.topology.pipeline_size,
-        "stats": asdict(engine.stats),
+        "stats": counters.memory(),
         "num_microbatches": engine.config.num_microbatches,
         "local_numel": sum(p.numel() for p in model.parameters()),
         "plan_numel": engine.plan.stages[stage].param_numel,
@@ -153,7 +159,7 @@ def fit(out: Path, name: str, options: dict, reference: bool) -> dict:
         "val": recorder.val,
         "best_score": float(checkpoint.best_model_score),
         "best_exists": Path(checkpoint.best_model_path).exists() if trainer.global_rank == 0 else None,
-        **strategy_facts(trainer, model, full_numel),
+        **strategy_facts(trainer, model, full_numel, recorder.counters),
     }
     result["validate"] = trainer.validate(model, val_loader, verbose=False)
     test_loader = DataLoader(RandomTokens(n=40, seed=3), batch_size=batch)
@@ -192,7 +198,7 @@ def steps(out: Path, name: str, options: dict, reference: bool) -> dict:
         "lrs": recorder.lrs,
         "train_acc": recorder.train_acc,
         "lengths": recorder.lengths,
-        **strategy_facts(trainer, model, full_numel),
+        **strategy_facts(trainer, model, full_numel, recorder.counters),
     }
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_varuna import CutPoint
 from lightning_varuna.pipeline.engine import PipelineEngine
+from lightning_varuna.pipeline.events import StageCounters
 
 SLOW_BACKWARD_S = 0.05
 
@@ -55,9 +56,10 @@ def main(out: Path) -> None:
     batch = torch.randn(16, 16)
     engine.setup(batch, lambda b: model(b))
     engine.executor.feed_next_stage = False  # count the moves of Varuna's rule alone
+    counters = engine.events.add(StageCounters())
     for _ in range(3):
         engine.train_step(batch, lambda b: model(b))
-    moves = engine.executor.opportunistic_moves
+    moves = counters.moves
     (out / f"opportunistic.rank{dist.get_rank()}.json").write_text(json.dumps({"moves": moves}))
     dist.barrier()
     dist.destroy_process_group()
