@@ -1,0 +1,223 @@
+"""Timelines of pipeline steps: what each stage did when, as a Chrome trace, a PNG, and per-step metrics.
+
+A timeline is a list of :class:`TimelineEvent` (a stage's task, a wait for a message, a send, the gradient sync,
+the optimizer step), predicted by the planner (:func:`predicted_events`) or recorded while training
+(:class:`~lightning_varuna.pipeline.executor.StageExecutor`'s ``on_event``). :func:`chrome_trace` gives the JSON
+that ``chrome://tracing`` and Perfetto (ui.perfetto.dev) open, one process per replica and one thread per stage;
+:func:`render_png` draws stages as rows, several timelines one above the other on one time scale (predicted
+and executed); :func:`step_metrics` gives the bubble fraction and each stage's busy time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_varuna.pipeline.planner import Prediction
+from lightning_varuna.pipeline.png import GLYPH_HEIGHT, Canvas, Color
+
+__all__ = ["COLORS", "KINDS", "TimelineEvent", "chrome_trace", "predicted_events", "render_png", "step_metrics",
+           "write_chrome_trace"]
+
+KINDS: tuple[str, ...] = ("F", "R", "B", "wait", "send", "sync", "optimizer")
+"""Forward, recompute and backward of a micro-batch; a wait for a message; a send; the gradient sync; the
+optimizer step."""
+TASKS = frozenset({"F", "R", "B"})
+COLORS: dict[str, Color] = {
+    "F": (66, 133, 244), "R": (251, 188, 5), "B": (52, 168, 83), "wait": (225, 225, 225),
+    "send": (156, 39, 176), "sync": (234, 67, 53), "optimizer": (110, 110, 110),
+}
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One span of one stage's work.
+
+    Attributes:
+        stage: The pipeline stage.
+        kind: One of :data:`KINDS`.
+        start: Seconds, on a clock common to the timeline.
+        end: Seconds (``end >= start``).
+        microbatch: The micro-batch of a task, wait or send.
+        replica: The data-parallel replica.
+        step: The training step the event belongs to.
+    """
+
+    stage: int
+    kind: str
+    start: float
+    end: float
+    microbatch: int | None = None
+    replica: int = 0
+    step: int = 0
+
+    @property
+    def name(self) -> str:
+        """``F3`` for a task, else the kind (with the micro-batch, if any)."""
+        if self.microbatch is None:
+            return self.kind
+        return f"{self.kind}{self.microbatch}" if self.kind in TASKS else f"{self.kind} {self.microbatch}"
+
+
+def predicted_events(prediction: Prediction) -> list[TimelineEvent]:
+    """The planner's predicted step as events: tasks, the waits between them, gradient sync, optimizer step."""
+    events = []
+    sim = prediction.schedule
+    for stage, (order, starts) in enumerate(zip(sim.order, sim.start_times, strict=True)):
+        clock = 0.0
+        for task, start in zip(order, starts, strict=True):
+            if start > clock:
+                events.append(TimelineEvent(stage, "wait", clock, start))
+            end = start + prediction.costs[stage].cost(task.kind)
+            events.append(TimelineEvent(stage, task.kind.value, start, end, task.microbatch))
+            clock = end
+        for kind, (start, end) in (("sync", prediction.sync[stage]), ("optimizer", prediction.optimizer[stage])):
+            if end > start:
+                events.append(TimelineEvent(stage, kind, start, end))
+    return events
+
+
+def chrome_trace(events: Iterable[TimelineEvent], title: str = "pipeline") -> dict[str, Any]:
+    """A Chrome trace (JSON object format): one process per replica, one thread per stage, times in microseconds.
+
+    Args:
+        events: The events (any clock: times are shifted so that the earliest starts at 0).
+        title: Prefix of the process names (``"<title> replica 0"``).
+    """
+    events = list(events)
+    origin = min((e.start for e in events), default=0.0)
+    trace: list[dict[str, Any]] = []
+    for replica, stage in sorted({(e.replica, e.stage) for e in events}):
+        trace.append({"ph": "M", "name": "thread_name", "pid": replica, "tid": stage,
+                      "args": {"name": f"stage {stage}"}})
+        trace.append({"ph": "M", "name": "thread_sort_index", "pid": replica, "tid": stage,
+                      "args": {"sort_index": stage}})
+    for replica in sorted({e.replica for e in events}):
+        name = f"{title} replica {replica}"
+        trace.append({"ph": "M", "name": "process_name", "pid": replica, "args": {"name": name}})
+    for e in sorted(events, key=lambda e: (e.start, e.replica, e.stage)):
+        args: dict[str, Any] = {"step": e.step}
+        if e.microbatch is not None:
+            args["microbatch"] = e.microbatch
+        trace.append({"name": e.name, "cat": e.kind, "ph": "X", "ts": round((e.start - origin) * 1e6, 3),
+                      "dur": round(max(0.0, e.end - e.start) * 1e6, 3), "pid": e.replica, "tid": e.stage,
+                      "args": args})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | os.PathLike, events: Iterable[TimelineEvent], title: str = "pipeline") -> None:
+    """Writes :func:`chrome_trace` to ``path`` (open it in ui.perfetto.dev or chrome://tracing)."""
+    Path(path).write_text(json.dumps(chrome_trace(events, title)))
+
+
+def step_metrics(events: Iterable[TimelineEvent], num_stages: int) -> dict[str, float]:
+    """Bubble fraction and busy time per stage of the step(s) in ``events`` (one replica's view).
+
+    The span is from the earliest event to the latest; busy is the time in forward, recompute and backward tasks;
+    the bubble fraction is ``1 - sum(busy) / (P * span)``, averaged over the steps.
+
+    Returns:
+        ``{"pipeline/bubble": ..., "pipeline/busy_s/stage_<s>": ...}`` (busy: mean seconds per step).
+    """
+    by_step: dict[int, list[TimelineEvent]] = {}
+    for e in events:
+        by_step.setdefault(e.step, []).append(e)
+    if not by_step:
+        return {}
+    busy = [0.0] * num_stages
+    bubbles = []
+    for step_events in by_step.values():
+        span = max(e.end for e in step_events) - min(e.start for e in step_events)
+        step_busy = [0.0] * num_stages
+        for e in step_events:
+            if e.kind in TASKS and 0 <= e.stage < num_stages:
+                step_busy[e.stage] += e.end - e.start
+        bubbles.append(1.0 - sum(step_busy) / (num_stages * span) if span > 0 else 0.0)
+        busy = [a + b for a, b in zip(busy, step_busy, strict=True)]
+    steps = len(by_step)
+    metrics = {"pipeline/bubble": sum(bubbles) / steps}
+    metrics.update({f"pipeline/busy_s/stage_{s}": b / steps for s, b in enumerate(busy)})
+    return metrics
+
+
+# -- PNG ------------------------------------------------------------------------------------------------------
+_ROW, _GAP, _LEFT, _RIGHT, _TITLE, _AXIS = 16, 3, 90, 20, 18, 22
+
+
+def render_png(path: str | os.PathLike, panels: Sequence[tuple[str, Sequence[TimelineEvent]]],
+               width: int = 1200) -> None:
+    """Draws timelines one above the other, each stage a row, on one time scale; writes a PNG.
+
+    Args:
+        path: The PNG file to write.
+        panels: ``(title, events)`` per timeline, e.g. ``[("predicted", ...), ("executed", ...)]``; each panel's
+            time starts at its earliest event.
+        width: Pixels across.
+    """
+    spans = [_extent(events) for _, events in panels]
+    scale_s = max((end - start for start, end in spans), default=0.0) or 1.0
+    rows = [sorted({(e.replica, e.stage) for e in events}) for _, events in panels]
+    height = 2 * _TITLE + sum(_TITLE + len(r) * (_ROW + _GAP) + _AXIS for r in rows)
+    canvas = Canvas(width, max(height, 40))
+    _legend(canvas)
+    plot = width - _LEFT - _RIGHT
+    y = 2 * _TITLE
+    for (title, events), (origin, _), lanes in zip(panels, spans, rows, strict=True):
+        canvas.text(4, y + 4, title)
+        y += _TITLE
+        lane_y = {lane: y + i * (_ROW + _GAP) for i, lane in enumerate(lanes)}
+        replicas = {replica for replica, _ in lanes}
+        for (replica, stage), top in lane_y.items():
+            label = f"stage {stage}" if len(replicas) == 1 else f"d{replica} stage {stage}"
+            canvas.text(4, top + (_ROW - GLYPH_HEIGHT) / 2, label)
+            canvas.rect(_LEFT, top, _LEFT + plot, top + _ROW, (245, 245, 245))
+        for e in sorted(events, key=lambda e: e.kind != "wait"):  # waits underneath
+            top = lane_y[(e.replica, e.stage)]
+            x0 = _LEFT + (e.start - origin) / scale_s * plot
+            x1 = max(x0 + 1, _LEFT + (e.end - origin) / scale_s * plot)
+            inset = 0 if e.kind in TASKS else 3
+            canvas.rect(x0, top + inset, x1, top + _ROW - inset, COLORS.get(e.kind, (0, 0, 0)))
+            label = str(e.microbatch) if e.kind in TASKS and e.microbatch is not None else ""
+            if label and x1 - x0 >= canvas.text_width(label) + 2:
+                canvas.text(x0 + 2, top + (_ROW - GLYPH_HEIGHT) / 2, label, (255, 255, 255))
+        y += len(lanes) * (_ROW + _GAP)
+        _axis(canvas, y, plot, scale_s)
+        y += _AXIS
+    canvas.save(path)
+
+
+def _extent(events: Sequence[TimelineEvent]) -> tuple[float, float]:
+    if not events:
+        return 0.0, 0.0
+    return min(e.start for e in events), max(e.end for e in events)
+
+
+def _legend(canvas: Canvas) -> None:
+    x = 4
+    for kind in KINDS:
+        canvas.rect(x, 6, x + 10, 16, COLORS[kind])
+        x = canvas.text(x + 14, 8, kind) + 14
+
+
+def _axis(canvas: Canvas, y: int, plot: int, scale_s: float) -> None:
+    canvas.rect(_LEFT, y + 1, _LEFT + plot, y + 2, (0, 0, 0))
+    tick = _tick(scale_s)
+    value = 0.0
+    while value <= scale_s + 1e-12:
+        x = _LEFT + value / scale_s * plot
+        canvas.rect(x, y + 1, x + 1, y + 6, (0, 0, 0))
+        canvas.text(x - 6, y + 9, f"{round(value * 1e3, 6):g} ms")
+        value += tick
+    canvas.rect(0, y + 20, canvas.width, y + 21, (200, 200, 200))
+
+
+def _tick(span_s: float) -> float:
+    """A round tick spacing (1, 2 or 5 times a power of ten) giving at most 8 ticks over ``span_s``."""
+    raw = span_s / 8
+    magnitude = 10 ** math.floor(math.log10(raw))
+    return next(f * magnitude for f in (1, 2, 5, 10) if f * magnitude >= raw)
