@@ -190,7 +190,7 @@ def test_chrome_trace_and_png_are_valid(tmp_path: Path) -> None:
     assert names == {(0, "stage 0"), (1, "stage 1")}
     metrics = step_metrics(events, 2)
     assert metrics["pipeline/busy_s/stage_0"] == pytest.approx(12.0)
-    assert metrics["pipeline/bubble"] == pytest.approx(1 - 24 / 30)
+    assert metrics["pipeline/bubble"] == pytest.approx(1 - 24 / 30) == prediction.candidate.bubble
 
     path = tmp_path / "timeline.png"
     executed = [TimelineEvent(0, "F", 0.0, 1.0, 0), TimelineEvent(1, "wait", 0.0, 1.0), TimelineEvent(1, "F", 1, 2, 0)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_varuna.pipeline.autoconfig import AutoConfig, OptimizerSpec, choose
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
 from lightning_varuna.pipeline.executor import MemoryStats, StageExecutor
@@ -35,9 +37,10 @@ from lightning_varuna.pipeline.p2p import P2P
 from lightning_varuna.pipeline.partition import Plan, check_pipeline_size, make_plan, time_segments, trace_step
 from lightning_varuna.pipeline.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.timeline import TimelineRecorder
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "default_loss"]
+__all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,19 @@ def first_samples(batch: Any, n: int) -> Any:
     )
 
 
+def samples(batch: Any, n: int) -> Any:
+    """A batch of ``n`` samples made from ``batch``: its first ``n``, or it repeated along dimension 0."""
+    size = batch_size_of(batch)
+    if n <= size:
+        return first_samples(batch, n)
+    copies = -(-n // size)
+    leaves, spec = tree_flatten(batch)
+    return tree_unflatten(
+        [torch.cat([x] * copies)[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x
+         for x in leaves], spec
+    )
+
+
 @dataclass
 class StepResult:
     """What a step returns on every rank."""
@@ -109,7 +125,15 @@ class PipelineEngine:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
-        max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this.
+        max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this.
+        global_batch_size: Samples per step over all replicas; needed to choose P (``"auto"``).
+        memory_limit: Bytes (or e.g. ``"80GiB"``) a stage may use; the planner never chooses more.
+        profile: A profile file to plan from instead of measuring.
+        devices_per_node: Processes per node (default: all on one node).
+
+    With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
+    with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
+    (:mod:`lightning_varuna.pipeline.autoconfig`); :attr:`autoconfig` then holds the choice and the ranking.
 
     The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
     :meth:`from_config` builds an engine from a config.
@@ -131,12 +155,18 @@ class PipelineEngine:
         grad_bucket_bytes: int | None = None,
         overlap_grad_sync: bool = True,
         max_pipeline_size: int | None = None,
+        global_batch_size: int | None = None,
+        memory_limit: int | str | None = None,
+        profile: str | None = None,
+        devices_per_node: int | None = None,
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, wire_dtype=wire_dtype, grad_bucket_bytes=grad_bucket_bytes,
             overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size,
+            global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
+            devices_per_node=devices_per_node,
         )
         self.config = config
         self.module = module
@@ -145,6 +175,10 @@ class PipelineEngine:
         self.plan: Plan | None = None
         self.executor: StageExecutor | None = None
         self.grad_sync: GradientSync | None = None
+        self.autoconfig: AutoConfig | None = None
+        """The planner's choice and ranking, when it chose (see :mod:`lightning_varuna.pipeline.autoconfig`)."""
+        self.recorder: TimelineRecorder | None = None
+        """What each training step did when (see :meth:`record_timeline`); None when not recording."""
         self._pipeline_size = pipeline_parallel_size if pipeline_parallel_size != "auto" else None
         self._cuts: list[CutPoint] = []
         self._hooks: list[Any] = []
@@ -165,16 +199,19 @@ class PipelineEngine:
         return self._pipeline_size
 
     # -- setup --------------------------------------------------------------------------------------------
-    def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None) -> Plan:
+    def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None,
+              optimizer: OptimizerSpec | None = None) -> Plan:
         """Dry-runs ``step`` on a slice of ``sample_batch``, partitions, and keeps only this rank's stage.
 
         Every rank must call it (it is collective). Errors in the model are raised on every rank before any
-        rank waits on another.
+        rank waits on another. With ``"auto"`` values the model is profiled and the configuration chosen
+        (:attr:`autoconfig`) before the process grid is made.
 
         Args:
             sample_batch: A batch like the training batches (on this rank's device).
             step: Runs the user's step on a (micro-)batch; the dry run calls it on 1 and 2 samples.
             topology: The process grid (created from the default process group if not given).
+            optimizer: The optimizer's class and keyword arguments, for the planner's costs (default: AdamW).
 
         Returns:
             The plan (identical on every rank).
@@ -189,11 +226,18 @@ class PipelineEngine:
             trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
                                             cut_names=cut_names)
             world = topology.world_size if topology is not None else _world_size()
-            self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
-                world, trace.num_segments
-            )
-            check_pipeline_size(trace, self._pipeline_size)
-            if config.partition == "time" and trace.cuts:
+            if config.searches and topology is None:
+                self._autoconfigure(trace, sample_batch, step, optimizer)
+                config = self.config
+            else:
+                self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
+                    world, trace.num_segments
+                )
+            check_pipeline_size(trace, self.pipeline_size)
+            if self.autoconfig is not None:
+                if config.partition == "time":  # the planner's costs, so that its stages are the ones made
+                    trace.segment_seconds = self.autoconfig.segment_costs()
+            elif config.partition == "time" and trace.cuts:
                 size = batch_size_of(sample_batch)
                 micro = max(1, size // self.microbatches_for(size))
                 trace.segment_seconds = time_segments(lambda: step(first_samples(sample_batch, micro)))
@@ -224,6 +268,16 @@ class PipelineEngine:
                                       overlap=self.config.overlap_grad_sync)
         return self.plan
 
+    def _autoconfigure(self, trace: Any, sample_batch: Any, step: Callable[[Any], Any],
+                       optimizer: OptimizerSpec | None) -> None:
+        """Lets the planner choose the ``"auto"`` values (collective)."""
+        self.autoconfig = choose(
+            self.config, self.module, trace, lambda n: step(samples(sample_batch, n)), default_loss,
+            batch_size_of(sample_batch), self.device, optimizer,
+        )
+        self.config = self.autoconfig.resolved(self.config)
+        self._pipeline_size = self.config.pipeline_parallel_size  # type: ignore[assignment]
+
     # -- sizes --------------------------------------------------------------------------------------------
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
         """How many micro-batches a batch of ``batch_size`` is split into."""
@@ -249,6 +303,17 @@ class PipelineEngine:
                 self.config.schedule, self.pipeline_size, m, recompute=self.config.recompute and train, train=train
             )
         return self._schedules[key]
+
+    def record_timeline(self, keep: int = 4) -> TimelineRecorder:
+        """Starts recording every training step's tasks, waits, sends and gradient sync (after :meth:`setup`).
+
+        Args:
+            keep: How many of the latest steps' events the recorder keeps.
+        """
+        if self.topology is None:
+            raise RuntimeError("Call PipelineEngine.setup() before record_timeline().")
+        self.recorder = TimelineRecorder(self.topology.stage, self.topology.replica, keep)
+        return self.recorder
 
     # -- steps --------------------------------------------------------------------------------------------
     def train_step(
@@ -291,6 +356,10 @@ class PipelineEngine:
         weights = [n / size * loss_scale for n in sizes]
         # reductions that start during this step: each bucket in the last backward, the rest right after
         sync = self.grad_sync if start_sync and train else None
+        recorder = self.recorder if train else None
+        if recorder is not None:
+            recorder.begin_step()
+        self.executor.on_event = recorder.add if recorder is not None else None
 
         def weighted_loss(output: Any, k: int) -> Tensor:
             loss = loss_of(output) * weights[k]
@@ -326,6 +395,9 @@ class PipelineEngine:
             self.grad_sync.finish()
         else:
             self.grad_sync.sync()
+        started = self.grad_sync.started_at
+        if self.recorder is not None and started is not None:
+            self.recorder.add("sync", started, time.perf_counter())
 
     def parameters(self) -> list[nn.Parameter]:
         """This stage's parameters."""

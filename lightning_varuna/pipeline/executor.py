@@ -10,6 +10,7 @@ message order holds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ __all__ = ["StageExecutor", "MemoryStats", "StepFunction"]
 
 StepFunction = Callable[[int], Any]
 """Runs the user's step on micro-batch ``k`` and returns its output (on the last stage: the loss)."""
+EventHook = Callable[[str, float, float, "int | None"], None]
+"""Receives ``(kind, start, end, microbatch)`` (``time.perf_counter`` seconds): a task (``"F"``, ``"R"``, ``"B"``), a
+``"wait"`` for a message inside a task, or a ``"send"`` from its posting to when the stage saw it done."""
 
 _HEADER_TAG = 0
 _SUMMARY_TAG = 2**30
@@ -128,13 +132,16 @@ class StageExecutor:
         """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
         (see :func:`~lightning_varuna.pipeline.schedules.next_task`); False keeps Varuna's rule alone."""
         self.summary: Tensor | None = None
+        self.on_event: EventHook | None = None
+        """If set, told what ran when (see :data:`EventHook`): for timelines; off by default."""
         self._pool: dict[tuple[str, int], Tensor] = {}
 
-    def _finished(self, work: dist.Work, tensor: Tensor, peer: int) -> bool:
-        """Whether a send is done (its errors, if any, are raised here)."""
+    def _finished(self, work: dist.Work, tensor: Tensor, peer: int, sent: Callable[[dist.Work], None]) -> bool:
+        """Whether a send is done (its errors, if any, are raised here); ``sent`` is told if so."""
         if not work.is_completed():
             return False
         self.p2p.wait(work, "sending", peer)
+        sent(work)
         return True
 
     # -- state visible to stand-ins -------------------------------------------------------------------------
@@ -205,6 +212,7 @@ class StageExecutor:
         sends: list[tuple[dist.Work, Tensor, int]] = []
         results: list[Any] = [None] * m
         input_shape: list[torch.Size] | None = None
+        posted: dict[int, tuple[float, int | None]] = {}  # with a hook: each send's posting time and micro-batch
 
         def post_input_receives() -> None:
             nonlocal input_shape
@@ -235,7 +243,7 @@ class StageExecutor:
                     post_input_receives()
                 work = input_works[k]
                 if work is not None:
-                    self.p2p.wait(work, f"receiving the activation of micro-batch {k}", prev_rank)
+                    timed_wait(work, f"receiving the activation of micro-batch {k}", prev_rank, k)
                     input_works[k] = None
                 received = inputs[k]
                 received.requires_grad_(with_grad)  # type: ignore[union-attr]
@@ -259,9 +267,26 @@ class StageExecutor:
                 self.current = None
             return out
 
-        def send(tensor: Tensor, dst: int, tag: int) -> None:
+        hook = self.on_event
+
+        def timed_wait(work: dist.Work, what: str, peer: int, k: int) -> None:
+            if hook is None:
+                self.p2p.wait(work, what, peer)
+                return
+            start = time.perf_counter()
+            self.p2p.wait(work, what, peer)
+            hook("wait", start, time.perf_counter(), k)
+
+        def send(tensor: Tensor, dst: int, tag: int, k: int | None = None) -> None:
             sends.append((self.p2p.isend(tensor, dst, tag, watch=True), tensor, dst))
             self.stats.sent_bytes += tensor.numel() * tensor.element_size()
+            if hook is not None:
+                posted[id(sends[-1][0])] = (time.perf_counter(), k)
+
+        def sent(work: dist.Work) -> None:
+            if hook is not None and id(work) in posted:
+                start, k = posted.pop(id(work))
+                hook("send", start, time.perf_counter(), k)
 
         def send_output(k: int, out: Tensor) -> None:
             out = out.detach()
@@ -271,7 +296,7 @@ class StageExecutor:
             if k == 0:
                 sends.append((self.p2p.send_header(out, next_rank, _HEADER_TAG), out, next_rank))
                 self.stats.sent_bytes += HEADER_BYTES
-            send(out, next_rank, _tag("act", k))
+            send(out, next_rank, _tag("act", k), k)
 
         def run_forward(k: int) -> None:
             if train and recompute and not topo.is_last:
@@ -309,7 +334,7 @@ class StageExecutor:
             else:
                 work = grad_works[k]
                 if work is not None:
-                    self.p2p.wait(work, f"receiving the gradient of micro-batch {k}", next_rank)
+                    timed_wait(work, f"receiving the gradient of micro-batch {k}", next_rank, k)
                     grad_works[k] = None
                 grad = grads[k]
                 if grad.dtype != outputs[k].dtype:  # type: ignore[union-attr]
@@ -321,7 +346,7 @@ class StageExecutor:
                 received = inputs[k]
                 grad = received.grad if received.grad is not None else torch.zeros_like(received)  # type: ignore[union-attr]
                 received.grad = None  # type: ignore[union-attr]
-                send(grad, prev_rank, _tag("grad", k))
+                send(grad, prev_rank, _tag("grad", k), k)
                 if recompute and next_rank is not None:
                     self.stats.stash(-(received.numel() * received.element_size()))  # type: ignore[union-attr]
                 inputs[k] = None
@@ -341,6 +366,7 @@ class StageExecutor:
                 task = pending.pop(index)
                 self.executed.append(task)
                 self.opportunistic_moves += index > 0
+                started = time.perf_counter() if hook is not None else 0.0
                 if task.kind is Kind.F:
                     run_forward(task.microbatch)
                 elif task.kind is Kind.R:
@@ -350,8 +376,10 @@ class StageExecutor:
                         run_backward(task.microbatch)
                 else:
                     run_backward(task.microbatch)
+                if hook is not None:
+                    hook(task.kind.value, started, time.perf_counter(), task.microbatch)
                 if sends:  # let go of tensors whose send is done, so memory follows the schedule
-                    sends[:] = [entry for entry in sends if not self._finished(*entry)]
+                    sends[:] = [entry for entry in sends if not self._finished(*entry, sent)]
             if summary_buffer is not None:
                 if next_rank is None:
                     values = summary(results)  # type: ignore[misc]
@@ -364,6 +392,7 @@ class StageExecutor:
                 self.summary = summary_buffer
             for work, _, peer in sends:
                 self.p2p.wait(work, "sending", peer)
+                sent(work)
             completed = True
         finally:
             self.current = None

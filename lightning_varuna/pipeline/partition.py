@@ -329,8 +329,12 @@ class Plan:
     trace: Trace
 
     def table(self, bytes_per_element: int = 4) -> str:
-        """A printable table: stage, segments, parameters, bytes and estimated forward time."""
-        rows = [("stage", "segments", "parameters", "param MB", "est. fwd ms")]
+        """A printable table: stage, segments, parameters, bytes and the time the stages were balanced by.
+
+        That time is the measured forward, or, when the planner chose the configuration, the profiled forward and
+        backward of one micro-batch.
+        """
+        rows = [("stage", "segments", "parameters", "param MB", "est. ms")]
         for s, info in enumerate(self.stages):
             seg = f"{info.segments.start}-{info.segments.stop - 1}"
             mb = info.param_numel * bytes_per_element / 2**20

@@ -120,7 +120,8 @@ class Candidate:
         schedule: The schedule.
         recompute: Whether non-last stages recompute.
         step_s: Predicted seconds per optimizer step.
-        bubble: Predicted idle share of the step, over all stages.
+        bubble: Predicted idle share of the schedule (from the first task to the last, over all stages; a
+            recompute counts as busy).
         memory: Predicted peak memory per stage.
         stages: The segments of each stage.
         fits: Whether every stage's peak is within the memory limit.
@@ -220,7 +221,6 @@ def predict(
         trainable = sum(p.nbytes for p in profile.params if p.trainable and any(i in r for i in p.segments))
         optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable))
     step = max(end for _, end in optimizer)
-    busy = sum(sim.busy)
     memory = tuple(
         stage_memory(profile, r, s, P, D, math.ceil(microbatch_size), num_microbatches,
                      graphs_in_flight(sim.order[s], recompute and s < P - 1), choices.wire_bytes_per_element)
@@ -228,7 +228,7 @@ def predict(
     )
     candidate = Candidate(
         pipeline_size=P, data_size=D, microbatch_size=math.ceil(microbatch_size), num_microbatches=num_microbatches,
-        schedule=schedule, recompute=recompute, step_s=step, bubble=1.0 - busy / (P * step) if step > 0 else 0.0,
+        schedule=schedule, recompute=recompute, step_s=step, bubble=sim.bubble,
         memory=memory, stages=tuple(ranges),
     )
     return Prediction(candidate, sim, costs, tuple(sync), tuple(optimizer))

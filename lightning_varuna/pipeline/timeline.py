@@ -2,17 +2,26 @@
 
 A timeline is a list of :class:`TimelineEvent` (a stage's task, a wait for a message, a send, the gradient sync,
 the optimizer step), predicted by the planner (:func:`predicted_events`) or recorded while training
-(:class:`~lightning_varuna.pipeline.executor.StageExecutor`'s ``on_event``). :func:`chrome_trace` gives the JSON
-that ``chrome://tracing`` and Perfetto (ui.perfetto.dev) open, one process per replica and one thread per stage;
+(:class:`TimelineRecorder`, fed by :class:`~lightning_varuna.pipeline.executor.StageExecutor`'s ``on_event``).
+:func:`chrome_trace` gives the JSON that ``chrome://tracing`` and Perfetto (ui.perfetto.dev) open, one process per
+replica and a track per stage (sends and gradient sync on tracks of their own, since they overlap the tasks);
 :func:`render_png` draws stages as rows, several timelines one above the other on one time scale (predicted
 and executed); :func:`step_metrics` gives the bubble fraction and each stage's busy time.
+
+The bubble fraction of a step is ``1 - sum(busy) / (P * span)``: busy is a stage's time in forward, recompute and
+backward tasks less the waits for messages inside them, and span runs from the first task's start to the last
+task's end over all stages (the planner's bubble, :attr:`~lightning_varuna.pipeline.planner.Candidate.bubble`, is
+the same quantity predicted).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
+import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +30,14 @@ from typing import Any
 from lightning_varuna.pipeline.planner import Prediction
 from lightning_varuna.pipeline.png import GLYPH_HEIGHT, Canvas, Color
 
-__all__ = ["COLORS", "KINDS", "TimelineEvent", "chrome_trace", "predicted_events", "render_png", "step_metrics",
-           "write_chrome_trace"]
+__all__ = ["COLORS", "KINDS", "StepSpan", "TimelineEvent", "TimelineRecorder", "chrome_trace", "pipeline_metrics",
+           "predicted_events", "render_png", "step_metrics", "step_span", "write_chrome_trace"]
 
 KINDS: tuple[str, ...] = ("F", "R", "B", "wait", "send", "sync", "optimizer")
 """Forward, recompute and backward of a micro-batch; a wait for a message; a send; the gradient sync; the
 optimizer step."""
 TASKS = frozenset({"F", "R", "B"})
+_TRACKS = {"send": 1000, "sync": 2000}  # Chrome trace thread offsets of the kinds that overlap tasks
 COLORS: dict[str, Color] = {
     "F": (66, 133, 244), "R": (251, 188, 5), "B": (52, 168, 83), "wait": (225, 225, 225),
     "send": (156, 39, 176), "sync": (234, 67, 53), "optimizer": (110, 110, 110),
@@ -92,11 +102,12 @@ def chrome_trace(events: Iterable[TimelineEvent], title: str = "pipeline") -> di
     events = list(events)
     origin = min((e.start for e in events), default=0.0)
     trace: list[dict[str, Any]] = []
-    for replica, stage in sorted({(e.replica, e.stage) for e in events}):
-        trace.append({"ph": "M", "name": "thread_name", "pid": replica, "tid": stage,
-                      "args": {"name": f"stage {stage}"}})
-        trace.append({"ph": "M", "name": "thread_sort_index", "pid": replica, "tid": stage,
-                      "args": {"sort_index": stage}})
+    for replica, track in sorted({(e.replica, _track(e)) for e in events}):
+        stage, extra = track % 1000, next((k for k, v in _TRACKS.items() if v == track - track % 1000), "")
+        trace.append({"ph": "M", "name": "thread_name", "pid": replica, "tid": track,
+                      "args": {"name": f"stage {stage} {extra}".strip()}})
+        trace.append({"ph": "M", "name": "thread_sort_index", "pid": replica, "tid": track,
+                      "args": {"sort_index": stage * 3 + track // 1000}})
     for replica in sorted({e.replica for e in events}):
         name = f"{title} replica {replica}"
         trace.append({"ph": "M", "name": "process_name", "pid": replica, "args": {"name": name}})
@@ -105,9 +116,14 @@ def chrome_trace(events: Iterable[TimelineEvent], title: str = "pipeline") -> di
         if e.microbatch is not None:
             args["microbatch"] = e.microbatch
         trace.append({"name": e.name, "cat": e.kind, "ph": "X", "ts": round((e.start - origin) * 1e6, 3),
-                      "dur": round(max(0.0, e.end - e.start) * 1e6, 3), "pid": e.replica, "tid": e.stage,
+                      "dur": round(max(0.0, e.end - e.start) * 1e6, 3), "pid": e.replica, "tid": _track(e),
                       "args": args})
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def _track(event: TimelineEvent) -> int:
+    """The Chrome trace thread of an event: the stage's, or one of its own for kinds that overlap tasks."""
+    return _TRACKS.get(event.kind, 0) + event.stage
 
 
 def write_chrome_trace(path: str | os.PathLike, events: Iterable[TimelineEvent], title: str = "pipeline") -> None:
@@ -115,34 +131,106 @@ def write_chrome_trace(path: str | os.PathLike, events: Iterable[TimelineEvent],
     Path(path).write_text(json.dumps(chrome_trace(events, title)))
 
 
-def step_metrics(events: Iterable[TimelineEvent], num_stages: int) -> dict[str, float]:
-    """Bubble fraction and busy time per stage of the step(s) in ``events`` (one replica's view).
+StepSpan = tuple[float, float, float]
+"""One stage's step: ``(first task's start, last task's end, busy seconds)``."""
 
-    The span is from the earliest event to the latest; busy is the time in forward, recompute and backward tasks;
-    the bubble fraction is ``1 - sum(busy) / (P * span)``, averaged over the steps.
+
+def step_span(events: Iterable[TimelineEvent]) -> StepSpan | None:
+    """One stage's step from its events (tasks, and waits inside them); None without tasks."""
+    tasks = sorted((e for e in events if e.kind in TASKS), key=lambda e: e.start)
+    if not tasks:
+        return None
+    starts = [t.start for t in tasks]
+    busy = sum(e.end - e.start for e in tasks)
+    for wait in (e for e in events if e.kind == "wait"):
+        # a recorded task includes its wait for the message it needs (a predicted wait lies between tasks)
+        index = bisect.bisect_right(starts, wait.start) - 1
+        if index >= 0 and wait.end <= tasks[index].end:
+            busy -= wait.end - wait.start
+    return tasks[0].start, max(e.end for e in tasks), max(0.0, busy)
+
+
+def pipeline_metrics(spans: Sequence[Sequence[StepSpan]]) -> dict[str, float]:
+    """Bubble fraction and busy time per stage, averaged over steps.
+
+    Args:
+        spans: Per stage, one :data:`StepSpan` per step (the same steps on every stage).
 
     Returns:
         ``{"pipeline/bubble": ..., "pipeline/busy_s/stage_<s>": ...}`` (busy: mean seconds per step).
     """
-    by_step: dict[int, list[TimelineEvent]] = {}
-    for e in events:
-        by_step.setdefault(e.step, []).append(e)
-    if not by_step:
+    stages = len(spans)
+    steps = min((len(s) for s in spans), default=0)
+    if stages == 0 or steps == 0:
         return {}
-    busy = [0.0] * num_stages
     bubbles = []
-    for step_events in by_step.values():
-        span = max(e.end for e in step_events) - min(e.start for e in step_events)
-        step_busy = [0.0] * num_stages
-        for e in step_events:
-            if e.kind in TASKS and 0 <= e.stage < num_stages:
-                step_busy[e.stage] += e.end - e.start
-        bubbles.append(1.0 - sum(step_busy) / (num_stages * span) if span > 0 else 0.0)
-        busy = [a + b for a, b in zip(busy, step_busy, strict=True)]
-    steps = len(by_step)
+    for j in range(steps):
+        span = max(s[j][1] for s in spans) - min(s[j][0] for s in spans)
+        busy = sum(s[j][2] for s in spans)
+        bubbles.append(1.0 - busy / (stages * span) if span > 0 else 0.0)
     metrics = {"pipeline/bubble": sum(bubbles) / steps}
-    metrics.update({f"pipeline/busy_s/stage_{s}": b / steps for s, b in enumerate(busy)})
+    metrics.update({f"pipeline/busy_s/stage_{i}": sum(x[2] for x in s[:steps]) / steps for i, s in enumerate(spans)})
     return metrics
+
+
+def step_metrics(events: Iterable[TimelineEvent], num_stages: int) -> dict[str, float]:
+    """:func:`pipeline_metrics` of one replica's events (grouped by stage and step)."""
+    grouped: dict[tuple[int, int], list[TimelineEvent]] = {}
+    for e in events:
+        grouped.setdefault((e.stage, e.step), []).append(e)
+    steps = sorted({step for _, step in grouped})
+    spans = [[span for step in steps if (span := step_span(grouped.get((s, step), []))) is not None]
+             for s in range(num_stages)]
+    return pipeline_metrics(spans)
+
+
+class TimelineRecorder:
+    """One rank's timeline, step by step: the executor's events, the gradient sync and the optimizer step.
+
+    Times are ``time.perf_counter`` seconds moved onto the wall clock (``time.time``), so that the ranks of a
+    machine share a clock (those of several machines, up to the machines' clock synchronisation).
+
+    Args:
+        stage: This rank's stage.
+        replica: This rank's replica.
+        keep: How many of the latest steps' events to keep (for :meth:`events`).
+    """
+
+    def __init__(self, stage: int, replica: int, keep: int = 4) -> None:
+        self.stage, self.replica = stage, replica
+        self.offset = time.time() - time.perf_counter()
+        self.step = -1
+        self._current: list[TimelineEvent] = []
+        self._kept: deque[list[TimelineEvent]] = deque(maxlen=keep)
+        self._spans: list[StepSpan] = []
+
+    def begin_step(self) -> None:
+        """Starts the next training step (the previous one is complete)."""
+        self._close()
+        self.step += 1
+
+    def add(self, kind: str, start: float, end: float, microbatch: int | None = None) -> None:
+        """Records an event of the current step (``time.perf_counter`` times)."""
+        self._current.append(TimelineEvent(self.stage, kind, start + self.offset, end + self.offset, microbatch,
+                                           self.replica, self.step))
+
+    def take_spans(self) -> list[StepSpan]:
+        """This stage's span of every step finished since the last call (the current one counts as finished)."""
+        self._close()
+        spans, self._spans = self._spans, []
+        return spans
+
+    def events(self) -> list[TimelineEvent]:
+        """The kept steps' events and the current step's."""
+        return [e for step in self._kept for e in step] + list(self._current)
+
+    def _close(self) -> None:
+        if self._current:
+            span = step_span(self._current)
+            if span is not None:
+                self._spans.append(span)
+            self._kept.append(self._current)
+            self._current = []
 
 
 # -- PNG ------------------------------------------------------------------------------------------------------
@@ -176,7 +264,7 @@ def render_png(path: str | os.PathLike, panels: Sequence[tuple[str, Sequence[Tim
             label = f"stage {stage}" if len(replicas) == 1 else f"d{replica} stage {stage}"
             canvas.text(4, top + (_ROW - GLYPH_HEIGHT) / 2, label)
             canvas.rect(_LEFT, top, _LEFT + plot, top + _ROW, (245, 245, 245))
-        for e in sorted(events, key=lambda e: e.kind != "wait"):  # waits underneath
+        for e in sorted(events, key=lambda e: e.kind not in TASKS):  # waits and sends inset, on top of tasks
             top = lane_y[(e.replica, e.stage)]
             x0 = _LEFT + (e.start - origin) / scale_s * plot
             x1 = max(x0 + 1, _LEFT + (e.end - origin) / scale_s * plot)
