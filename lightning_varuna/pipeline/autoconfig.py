@@ -37,7 +37,7 @@ from lightning_varuna.pipeline.profile import (
 )
 from lightning_varuna.pipeline.profiler import measure_network, profile_model, profile_sizes
 
-__all__ = ["AutoConfig", "choose"]
+__all__ = ["AutoConfig", "OptimizerSpec", "choose", "model_key", "plan"]
 
 OptimizerSpec = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 
@@ -127,8 +127,8 @@ def choose(
     outcome: Any = None
     if _rank() == 0:
         try:
-            outcome = _plan(config, module, trace, step_on, loss_of, replica_batch_size, device, optimizer, cluster,
-                            network)
+            outcome = plan(config, module, trace, step_on, loss_of, replica_batch_size, device, optimizer, cluster,
+                           network)
         except (PlanError, ProfileError, PipelineError) as err:
             outcome = err
         except Exception as err:  # noqa: BLE001 - reported on every rank, not only here
@@ -147,9 +147,27 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callable[[int], Any],
-          loss_of: Callable[[Any], Tensor], replica_batch_size: int, device: torch.device,
-          optimizer: OptimizerSpec | None, cluster: Cluster, network: Network | None) -> AutoConfig:
+def plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callable[[int], Any],
+         loss_of: Callable[[Any], Tensor], replica_batch_size: int, device: torch.device,
+         optimizer: OptimizerSpec | None, cluster: Cluster, network: Network | None) -> AutoConfig:
+    """Takes the profile (the given file, the cache, or measured here) and searches; one process, no collective.
+
+    Args:
+        config: The engine's options (``"auto"`` where the planner chooses).
+        module: The whole model.
+        trace: The dry run's trace.
+        step_on: Runs the user's step on a batch of ``n`` samples (for the profile).
+        loss_of: The loss in a step's output.
+        replica_batch_size: The batch of one replica, used when no global batch is given.
+        device: Where the model runs.
+        optimizer: The model's optimizer class and keyword arguments (default: AdamW).
+        cluster: The processes to plan for.
+        network: The network to plan with (None: the given profile's, or the stated defaults).
+
+    Raises:
+        PlanError: If no configuration is valid or none fits in memory.
+        ProfileError: If the given profile does not fit the model.
+    """
     start = time.perf_counter()
     choices = _choices(config, trace, cluster)
     if config.profile is not None:
@@ -166,7 +184,8 @@ def _plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callab
             profile = profile_model(module, step_on, loss_of, trace, sizes, device, optimizer, key=key)
             store_cached(profile)
             source = "measured"
-        profile = replace(profile, network=network or profile.network)
+    if network is not None:
+        profile = replace(profile, network=network)
     limit = parse_bytes(config.memory_limit) if config.memory_limit is not None else default_memory_limit(
         device, cluster.devices_per_node)
     ranking = search(profile, cluster, choices, limit, config.global_batch_size, replica_batch_size)

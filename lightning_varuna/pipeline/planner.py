@@ -324,7 +324,12 @@ def search(
             continue
         assert batch is not None
         for m in _microbatch_counts(batch, P, choices):
+            seen: set[tuple] = set()
             for schedule, recompute in _schedules(P, choices):
+                same = (make_schedule(schedule, P, m, recompute), recompute and P > 1)
+                if same in seen:  # e.g. gpipe with one micro-batch runs what varuna runs
+                    continue
+                seen.add(same)
                 try:
                     candidate = predict(profile, cluster, P, batch / m, m, schedule, recompute, choices).candidate
                 except PartitionError as err:
