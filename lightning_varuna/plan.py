@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import move_data_to_device
 
 from lightning_varuna.pipeline.autoconfig import AutoConfig, plan
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
@@ -173,8 +174,7 @@ def _first_batch(model: LightningModule, data: Any, device: torch.device) -> Any
         loader = data.train_dataloader()
     else:
         loader = model.train_dataloader()
-    batch = next(iter(loader))
-    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+    return move_data_to_device(next(iter(loader)), device)
 
 
 def _dry_step(model: LightningModule, trainer: Trainer) -> Any:

@@ -51,7 +51,8 @@ class EngineConfig:
             are never chosen. Default: the device's memory (CUDA), or the machine's memory shared by the
             processes of the node (CPU).
         profile: A profile file (:class:`~lightning_varuna.pipeline.profile.Profile`) to plan from instead of
-            measuring: the same file gives the same choice.
+            measuring: the same file gives the same choice (and the stages are balanced by its costs, also when
+            every value is fixed).
         devices_per_node: Processes per node (default: all processes on one node); tells the planner which
             traffic crosses nodes.
     """
@@ -108,9 +109,10 @@ class EngineConfig:
 
     @property
     def searches(self) -> bool:
-        """Whether the planner chooses any value (and the model is profiled at setup)."""
+        """Whether the planner runs at setup: it chooses a value, or plans from a given profile."""
         return (self.schedule == AUTO or self.recompute == AUTO or self.microbatch_size == AUTO
-                or (self.pipeline_parallel_size == AUTO and self.global_batch_size is not None))
+                or (self.pipeline_parallel_size == AUTO and self.global_batch_size is not None)
+                or self.profile is not None)
 
     def pipeline_size_for(self, world_size: int, num_segments: int) -> int:
         """P for a world of ``world_size`` processes and a model of ``num_segments`` segments (without the planner)."""
