@@ -8,7 +8,11 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.memory import graphs_in_flight, parse_bytes, stage_memory
 from lightning_varuna.pipeline.planner import Choices, Cluster, PlanError, format_table, predict, search
 from lightning_varuna.pipeline.profile import (
@@ -212,3 +216,34 @@ def _decode_png(data: bytes) -> tuple[int, int, bytes]:
     width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
     assert (depth, color) == (8, 2) and b"IEND" in chunks
     return width, height, zlib.decompress(chunks[b"IDAT"])
+
+
+# -- options and errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("options", "match"), [
+    ({"recompute": "maybe"}, "recompute must be True, False or 'auto'"),
+    ({"microbatch_size": "auto", "num_microbatches": 4}, "microbatch_size='auto' chooses the number"),
+    ({"memory_limit": "lots"}, "memory size 'lots'"),
+    ({"microbatch_size": "big"}, "microbatch_size must be an int or 'auto'"),
+    ({"schedule": "fastest"}, "choose one of .* or 'auto'"),
+])
+def test_engine_config_says_what_to_change(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)
+
+
+def test_nothing_fits_and_a_foreign_profile_are_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+    model = nn.Sequential(nn.Linear(8, 8), CutPoint(), nn.Linear(8, 1))
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+
+    def step(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(model(b[0]), b[1])
+
+    engine = PipelineEngine(model, 1, schedule="auto", recompute="auto", memory_limit=64)
+    with pytest.raises(PlanError, match="No configuration fits in memory_limit=64 bytes per stage"):
+        engine.setup(batch, step)
+    assert list((tmp_path / "cache" / "profiles").glob("*.json")), "the measured profile is cached"
+    two_segments().save(tmp_path / "other.json")
+    engine = PipelineEngine(model, 1, schedule="auto", profile=str(tmp_path / "other.json"))
+    with pytest.raises(ProfileError, match="is of another model"):
+        engine.setup(batch, step)

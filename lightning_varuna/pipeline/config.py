@@ -90,15 +90,16 @@ class EngineConfig:
                              " unset, or set microbatch_size=None to keep a fixed num_microbatches.")
         if self.memory_limit is not None:
             parse_bytes(self.memory_limit)
-        for name in ("num_microbatches", "grad_bucket_bytes", "max_pipeline_size", "global_batch_size",
-                     "devices_per_node"):
+        for name in ("num_microbatches", "microbatch_size", "grad_bucket_bytes", "max_pipeline_size",
+                     "global_batch_size", "devices_per_node"):
             value = getattr(self, name)
+            if value == AUTO and name == "microbatch_size":
+                continue
             if value is not None and not _is_int(value):
-                raise ValueError(f"{name} must be an int, got {value!r}.")
+                also = " or 'auto'" if name == "microbatch_size" else ""
+                raise ValueError(f"{name} must be an int{also}, got {value!r}.")
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
-        if micro is not None and micro != AUTO and (not _is_int(micro) or micro < 1):
-            raise ValueError(f"microbatch_size must be a positive int, 'auto' or None, got {micro!r}.")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition={self.partition!r}: use 'time' or 'params'.")
         if self.cut_at is not None and not isinstance(self.cut_at, str):
