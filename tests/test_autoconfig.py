@@ -153,3 +153,24 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
     assert all(c["fits"] == (max(c["peak_bytes"]) <= parse_bytes(memory)) for c in plan["candidates"])
     assert Profile.load(tmp_path / "saved.json") == profile
     _decode_png((tmp_path / "plan.png").read_bytes())
+
+
+@pytest.mark.slow
+def test_the_measured_path_agrees_on_every_rank(tmp_path: Path) -> None:
+    """Nothing given: both ranks measure the network, rank 0 profiles, both run the same choice."""
+    cache = tmp_path / "cache"
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "tests" / "jobs" / "measured.py"), str(out)],
+        capture_output=True, text=True, timeout=300, env={**_env(), "LIGHTNING_VARUNA_CACHE_DIR": str(cache)}, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    first, second = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    assert first["chosen"] == second["chosen"] and first["source"] == "measured"
+    assert first["sizes"] == [1, 2, 4, 8] and first["optimizer_state_ratio"] == pytest.approx(2.0, rel=1e-3)
+    for latency, bandwidth in first["network"].values():
+        assert latency >= 0 and bandwidth > 0
+    assert first["network"]["p2p_intra"] != second["network"]["p2p_inter"], "the link inside the node was measured"
+    assert list(cache.glob("profiles/*.json")), "the profile went to the cache directory"

@@ -106,15 +106,8 @@ def choose(
 ) -> AutoConfig:
     """Chooses the configuration (collective when a process group is initialised; see the module's docstring).
 
-    Args:
-        config: The engine's options (``"auto"`` where the planner chooses).
-        module: The whole model.
-        trace: The dry run's trace.
-        step_on: Runs the user's step on a batch of ``n`` samples (for the profile).
-        loss_of: The loss in a step's output.
-        replica_batch_size: The batch of one replica, used when no global batch is given.
-        device: This rank's device.
-        optimizer: The model's optimizer class and keyword arguments, for its costs (default: AdamW).
+    The arguments are :func:`plan`'s; the cluster is the process group's (``config.devices_per_node`` per node)
+    and the network is measured, unless ``config.profile`` brings one.
 
     Raises:
         PlanError: On every rank, if no configuration is valid or none fits in memory.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -170,14 +171,22 @@ def _measure_size(module: nn.Module, step_on: Callable[[int], Any], loss_of: Cal
 
 
 def _time_call(call: Callable[[], Any], device: torch.device) -> float:
-    fastest = float("inf")
     with torch.no_grad():
-        for _ in range(REPEATS):
-            _synchronize(device)
-            start = time.perf_counter()
-            call()
-            _synchronize(device)
-            fastest = min(fastest, time.perf_counter() - start)
+        return _fastest(call, device)
+
+
+def _fastest(call: Callable[[], Any], device: torch.device, repeats: int = REPEATS,
+             before: Callable[[], Any] | None = None) -> float:
+    """The fastest of ``repeats`` timed calls (``before`` runs untimed ahead of each)."""
+    fastest = float("inf")
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        _synchronize(device)
+        start = time.perf_counter()
+        call()
+        _synchronize(device)
+        fastest = min(fastest, time.perf_counter() - start)
     return fastest
 
 
@@ -285,21 +294,10 @@ def measure_task_overhead(device: torch.device, tasks: int = 32) -> float:
                      loss_of=lambda out, k: out)
 
     run()
-    through_executor = _time_call_grad(run, device)
-    alone = _time_call_grad(direct, device)
+    through_executor = _fastest(run, device)
+    alone = _fastest(direct, device)
     weight.grad = None
     return max(0.0, (through_executor - alone) / (2 * tasks))
-
-
-def _time_call_grad(call: Callable[[], None], device: torch.device) -> float:
-    fastest = float("inf")
-    for _ in range(REPEATS):
-        _synchronize(device)
-        start = time.perf_counter()
-        call()
-        _synchronize(device)
-        fastest = min(fastest, time.perf_counter() - start)
-    return fastest
 
 
 # -- network --------------------------------------------------------------------------------------------------
@@ -333,39 +331,28 @@ def measure_network(device: torch.device, devices_per_node: int, base: Network |
 
 
 def _ping_pong(rank: int, peer: int, device: torch.device) -> Link:
-    samples = []
-    for nbytes in _NETWORK_SIZES:
-        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        fastest = float("inf")
-        for _ in range(REPEATS + 1):
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, peer)
-                dist.recv(buffer, peer)
-            elif rank == peer:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            fastest = min(fastest, (time.perf_counter() - start) / 2)
-        samples.append((nbytes, fastest))
-    return _fit(samples)
+    def exchange(buffer: Tensor) -> None:
+        if rank == 0:
+            dist.send(buffer, peer)
+            dist.recv(buffer, peer)
+        elif rank == peer:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+
+    return _fit([(nbytes, _fastest(partial(exchange, _buffer(nbytes, device)), device, REPEATS + 1) / 2)
+                 for nbytes in _NETWORK_SIZES])
 
 
 def _ring_step(rank: int, world: int, device: torch.device) -> Link:
     """A ring step's link, from all-reduces over every rank: ``t = 2 (n-1) latency + 2 (n-1) / n * N / bandwidth``."""
-    samples = []
-    for nbytes in _NETWORK_SIZES:
-        buffer = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        fastest = float("inf")
-        for _ in range(REPEATS + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buffer)
-            _synchronize(device)
-            fastest = min(fastest, time.perf_counter() - start)
-        samples.append((nbytes, fastest))
-    fitted = _fit(samples)
+    fitted = _fit([(nbytes, _fastest(partial(dist.all_reduce, _buffer(nbytes, device)), device, REPEATS + 1,
+                                     before=dist.barrier)) for nbytes in _NETWORK_SIZES])
     steps = 2 * (world - 1)
     return Link(fitted.latency_s / steps, fitted.bandwidth * steps / world)
+
+
+def _buffer(nbytes: int, device: torch.device) -> Tensor:
+    return torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
 
 
 def _fit(samples: Sequence[tuple[float, float]]) -> Link:
