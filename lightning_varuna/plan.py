@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import move_data_to_device
 
@@ -133,8 +134,7 @@ def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: 
     if not isinstance(strategy, VarunaStrategy):
         raise ValueError(f"the config's strategy is {type(strategy).__name__}; plan needs VarunaStrategy")
     config = _config(args, strategy)
-    device = torch.device("cuda", 0) if trainer.accelerator.__class__.__name__ == "CUDAAccelerator" else (
-        torch.device("cpu"))
+    device = torch.device("cuda", 0) if isinstance(trainer.accelerator, CUDAAccelerator) else torch.device("cpu")
     model.to(device)
     batch = _first_batch(model, data, device)
     step = _dry_step(model, trainer)
@@ -152,8 +152,10 @@ def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: 
 
 
 def _config(args: argparse.Namespace, strategy: VarunaStrategy) -> EngineConfig:
+    # as the strategy sets them at setup; without a global batch, P follows its rule (at most the devices per node)
     config = replace(strategy.config, wire_dtype=strategy._wire_dtype(),
-                     profile=args.profile or strategy.config.profile)
+                     profile=args.profile or strategy.config.profile,
+                     max_pipeline_size=args.devices_per_node or args.devices)
     if args.global_batch_size is not None:
         config = replace(config, global_batch_size=args.global_batch_size)
     if args.memory is not None:
@@ -161,9 +163,6 @@ def _config(args: argparse.Namespace, strategy: VarunaStrategy) -> EngineConfig:
     if args.auto:
         config = replace(config, pipeline_parallel_size=AUTO, microbatch_size=AUTO, num_microbatches=None,
                          schedule=AUTO, recompute=AUTO)
-    if config.pipeline_parallel_size == AUTO and config.global_batch_size is None:
-        raise ValueError("choosing P needs a global batch: set the strategy's global_batch_size or pass "
-                         "--global-batch-size (or fix pipeline_parallel_size)")
     return config
 
 

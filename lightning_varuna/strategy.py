@@ -340,8 +340,9 @@ class VarunaStrategy(ParallelStrategy):
             with capture.capturing(), metric_states_kept(module), self.precision_plugin.train_step_context():
                 return step(batch, 0)
 
-        # the planner times the model's optimizer (only rank 0 profiles)
-        optimizer = optimizer_spec(module) if config.searches and self.global_rank == 0 else None
+        # the planner times the model's optimizer (only rank 0 profiles, and not from a given profile)
+        profiles = config.searches and config.profile is None and self.global_rank == 0
+        optimizer = optimizer_spec(module) if profiles else None
         plan = engine.setup(self._sample_batch(trainer), dry_step, optimizer=optimizer)
         config = engine.config
         self._params = list(module.parameters())

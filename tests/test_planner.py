@@ -73,13 +73,13 @@ def test_stage_memory_hand_computed() -> None:
     )
     first = stage_memory(profile, range(0, 1), 0, 2, 2, microbatch_size=2, num_microbatches=4, graphs=1)
     # weights 100+10; gradients 110 + flat copies for D=2 (100) and for the tied one (10); Adam 2x; 4 gradient
-    # receive buffers of 8 x 2 bytes + one output in flight; one graph of 2000 bytes + the backward's 2000
+    # receive buffers of 8 x 2 bytes + one output in flight; one graph of 2000 bytes
     assert (first.weights, first.gradients, first.optimizer, first.buffers, first.activations) == (
-        110, 220, 220, 80, 4000)
+        110, 220, 220, 80, 2000)
     last = stage_memory(profile, range(1, 2), 1, 2, 1, microbatch_size=2, num_microbatches=4, graphs=1)
     # D=1: only the tied copy is flattened; 4 activation receive buffers + one input gradient in flight
-    assert (last.weights, last.gradients, last.optimizer, last.buffers, last.activations) == (210, 220, 420, 80, 12000)
-    assert last.total == 210 + 220 + 420 + 80 + 12000
+    assert (last.weights, last.gradients, last.optimizer, last.buffers, last.activations) == (210, 220, 420, 80, 6000)
+    assert last.total == 210 + 220 + 420 + 80 + 6000
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -9,8 +9,9 @@ Per stage, in bytes (:class:`StageMemory`):
 - buffers: the receive buffers the executor keeps between steps (one activation per micro-batch on a non-first
   stage, one gradient per micro-batch on a non-last stage), plus one output and one input gradient in flight;
 - activations: the autograd graphs the stage holds at once, counted along the schedule as it runs (the run-time
-  rules included), times what one micro-batch's graph of the stage keeps, plus the backward's working memory,
-  taken as one micro-batch's graph of the stage's largest segment.
+  rules included), times what one micro-batch's graph of the stage keeps. A backward frees its graph's saved
+  tensors as it goes while it makes their gradients, so it needs little beyond its graph: the input gradient it
+  produces is the one counted in flight.
 
 A recomputing stage's stashed inputs are its receive buffers (on the first stage, views of the batch), so they
 cost nothing beyond the buffers.
@@ -98,8 +99,7 @@ def stage_memory(
     received = profile.cuts[segments.start - 1].nbytes(microbatch_size) if stage > 0 else 0
     sent = profile.cuts[segments.stop - 1].nbytes(microbatch_size) if stage < num_stages - 1 else 0
     buffers = int(num_microbatches * (received + sent) * wire_bytes_per_element) + received + sent
-    per_graph = [profile.saved_bytes(i, microbatch_size) for i in segments]
-    activations = graphs * sum(per_graph) + max(per_graph, default=0)
+    activations = graphs * sum(profile.saved_bytes(i, microbatch_size) for i in segments)
     return StageMemory(
         weights=weights,
         gradients=trainable + flat,
