@@ -104,17 +104,26 @@ def scatter_png(out: dict, path: Path) -> None:
     from lightning_varuna.pipeline.png import Canvas
 
     rows = out["rows"]
-    top = max(max(r["predicted_step_s"], r["measured_step_s"]) for r in rows) * 1.05
-    size, margin = 600, 60
+    values = [v for r in rows for v in (r["predicted_step_s"], r["measured_step_s"])]
+    low, high = min(values) * 0.95, max(values) * 1.03
+    size, margin = 600, 70
     canvas = Canvas(size + 2 * margin, size + 2 * margin)
 
+    def scaled(seconds: float) -> float:
+        return (seconds - low) / (high - low) * size
+
     def xy(predicted: float, measured: float) -> tuple[float, float]:
-        return margin + predicted / top * size, margin + size - measured / top * size
+        return margin + scaled(predicted), margin + size - scaled(measured)
 
     for k in range(size):  # the diagonal y = x
         canvas.rect(margin + k, margin + size - k - 1, margin + k + 1, margin + size - k, (200, 200, 200))
     canvas.rect(margin, margin + size, margin + size, margin + size + 1, (0, 0, 0))
     canvas.rect(margin - 1, margin, margin, margin + size, (0, 0, 0))
+    for i in range(5):
+        seconds = low + (high - low) * i / 4
+        label = f"{seconds * 1e3:.0f}"
+        canvas.text(margin + scaled(seconds) - canvas.text_width(label) / 2, margin + size + 6, label)
+        canvas.text(margin - canvas.text_width(label) - 6, margin + size - scaled(seconds) - 3, label)
     colors = {1: (52, 168, 83), 2: (66, 133, 244), 4: (234, 67, 53)}
     for r in rows:
         x, y = xy(r["predicted_step_s"], r["measured_step_s"])
@@ -124,7 +133,7 @@ def scatter_png(out: dict, path: Path) -> None:
     x, y = xy(chosen["predicted_step_s"], chosen["measured_step_s"])
     canvas.rect(x - 6, y - 6, x + 7, y - 5, (0, 0, 0))
     canvas.rect(x - 6, y + 6, x + 7, y + 7, (0, 0, 0))
-    canvas.text(margin, 10, f"predicted (x) vs measured (y) step time, 0-{top * 1e3:.0f} ms; tau "
+    canvas.text(margin, 10, f"step time, ms: predicted (x) against measured (y); kendall tau "
                             f"{out['summary']['kendall_tau']:.2f}")
     canvas.text(margin, 24, "P=1 green, P=2 blue, P=4 red; grey: predicted over the memory limit; bars: chosen")
     canvas.save(path)
