@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Generator
 from dataclasses import replace
 from datetime import timedelta
@@ -77,6 +78,7 @@ from lightning_varuna.pipeline.failures import PipelineError, report_failure, wa
 from lightning_varuna.pipeline.materialize import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.watchdog import current_watchdog
+from lightning_varuna.planning import TimelineOutput, optimizer_spec, report_choice
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.resume import checkpoint_folders, choose_last, last_fallbacks, requested_name
@@ -101,15 +103,23 @@ class VarunaStrategy(ParallelStrategy):
     one per process; ``world_size / P`` pipeline replicas train on different data. Each batch is split into
     micro-batches that flow through the stages under the chosen schedule.
 
+    Values set to ``"auto"`` are chosen at setup by the planner: it profiles the model (or reads ``profile``),
+    predicts every valid configuration's step time and memory, and takes the fastest that fits in
+    ``memory_limit``; rank 0 prints the ranking and the loggers get the choice as hyper-parameters.
+
     Args:
-        pipeline_parallel_size: P, the number of pipeline stages. ``"auto"`` picks the largest P that
-            divides the world size, is at most the number of processes per node (pipelines stay inside a
-            node) and at most the number of segments of the model.
+        pipeline_parallel_size: P, the number of pipeline stages. ``"auto"`` with ``global_batch_size``: chosen by
+            the planner (D = world size / P follows). ``"auto"`` without it: the largest P that divides the world
+            size, is at most the number of processes per node (pipelines stay inside a node) and at most the
+            number of segments of the model.
         num_microbatches: Micro-batches per batch. The default is ``2 * P``, or fewer for small batches.
-        microbatch_size: Size of each micro-batch, instead of ``num_microbatches``.
-        schedule: ``"varuna"`` (recompute-aware, tolerant of late messages), ``"1f1b"`` or ``"gpipe"``.
+        microbatch_size: Size of each micro-batch, instead of ``num_microbatches``; ``"auto"``: chosen by the
+            planner among the sizes that divide the replica's batch.
+        schedule: ``"varuna"`` (recompute-aware, tolerant of late messages), ``"1f1b"``, ``"gpipe"``, or
+            ``"auto"`` (chosen by the planner).
         recompute: Non-last stages keep only their input during forwards and rerun the forward with
-            autograd just before backward (activation memory of one micro-batch per stage).
+            autograd just before backward (activation memory of one micro-batch per stage); ``"auto"``: chosen
+            by the planner.
         cut_at: Dotted path (from the LightningModule) of an ``nn.ModuleList``/``nn.Sequential`` whose
             children are cut apart, for models without ``CutPoint`` modules, e.g. ``"model.blocks"``.
         partition: Balance stages by measured forward ``"time"`` (dry run) or by ``"params"``.
@@ -125,6 +135,14 @@ class VarunaStrategy(ParallelStrategy):
             ``lightning_varuna.preemption.HTTPNotice`` for a cloud metadata endpoint). Whatever the notice,
             ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
             ``last.ckpt`` in the ``ModelCheckpoint``'s directory and exits with status 143.
+        memory_limit: Bytes, or a string such as ``"80GiB"``, that a stage may use: the planner never chooses a
+            configuration predicted above it. Default: the device's memory (CUDA), or the machine's memory shared
+            by the processes of a node (CPU).
+        profile: A profile file (``python -m lightning_varuna.plan --save-profile``) to plan from instead of
+            measuring; the same file always gives the same choice.
+        timeline_dir: If set, every training step is recorded: the loggers get the bubble fraction and each
+            stage's busy time at the logging interval, and at the end of fit ``timeline.json`` (a Chrome trace:
+            open it in ui.perfetto.dev) and ``timeline.png`` are written there.
         async_checkpoint: Checkpoint saves copy this rank's tensors into shared memory and return; a helper
             process per rank (started with ``fit``, at idle CPU priority, in a process group of its own) writes
             them while training goes on, and the checkpoint appears once every rank's part is written. A save
@@ -175,14 +193,17 @@ class VarunaStrategy(ParallelStrategy):
         self,
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         num_microbatches: int | None = None,
-        microbatch_size: int | None = None,
-        schedule: Literal["varuna", "1f1b", "gpipe"] = "varuna",
-        recompute: bool = True,
+        microbatch_size: int | Literal["auto"] | None = None,
+        schedule: Literal["varuna", "1f1b", "gpipe", "auto"] = "varuna",
+        recompute: bool | Literal["auto"] = True,
         cut_at: str | None = None,
         partition: Literal["time", "params"] = "time",
         p2p_timeout: float = 300.0,
         boundary_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
         global_batch_size: int | None = None,
+        memory_limit: int | str | None = None,
+        profile: str | None = None,
+        timeline_dir: str | None = None,
         preemption_notice: PreemptionNotice | None = None,
         async_checkpoint: bool = False,
         param_init_fn: Callable[[nn.Module], None] | None = None,
@@ -216,13 +237,15 @@ class VarunaStrategy(ParallelStrategy):
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn,
-            p2p_backend=p2p_backend,
+            p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
         )
         self.initial_weights = (
             InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)
             if initial_weights is not None else None
         )
         self.pipeline_parallel_size = pipeline_parallel_size
+        self.timeline_dir = timeline_dir
+        self._timeline: TimelineOutput | None = None
         self.boundary_dtype = boundary_dtype
         self.global_batch_size = global_batch_size
         self.preemption_notice = preemption_notice
@@ -393,7 +416,8 @@ class VarunaStrategy(ParallelStrategy):
         hook = _STEP_HOOKS.get(trainer.state.fn)  # type: ignore[arg-type]
         if hook is None:
             raise MisconfigurationException(f"VarunaStrategy cannot run trainer.{trainer.state.fn}.")
-        config = replace(self.config, wire_dtype=self._wire_dtype(), max_pipeline_size=self.num_processes or None)
+        config = replace(self.config, wire_dtype=self._wire_dtype(), max_pipeline_size=self.num_processes or None,
+                         devices_per_node=self.num_processes or None)
         self.engine = engine = PipelineEngine.from_config(module, config, device=self.root_device)
         step = getattr(module, hook)
         capture = LogCapture(module)
@@ -407,7 +431,12 @@ class VarunaStrategy(ParallelStrategy):
             with capture.capturing(), self.precision_plugin.train_step_context(), dry:
                 return step(batch, 0)
 
-        plan = engine.setup(self.batch_to_device(sample_batch(trainer, self._patches), self.root_device), dry_step)
+        # the planner times the model's optimizer (only rank 0 profiles, and not from a given profile)
+        profiles = config.searches and config.profile is None and self.global_rank == 0
+        optimizer = optimizer_spec(module) if profiles else None
+        batch = self.batch_to_device(sample_batch(trainer, self._patches), self.root_device)
+        plan = engine.setup(batch, dry_step, optimizer=optimizer)
+        config = engine.config
         self._gradients = BatchGradients(list(module.parameters()))
         self.topology = topo = engine.topology
         assert topo is not None
@@ -415,10 +444,14 @@ class VarunaStrategy(ParallelStrategy):
             module.to(self.root_device)  # every tensor is real now: updates the module's `device`
         self._load_initial_weights(trainer, layout)
         self._steps = StepRunner(module, engine, self.precision_plugin)
+        if engine.autoconfig is not None:
+            report_choice(trainer, engine.autoconfig)
         rank_zero_info(
             f"VarunaStrategy: {topo.pipeline_size} stage(s) x {topo.data_size} replica(s), schedule"
             f" {config.schedule!r}, recompute={config.recompute}\n{plan.table()}"
         )
+        if self.timeline_dir is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._timeline = TimelineOutput(engine, self.timeline_dir)
 
     def _load_initial_weights(self, trainer: Trainer, layout: ModelLayout) -> None:
         if self.initial_weights is None:
@@ -554,18 +587,24 @@ class VarunaStrategy(ParallelStrategy):
         hooks = contextlib.ExitStack()
         capturing = False
 
+        synced = 0.0
+
         def closure_then_sync() -> Any:
-            nonlocal capturing
+            nonlocal capturing, synced
             result = closure()
             if gradients.window_has_gradients:  # else the window's batches were all skipped, and there are none
                 waiting_on_peers(topo, "syncing gradients", engine.sync_gradients)
             if merge and not capturing:  # the on_before_optimizer_step hooks run next
                 hooks.enter_context(capture.capturing())
                 capturing = True
+            synced = time.perf_counter()
             return None if gradients.skipped else result  # None: the precision plugin skips the step, as Lightning
 
         with hooks:
             output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        if self._timeline is not None:
+            self._timeline.optimizer_step(synced, time.perf_counter())
+            self._timeline.log_metrics(module.trainer)
         if merge:
             if self._hook_logs is None:
                 self._hook_logs = HookLogMerger(topo.pipe_group, topo.pipeline_size, self.root_device)
@@ -698,6 +737,11 @@ class VarunaStrategy(ParallelStrategy):
         if self.topology is None:  # before the pipeline exists (the dry run's broadcast of timings)
             return wait()
         return waiting_on_peers(self.topology, what, wait)
+
+    def on_train_end(self) -> None:
+        """Writes the timeline files (with ``timeline_dir``)."""
+        if self._timeline is not None:
+            self._timeline.write()
 
     def on_exception(self, exception: BaseException) -> None:
         """Reports the error to the other ranks (their watchdogs end them; they quote it if they lose contact)."""

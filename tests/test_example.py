@@ -30,6 +30,7 @@ def test_example_trains_on_four_processes(config: str) -> None:
 
 def test_strategy_arguments_are_documented_for_the_cli() -> None:
     result = _cli("fit", "--trainer.strategy.help", "lightning_varuna.VarunaStrategy", timeout=120)
-    for argument in ("pipeline_parallel_size", "num_microbatches", "schedule", "recompute", "cut_at"):
+    for argument in ("pipeline_parallel_size", "num_microbatches", "schedule", "recompute", "cut_at", "memory_limit",
+                     "profile", "timeline_dir"):
         assert f"--trainer.strategy.{argument}" in result.stdout
     assert "Micro-batches per batch" in result.stdout

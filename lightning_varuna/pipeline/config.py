@@ -8,9 +8,12 @@ from typing import Literal
 
 import torch
 
+from lightning_varuna.pipeline.memory import parse_bytes
 from lightning_varuna.pipeline.schedules import SCHEDULES
 
-__all__ = ["P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
+__all__ = ["AUTO", "P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
+
+AUTO = "auto"
 
 PARTITIONS: tuple[str, ...] = ("time", "params")
 P2P_BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
@@ -20,14 +23,20 @@ P2P_BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
 class EngineConfig:
     """The engine's options. Invalid values raise ``ValueError`` with what to change, before any process waits.
 
+    Any of ``pipeline_parallel_size`` (with ``global_batch_size``), ``microbatch_size``, ``schedule`` and
+    ``recompute`` may be ``"auto"``: the engine then profiles the model and chooses them
+    (:mod:`lightning_varuna.pipeline.autoconfig`).
+
     Args:
-        pipeline_parallel_size: P, the number of stages (D = world size / P). ``"auto"``: the largest P that
-            divides the world size, is at most the number of segments the dry run finds and at most
-            ``max_pipeline_size``.
+        pipeline_parallel_size: P, the number of stages (D = world size / P). ``"auto"``: chosen by the planner
+            when ``global_batch_size`` is given; otherwise the largest P that divides the world size, is at most
+            the number of segments the dry run finds and at most ``max_pipeline_size``.
         num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
-        microbatch_size: Alternatively, the size of each micro-batch.
-        schedule: ``"varuna"``, ``"1f1b"`` or ``"gpipe"``.
-        recompute: Non-last stages keep only their inputs during forwards and recompute before backward.
+        microbatch_size: Alternatively, the size of each micro-batch; ``"auto"``: chosen by the planner among the
+            sizes that divide the replica's batch.
+        schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"`` or ``"auto"``.
+        recompute: Non-last stages keep only their inputs during forwards and recompute before backward
+            (``"auto"``: chosen by the planner).
         cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
@@ -36,8 +45,18 @@ class EngineConfig:
         grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
             gradient, within 64 KiB-25 MiB).
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a step.
-        max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this (e.g. the processes per
-            node, so that pipelines stay inside a node).
+        max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this
+            (e.g. the processes per node, so that pipelines stay inside a node).
+        global_batch_size: Samples per step over all replicas: each replica's batch is ``global_batch_size / D``,
+            which the planner needs to choose P.
+        memory_limit: Bytes (or a string such as ``"80GiB"``) a stage may use; configurations predicted above it
+            are never chosen. Default: the device's memory (CUDA), or the machine's memory shared by the
+            processes of the node (CPU).
+        profile: A profile file (:class:`~lightning_varuna.pipeline.profile.Profile`) to plan from instead of
+            measuring: the same file gives the same choice (and the stages are balanced by its costs, also when
+            every value is fixed).
+        devices_per_node: Processes per node (default: all processes on one node); tells the planner which
+            traffic crosses nodes.
         param_init_fn: For a model built on the meta device: initializes the parameters a module owns directly
             (default: the module's ``reset_parameters()``).
         init_seed: The seed of that initialization (default: rank 0's ``torch.initial_seed()``).
@@ -50,9 +69,9 @@ class EngineConfig:
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
     num_microbatches: int | None = None
-    microbatch_size: int | None = None
+    microbatch_size: int | Literal["auto"] | None = None
     schedule: str = "varuna"
-    recompute: bool = True
+    recompute: bool | Literal["auto"] = True
     cut_at: str | None = None
     partition: str = "time"
     p2p_timeout: float = 300.0
@@ -63,19 +82,35 @@ class EngineConfig:
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     init_seed: int | None = None
     p2p_backend: str = "auto"
+    global_batch_size: int | None = None
+    memory_limit: int | str | None = None
+    profile: str | None = None
+    devices_per_node: int | None = None
 
     def __post_init__(self) -> None:
         size = self.pipeline_parallel_size
-        if size != "auto" and (not _is_int(size) or size < 1):
+        if size != AUTO and (not _is_int(size) or size < 1):
             raise ValueError(f"pipeline_parallel_size must be a positive int or 'auto', got {size!r}.")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES}.")
-        if self.num_microbatches is not None and self.microbatch_size is not None:
+        if self.schedule not in (*SCHEDULES, AUTO):
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES} or 'auto'.")
+        if self.recompute not in (True, False, AUTO):
+            raise ValueError(f"recompute must be True, False or 'auto', got {self.recompute!r}.")
+        micro = self.microbatch_size
+        if self.num_microbatches is not None and micro is not None and micro != AUTO:
             raise ValueError("Give num_microbatches or microbatch_size, not both.")
-        for name in ("num_microbatches", "microbatch_size", "grad_bucket_bytes", "max_pipeline_size"):
+        if micro == AUTO and self.num_microbatches is not None:
+            raise ValueError("microbatch_size='auto' chooses the number of micro-batches too; leave num_microbatches"
+                             " unset, or set microbatch_size=None to keep a fixed num_microbatches.")
+        if self.memory_limit is not None:
+            parse_bytes(self.memory_limit)
+        for name in ("num_microbatches", "microbatch_size", "grad_bucket_bytes", "max_pipeline_size",
+                     "global_batch_size", "devices_per_node"):
             value = getattr(self, name)
+            if value == AUTO and name == "microbatch_size":
+                continue
             if value is not None and not _is_int(value):
-                raise ValueError(f"{name} must be an int, got {value!r}.")
+                also = " or 'auto'" if name == "microbatch_size" else ""
+                raise ValueError(f"{name} must be an int{also}, got {value!r}.")
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.partition not in PARTITIONS:
@@ -94,9 +129,16 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"p2p_timeout must be a positive number of seconds, got {timeout!r}.")
 
+    @property
+    def searches(self) -> bool:
+        """Whether the planner runs at setup: it chooses a value, or plans from a given profile."""
+        return (self.schedule == AUTO or self.recompute == AUTO or self.microbatch_size == AUTO
+                or (self.pipeline_parallel_size == AUTO and self.global_batch_size is not None)
+                or self.profile is not None)
+
     def pipeline_size_for(self, world_size: int, num_segments: int) -> int:
-        """P for a world of ``world_size`` processes and a model of ``num_segments`` segments."""
-        if self.pipeline_parallel_size != "auto":
+        """P for a world of ``world_size`` processes and a model of ``num_segments`` segments (without the planner)."""
+        if self.pipeline_parallel_size != AUTO:
             return self.pipeline_parallel_size  # type: ignore[return-value]
         limit = min(num_segments, world_size, self.max_pipeline_size or world_size)
         return max(p for p in range(1, limit + 1) if world_size % p == 0)

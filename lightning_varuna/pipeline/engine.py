@@ -20,6 +20,7 @@ import functools
 import logging
 import math
 import os
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_varuna.pipeline.autoconfig import AutoConfig, OptimizerSpec, choose
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.costs import DeviceRates
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
@@ -53,10 +55,11 @@ from lightning_varuna.pipeline.partition import (
 from lightning_varuna.pipeline.replicas import broadcast_initial_state
 from lightning_varuna.pipeline.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.timeline import TimelineRecorder
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.watchdog import current_watchdog, watch_job
 
-__all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "default_loss"]
+__all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,19 @@ def first_samples(batch: Any, n: int) -> Any:
     leaves, spec = tree_flatten(batch)
     return tree_unflatten(
         [x[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x for x in leaves], spec
+    )
+
+
+def samples(batch: Any, n: int) -> Any:
+    """A batch of ``n`` samples made from ``batch``: its first ``n``, or it repeated along dimension 0."""
+    size = batch_size_of(batch)
+    if n <= size:
+        return first_samples(batch, n)
+    copies = -(-n // size)
+    leaves, spec = tree_flatten(batch)
+    return tree_unflatten(
+        [torch.cat([x] * copies)[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x
+         for x in leaves], spec
     )
 
 
@@ -130,12 +146,20 @@ class PipelineEngine:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
-        max_pipeline_size: With ``pipeline_parallel_size="auto"``, P is at most this.
+        max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this.
         param_init_fn: Initializes what a module owns directly, for a model built on the meta device (default:
             the module's ``reset_parameters()``).
         init_seed: The seed of that initialization (default: rank 0's ``torch.initial_seed()``).
         p2p_backend: ``"auto"`` (the default process group's backend), ``"gloo"`` (activations and gradients
             through pinned host memory over gloo, for CUDA jobs) or ``"nccl"``.
+        global_batch_size: Samples per step over all replicas; needed to choose P (``"auto"``).
+        memory_limit: Bytes (or e.g. ``"80GiB"``) a stage may use; the planner never chooses more.
+        profile: A profile file to plan from instead of measuring.
+        devices_per_node: Processes per node (default: all on one node).
+
+    With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
+    with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
+    (:mod:`lightning_varuna.pipeline.autoconfig`); :attr:`autoconfig` then holds the choice and the ranking.
 
     The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
     :meth:`from_config` builds an engine from a config. :attr:`events` is the executor's event hook: recorders
@@ -161,13 +185,18 @@ class PipelineEngine:
         param_init_fn: ParamInitFn | None = None,
         init_seed: int | None = None,
         p2p_backend: str = "auto",
+        global_batch_size: int | None = None,
+        memory_limit: int | str | None = None,
+        profile: str | None = None,
+        devices_per_node: int | None = None,
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, wire_dtype=wire_dtype, grad_bucket_bytes=grad_bucket_bytes,
             overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size, param_init_fn=param_init_fn,
-            init_seed=init_seed, p2p_backend=p2p_backend,
+            init_seed=init_seed, p2p_backend=p2p_backend, global_batch_size=global_batch_size,
+            memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node,
         )
         self.config = config
         self.module = module
@@ -178,6 +207,10 @@ class PipelineEngine:
         self.grad_sync: GradientSync | None = None
         self.events = EventHooks()
         """The executor's event hook: add recorders (:mod:`~lightning_varuna.pipeline.events`) before or after setup."""
+        self.autoconfig: AutoConfig | None = None
+        """The planner's choice and ranking, when it chose (see :mod:`lightning_varuna.pipeline.autoconfig`)."""
+        self.recorder: TimelineRecorder | None = None
+        """What each training step did when (see :meth:`record_timeline`); None when not recording."""
         self._pipeline_size = pipeline_parallel_size if pipeline_parallel_size != "auto" else None
         self._cuts: list[CutPoint] = []
         self._hooks: list[Any] = []
@@ -200,19 +233,23 @@ class PipelineEngine:
         return self._pipeline_size
 
     # -- setup --------------------------------------------------------------------------------------------
-    def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None) -> Plan:
+    def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None,
+              optimizer: OptimizerSpec | None = None) -> Plan:
         """Dry-runs ``step`` on a slice of ``sample_batch``, partitions, and keeps only this rank's stage.
 
         Every replica's copy of the stage then takes replica 0's parameters and buffers, and every copy of a
         parameter held by several stages its first holder's (as ``DistributedDataParallel`` broadcasts rank 0's
         state), so the replicas train one model whatever the seeding. Every rank must call it (it is
         collective). Errors in the model are raised on every rank before any rank waits on another; from the
-        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.pipeline.watchdog`).
+        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.pipeline.watchdog`). With
+        ``"auto"`` values the model is profiled and the configuration chosen (:attr:`autoconfig`) before the process
+        grid is made.
 
         Args:
             sample_batch: A batch like the training batches (on this rank's device).
             step: Runs the user's step on a (micro-)batch; the dry run calls it on 1 and 2 samples.
             topology: The process grid (created from the default process group if not given).
+            optimizer: The optimizer's class and keyword arguments, for the planner's costs (default: AdamW).
 
         Returns:
             The plan (identical on every rank).
@@ -223,7 +260,7 @@ class PipelineEngine:
         if config.cut_at is not None:
             self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
         self.built_on_meta = has_meta_tensors(self.module)
-        trace, cut_modules = self._dry_run(sample_batch, step, topology)
+        trace, cut_modules = self._dry_run(sample_batch, step, topology, optimizer)
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
@@ -266,8 +303,8 @@ class PipelineEngine:
         return self.plan
 
     def _dry_run(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None,
-                 ) -> tuple[Trace, list[CutPoint]]:
-        """Traces the step (on meta tensors for a model built on meta), resolves P, and times the segments."""
+                 optimizer: OptimizerSpec | None) -> tuple[Trace, list[CutPoint]]:
+        """Traces the step (on meta for a model built there), resolves P or plans ``"auto"``, times the segments."""
         config = self.config
         names = {id(m): n for n, m in self.module.named_modules()}
         cut_names = {id(c): getattr(c, "_varuna_name", names.get(id(c), "")) for c in self._cuts}
@@ -281,11 +318,24 @@ class PipelineEngine:
                 trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
                                                 cut_names=cut_names)
             world = topology.world_size if topology is not None else _world_size()
-            self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
-                world, trace.num_segments
-            )
-            check_pipeline_size(trace, self._pipeline_size)
-            if config.partition == "time" and trace.cuts and not self.built_on_meta:
+            if config.searches and topology is None:
+                if self.built_on_meta and config.profile is None:
+                    raise ValueError(
+                        "Auto-configuration profiles the model, which is built on the meta device here. Give"
+                        " pipeline_parallel_size, microbatch_size, schedule and recompute, or a profile file"
+                        " measured on the model built for real (python -m lightning_varuna.plan --save-profile)."
+                    )
+                self._autoconfigure(trace, sample_batch, step, optimizer)
+                config = self.config
+            else:
+                self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
+                    world, trace.num_segments
+                )
+            check_pipeline_size(trace, self.pipeline_size)
+            if self.autoconfig is not None:
+                if config.partition == "time":  # the planner's costs, so that its stages are the ones made
+                    trace.segment_seconds = self.autoconfig.segment_costs()
+            elif config.partition == "time" and trace.cuts and not self.built_on_meta:
                 size = batch_size_of(sample_batch)
                 micro = max(1, size // self.microbatches_for(size))
                 trace.segment_seconds = time_segments(lambda: step(first_samples(sample_batch, micro)))
@@ -320,6 +370,16 @@ class PipelineEngine:
         if directory and topo is not None and topo.pipeline_size > 1:
             self.events.add(P2PTraceWriter(directory, run, topo.rank, topo.world_size))
 
+    def _autoconfigure(self, trace: Any, sample_batch: Any, step: Callable[[Any], Any],
+                       optimizer: OptimizerSpec | None) -> None:
+        """Lets the planner choose the ``"auto"`` values (collective)."""
+        self.autoconfig = choose(
+            self.config, self.module, trace, lambda n: step(samples(sample_batch, n)), default_loss,
+            batch_size_of(sample_batch), self.device, optimizer,
+        )
+        self.config = self.autoconfig.resolved(self.config)
+        self._pipeline_size = self.config.pipeline_parallel_size  # type: ignore[assignment]
+
     # -- sizes --------------------------------------------------------------------------------------------
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
         """How many micro-batches a batch of ``batch_size`` is split into."""
@@ -345,6 +405,20 @@ class PipelineEngine:
                 self.config.schedule, self.pipeline_size, m, recompute=self.config.recompute and train, train=train
             )
         return self._schedules[key]
+
+    def record_timeline(self, keep: int = 4) -> TimelineRecorder:
+        """Starts recording every training step's tasks, waits, sends and gradient sync (after :meth:`setup`).
+
+        Args:
+            keep: How many of the latest steps' events the recorder keeps.
+        """
+        if self.topology is None:
+            raise RuntimeError("Call PipelineEngine.setup() before record_timeline().")
+        if self.recorder is not None:
+            self.events.remove(self.recorder)
+        self.recorder = TimelineRecorder(self.topology.stage, self.topology.replica, keep)
+        self.events.add(self.recorder)  # it sees the executor's events, and keeps those of training steps
+        return self.recorder
 
     # -- steps --------------------------------------------------------------------------------------------
     def train_step(
@@ -396,7 +470,6 @@ class PipelineEngine:
         weights = [n / size * loss_scale for n in sizes]
         # reductions that start during this step: each bucket in the last backward, the rest right after
         sync = self.grad_sync if start_sync and train else None
-
         def weighted_loss(output: Any, k: int) -> Tensor:
             loss = loss_of(output) * weights[k]
             return loss_transform(loss) if loss_transform is not None else loss
@@ -431,6 +504,9 @@ class PipelineEngine:
             self.grad_sync.finish()
         else:
             self.grad_sync.sync()
+        started = self.grad_sync.started_at
+        if self.recorder is not None and started is not None:
+            self.recorder.add("sync", started, time.perf_counter())
 
     def discard_gradient_sync(self) -> None:
         """Waits for the reductions ``train_step(..., start_sync=True)`` started and drops their results.

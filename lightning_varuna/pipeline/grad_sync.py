@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -94,6 +95,8 @@ class GradientSync:
         """
         self.overlapped_buckets = 0
         """How many buckets started reducing during the last :meth:`overlapping` backward."""
+        self.started_at: float | None = None
+        """When this step's first reduction started (``time.perf_counter``), or None if it had none."""
         self._started = False
         self._launched = 0
         self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter], object]] = []
@@ -199,6 +202,8 @@ class GradientSync:
     def _wait(self) -> list[tuple[Tensor, list[nn.Parameter]]]:
         pending, self._pending = self._pending, []
         self._started, self._launched, self._accumulated = False, 0, {}
+        if not pending:
+            self.started_at = None
         for work, _, _, group in pending:
             try:
                 work.wait()
@@ -229,6 +234,8 @@ class GradientSync:
         self._all_reduce(flat, self.buckets[i], self.topology.data_group)
 
     def _all_reduce(self, flat: Tensor, params: list[nn.Parameter], group: object) -> None:
+        if not self._pending:
+            self.started_at = time.perf_counter()
         try:
             work = dist.all_reduce(flat, group=group, async_op=True)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here

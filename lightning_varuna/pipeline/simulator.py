@@ -101,12 +101,16 @@ def simulate(
     jitter: Jitter | None = None,
     opportunistic: bool = False,
     feed_next_stage: bool = True,
+    transfer: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate the execution of a schedule in continuous time.
 
     Every stage, whenever it is idle, starts the next task of its list as soon as the message that task
     waits for has arrived. A message leaves when its task finishes and arrives
-    ``max(0, comm + jitter(src, dst, kind, k))`` later.
+    ``max(0, comm + jitter(src, dst, kind, k))`` later. With ``transfer``, a message between stages ``b`` and
+    ``b+1`` first occupies that link for ``transfer[b]`` seconds, after the link's previous message in the
+    same direction (a stage's sends to one neighbour are posted in order): it arrives ``comm + jitter`` after
+    its transfer ends.
 
     With ``opportunistic=True`` the executor's runtime rule applies (Varuna's opportunistic rule,
     :func:`~lightning_varuna.pipeline.schedules.next_task`): a stage whose next recompute or backward waits for a late
@@ -123,6 +127,7 @@ def simulate(
         opportunistic: Whether to apply Varuna's runtime rule.
         feed_next_stage: With ``opportunistic``, whether a forward also goes first while the next stage has
             finished everything this stage sent it (see :func:`~lightning_varuna.pipeline.schedules.next_task`).
+        transfer: Optional seconds one message occupies each boundary's link (``P - 1`` values).
 
     Returns:
         The timing result.
@@ -134,6 +139,9 @@ def simulate(
     num_stages = len(schedule)
     if len(costs) != num_stages:
         raise ValueError(f"need one StageCosts per stage: {num_stages} stages, {len(costs)} costs")
+    if transfer is not None and len(transfer) != num_stages - 1:
+        raise ValueError(f"need one transfer time per boundary: {num_stages - 1} boundaries, {len(transfer)} given")
+    links = _Links(transfer)
     pending = [list(tasks) for tasks in schedule]
     stashes = [any(task.kind is Kind.R for task in tasks) for tasks in schedule]
     free_at = [0.0] * num_stages
@@ -155,7 +163,7 @@ def simulate(
                     continue
                 task = pending[stage].pop(index)
                 finish = now + costs[stage].cost(task.kind)
-                _send(stage, num_stages, task, finish, arrivals, comm, jitter)
+                _send(stage, num_stages, task, finish, arrivals, comm, jitter, links)
                 free_at[stage] = finish
                 order[stage].append(task)
                 starts[stage].append(now)
@@ -184,6 +192,23 @@ def _pick(
     return index if _ready(stage, num_stages, tasks[index], arrivals, now) else None
 
 
+class _Links:
+    """When each boundary's link is free again, per direction (messages over one link go one after another)."""
+
+    def __init__(self, transfer: Sequence[float] | None) -> None:
+        self.transfer = transfer
+        self.free: dict[tuple[int, int], float] = {}
+
+    def send(self, source: int, destination: int, ready: float) -> float:
+        """The time a message ready to leave at ``ready`` has crossed the link."""
+        if self.transfer is None:
+            return ready
+        start = max(ready, self.free.get((source, destination), 0.0))
+        done = start + self.transfer[min(source, destination)]
+        self.free[(source, destination)] = done
+        return done
+
+
 def _send(
     stage: int,
     num_stages: int,
@@ -192,6 +217,7 @@ def _send(
     arrivals: _Arrivals,
     comm: float,
     jitter: Jitter | None,
+    links: _Links,
 ) -> None:
     """Record the arrival time of the message ``task`` sends when it finishes, if it sends one."""
     if task.kind is Kind.F and stage < num_stages - 1:
@@ -201,7 +227,8 @@ def _send(
     else:
         return
     extra = 0.0 if jitter is None else jitter(stage, destination, task.kind, task.microbatch)
-    arrivals[(destination, task.kind, task.microbatch)] = finish + max(0.0, comm + extra)
+    crossed = links.send(stage, destination, finish)
+    arrivals[(destination, task.kind, task.microbatch)] = crossed + max(0.0, comm + extra)
 
 
 def _next_event(now: float, free_at: list[float], arrivals: _Arrivals, pending: list[list[Task]]) -> float:

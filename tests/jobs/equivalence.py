@@ -10,8 +10,9 @@ CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``,
 written after fit), ``save_every`` (a ModelCheckpoint directory, written every that many steps as ``ckpt.ckpt``)
 and ``resume``;
 ``gradnorm`` (the model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket
-bytes), ``overlap`` (all-reduce during the last backward, default on), ``accelerator`` (default ``cpu``) and
-``shared_gpu`` (every process on ``cuda:0``: gloo process group and p2p).
+bytes), ``overlap`` (all-reduce during the last backward, default on), ``accelerator`` (default ``cpu``),
+``shared_gpu`` (every process on ``cuda:0``: gloo process group and p2p) and ``log_dir`` (a CSVLogger there, logging
+every 2 steps). The configuration the strategy ran (chosen by its planner where ``"auto"``) is recorded.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def run(out: Path, spec: str) -> None:
     resume = options.pop("resume", None)
     gradnorm = options.pop("gradnorm", False)
     bucket = options.pop("bucket", None)
+    log_dir = options.pop("log_dir", None)
     overlap = options.pop("overlap", True)
     accelerator = options.pop("accelerator", "cpu")
     shared_gpu = options.pop("shared_gpu", False)
@@ -146,7 +148,8 @@ def run(out: Path, spec: str) -> None:
         gradient_clip_val=clip,
         gradient_clip_algorithm=clip_algorithm,
         accumulate_grad_batches=accumulate,
-        logger=False,
+        logger=pl.loggers.CSVLogger(log_dir, name="run") if log_dir is not None else False,
+        log_every_n_steps=2 if log_dir is not None else 50,
         enable_checkpointing=save_every is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -169,6 +172,10 @@ def run(out: Path, spec: str) -> None:
         result["data_size"] = trainer.strategy.topology.data_size
         result["replica"] = trainer.strategy.topology.replica
         result["node"] = trainer.node_rank
+        config = trainer.strategy.engine.config
+        result["config"] = {"pipeline_parallel_size": config.pipeline_parallel_size,
+                            "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
+                            "schedule": config.schedule, "recompute": config.recompute}
     result["clipped_norms"] = recorder.clipped_norms
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
     scaler = getattr(trainer.precision_plugin, "scaler", None)

@@ -1,0 +1,139 @@
+"""Figures of ``benchmarks/autoconfig.py``: agreement of predictions and measurements, the table, the scatter plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+MIB = 2**20
+
+
+def kendall_tau_b(x: list[float], y: list[float]) -> float:
+    """Kendall's tau-b between two equally long sequences (ties in either count as neither concordant nor not)."""
+    concordant = discordant = ties_x = ties_y = 0
+    n = len(x)
+    for i in range(n):
+        for j in range(i + 1, n):
+            dx, dy = x[i] - x[j], y[i] - y[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = ((concordant + discordant + ties_x) * (concordant + discordant + ties_y)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def summarize(result: dict) -> dict:
+    """Medians, tau, relative error, the auto choice's regret and peak, how many fits the prediction got right."""
+    rows, limit = result["rows"], result["memory_limit"]
+    for row in rows:
+        row["measured_step_s"] = statistics.median(row["steps_s"])
+        row["spread_s"] = [min(row["steps_s"]), max(row["steps_s"])]
+        row["measured_fits"] = max(row["measured_peak_bytes"]) <= limit
+    predicted = [r["predicted_step_s"] for r in rows]
+    measured = [r["measured_step_s"] for r in rows]
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    chosen = next(r for r in rows if r["predicted_fits"])  # rows are ranked: the first that fits is the choice
+    fitting = [r for r in rows if r["measured_fits"]]
+    best = min(fitting, key=lambda r: r["measured_step_s"]) if fitting else None
+    memory_errors = [max(r["measured_peak_bytes"]) / max(r["predicted_peak_bytes"]) for r in rows]
+    return {
+        "configurations": len(rows),
+        "kendall_tau": kendall_tau_b(predicted, measured),
+        "median_relative_error": statistics.median(errors),
+        "chosen": _label(chosen),
+        "chosen_measured_step_s": chosen["measured_step_s"],
+        "best_measured": _label(best) if best else None,
+        "best_measured_step_s": best["measured_step_s"] if best else None,
+        "regret": chosen["measured_step_s"] / best["measured_step_s"] if best else None,
+        "chosen_measured_peak_bytes": max(chosen["measured_peak_bytes"]),
+        "chosen_within_limit": max(chosen["measured_peak_bytes"]) <= limit,
+        "predicted_over_limit": sum(not r["predicted_fits"] for r in rows),
+        "measured_over_limit": sum(not r["measured_fits"] for r in rows),
+        "fit_disagreements": [_label(r) for r in rows if r["predicted_fits"] != r["measured_fits"]],
+        "measured_over_predicted_peak_median": statistics.median(memory_errors),
+        "measured_over_predicted_peak_range": [min(memory_errors), max(memory_errors)],
+    }
+
+
+def _label(row: dict) -> str:
+    recompute = "rc" if row["recompute"] else "no-rc"
+    return f"{row['P']}x{row['D']} mbs {row['microbatch_size']} m {row['m']} {row['schedule']} {recompute}"
+
+
+def render(out: dict) -> str:
+    s = out["summary"]
+    lines = [
+        f"Emulated GPT (block_size {out['bench_model']['block_size']}, n_embd {out['bench_model']['n_embd']}, "
+        f"{out['bench_model']['n_layer']} layers; compute = profile x {out['args']['scale']}), {out['world_size']} "
+        f"processes, {out['devices_per_node']} per node, link {out['args']['link']}"
+        + (f" {out['args']['rate']}" if out["args"]["link"] == "netem" else "")
+        + f"; global batch {out['args']['global_batch']}; memory limit {out['memory_limit'] / MIB:.1f} MiB per stage.",
+        f"Kendall tau {s['kendall_tau']:.3f}; median relative error {s['median_relative_error']:.1%}; "
+        f"regret {s['regret']:.3f} (chosen {s['chosen']}: {s['chosen_measured_step_s'] * 1e3:.1f} ms; best within "
+        f"the limit {s['best_measured']}: {s['best_measured_step_s'] * 1e3:.1f} ms); chosen peak "
+        f"{s['chosen_measured_peak_bytes'] / MIB:.1f} MiB ({'within' if s['chosen_within_limit'] else 'OVER'} the "
+        f"limit). Planning in the job: {out['plan_seconds']:.1f} s. Example GPT: profile {out['example_profile_s']:.1f}"
+        f" s, search {out['example_search_s']:.2f} s.",
+        "",
+        "| rank | P x D | mbs | m | schedule | recompute | predicted ms | measured ms (min-max) | error "
+        "| predicted peak MiB | measured peak MiB | fits: predicted / measured |",
+        "|---:|---|---:|---:|---|---|---:|---:|---:|---|---|---|",
+    ]
+    for rank, r in enumerate(out["rows"], 1):
+        error = r["predicted_step_s"] / r["measured_step_s"] - 1
+        lines.append(
+            f"| {rank} | {r['P']}x{r['D']} | {r['microbatch_size']} | {r['m']} | {r['schedule']} "
+            f"| {'yes' if r['recompute'] else 'no'} | {r['predicted_step_s'] * 1e3:.1f} "
+            f"| {r['measured_step_s'] * 1e3:.1f} ({r['spread_s'][0] * 1e3:.0f}-{r['spread_s'][1] * 1e3:.0f}) "
+            f"| {error:+.0%} | {'/'.join(f'{b / MIB:.1f}' for b in r['predicted_peak_bytes'])} "
+            f"| {'/'.join(f'{b / MIB:.1f}' for b in r['measured_peak_bytes'])} "
+            f"| {'yes' if r['predicted_fits'] else 'no'} / {'yes' if r['measured_fits'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def scatter_png(out: dict, path: Path) -> None:
+    """Predicted (x) against measured (y) step time, one square per configuration coloured by P, and y = x."""
+    from lightning_varuna.pipeline.png import Canvas
+
+    rows = out["rows"]
+    values = [v for r in rows for v in (r["predicted_step_s"], r["measured_step_s"])]
+    low, high = min(values) * 0.95, max(values) * 1.03
+    size, margin = 600, 70
+    canvas = Canvas(size + 2 * margin, size + 2 * margin)
+
+    def scaled(seconds: float) -> float:
+        return (seconds - low) / (high - low) * size
+
+    def xy(predicted: float, measured: float) -> tuple[float, float]:
+        return margin + scaled(predicted), margin + size - scaled(measured)
+
+    for k in range(size):  # the diagonal y = x
+        canvas.rect(margin + k, margin + size - k - 1, margin + k + 1, margin + size - k, (200, 200, 200))
+    canvas.rect(margin, margin + size, margin + size, margin + size + 1, (0, 0, 0))
+    canvas.rect(margin - 1, margin, margin, margin + size, (0, 0, 0))
+    for i in range(5):
+        seconds = low + (high - low) * i / 4
+        label = f"{seconds * 1e3:.0f}"
+        canvas.text(margin + scaled(seconds) - canvas.text_width(label) / 2, margin + size + 6, label)
+        canvas.text(margin - canvas.text_width(label) - 6, margin + size - scaled(seconds) - 3, label)
+    colors = {1: (52, 168, 83), 2: (66, 133, 244), 4: (234, 67, 53)}
+    for r in rows:
+        x, y = xy(r["predicted_step_s"], r["measured_step_s"])
+        color = colors.get(r["P"], (0, 0, 0))
+        canvas.rect(x - 3, y - 3, x + 4, y + 4, color if r["predicted_fits"] else (180, 180, 180))
+    chosen = next(r for r in rows if r["predicted_fits"])
+    x, y = xy(chosen["predicted_step_s"], chosen["measured_step_s"])
+    canvas.rect(x - 6, y - 6, x + 7, y - 5, (0, 0, 0))
+    canvas.rect(x - 6, y + 6, x + 7, y + 7, (0, 0, 0))
+    canvas.text(margin, 10, f"step time, ms: predicted (x) against measured (y); kendall tau "
+                            f"{out['summary']['kendall_tau']:.2f}")
+    canvas.text(margin, 24, "P=1 green, P=2 blue, P=4 red; grey: predicted over the memory limit; bars: chosen")
+    canvas.save(path)

@@ -1,0 +1,55 @@
+"""Profiles with chosen costs for a real model's structure, so that the planner's choices are fixed in tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_varuna.pipeline.engine import first_samples
+from lightning_varuna.pipeline.profile import CutProfile, Link, Network, ParamProfile, Profile, SegmentProfile
+from lightning_varuna.pipeline.profiler import profile_sizes
+
+FAST = Link(1e-5, 1e9)
+
+
+def synthetic_profile(module: nn.Module, batch: Any, step: Callable[[Any], Any], largest: int,
+                      forward_s: float = 1e-3, allreduce: Link = FAST) -> Profile:
+    """The structure of ``module`` (traced on ``batch``) with costs proportional to the micro-batch size.
+
+    Every segment takes ``forward_s`` per sample forward (with or without autograd) and twice that backward, and
+    keeps four times its output activation for backward; messages take 10 us + 1 GB/s; the all-reduce's ring step
+    is ``allreduce``.
+    """
+    from lightning_varuna.pipeline.partition import trace_step
+
+    with torch.random.fork_rng():
+        trace, _ = trace_step(module, lambda n: step(first_samples(batch, n)))
+    sizes = profile_sizes(largest)
+    cut_bytes = [c.dtype.itemsize * _numel(c.shape) // 2 for c in trace.cuts]  # traced with a batch of 2
+    per_sample = cut_bytes + [cut_bytes[-1]]
+    forward = tuple(forward_s * s for s in sizes)
+    segments = tuple(
+        SegmentProfile(forward_s=forward, forward_grad_s=forward, backward_s=tuple(2 * t for t in forward),
+                       saved_bytes=tuple(4 * per_sample[i] * s for s in sizes))
+        for i in range(trace.num_segments)
+    )
+    params = dict(module.named_parameters())
+    return Profile(
+        microbatch_sizes=sizes, segments=segments,
+        cuts=tuple(CutProfile(c.name, b, c.batch_dim is not None) for c, b in zip(trace.cuts, cut_bytes, strict=True)),
+        params=tuple(ParamProfile(name, params[name].numel() * params[name].element_size(),
+                                  tuple(sorted(trace.param_segments.get(name, {0})))) for name in trace.param_numel),
+        crossings=tuple(sorted(trace.crossings)),
+        network=Network(p2p_intra=FAST, p2p_inter=FAST, allreduce_intra=allreduce, allreduce_inter=allreduce),
+        machine="synthetic", key="synthetic",
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for n in shape:
+        total *= n
+    return total

@@ -1,0 +1,266 @@
+"""Auto-configuration's pure parts on hand-computed cases: memory model, search, profile files, timeline formats."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline.config import EngineConfig
+from lightning_varuna.pipeline.memory import graphs_in_flight, parse_bytes, stage_memory
+from lightning_varuna.pipeline.planner import Choices, Cluster, PlanError, format_table, predict, search
+from lightning_varuna.pipeline.profile import (
+    CutProfile,
+    Link,
+    Network,
+    ParamProfile,
+    Profile,
+    ProfileError,
+    SegmentProfile,
+    interpolate,
+    load_cached,
+    store_cached,
+)
+from lightning_varuna.pipeline.schedules import make_schedule
+from lightning_varuna.pipeline.timeline import TimelineEvent, chrome_trace, predicted_events, render_png, step_metrics
+
+SIZES = (1, 2, 4)
+FREE = Link(0.0, 1e30)
+
+
+def network(allreduce: Link = FREE) -> Network:
+    return Network(p2p_intra=FREE, p2p_inter=FREE, allreduce_intra=allreduce, allreduce_inter=allreduce)
+
+
+def segment(forward: float, backward: float, saved_per_sample: int) -> SegmentProfile:
+    """Costs proportional to the micro-batch size: ``forward`` seconds per sample, with or without autograd."""
+    return SegmentProfile(forward_s=tuple(forward * s for s in SIZES), forward_grad_s=tuple(forward * s for s in SIZES),
+                          backward_s=tuple(backward * s for s in SIZES),
+                          saved_bytes=tuple(saved_per_sample * s for s in SIZES))
+
+
+def two_segments(param_bytes: int = 1000, allreduce: Link = FREE) -> Profile:
+    """Two equal segments, F=1 and B=2 seconds per sample, free messages, no overhead or optimizer time."""
+    return Profile(
+        microbatch_sizes=SIZES, segments=(segment(1.0, 2.0, 10), segment(1.0, 2.0, 10)),
+        cuts=(CutProfile("cut", 4),),
+        params=(ParamProfile("a", param_bytes, (0,)), ParamProfile("b", param_bytes, (1,))),
+        network=network(allreduce), key="two",
+    )
+
+
+# -- memory ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("schedule", "recompute", "expected"), [
+    ("gpipe", False, [3, 3]), ("1f1b", False, [2, 1]), ("varuna", True, [1, 1]), ("gpipe", True, [1, 3]),
+])
+def test_graphs_in_flight_follow_the_schedule(schedule: str, recompute: bool, expected: list[int]) -> None:
+    lists = make_schedule(schedule, 2, 3, recompute)
+    stashes = [recompute, False]  # the last stage never recomputes
+    assert [graphs_in_flight(tasks, s) for tasks, s in zip(lists, stashes, strict=True)] == expected
+
+
+def test_stage_memory_hand_computed() -> None:
+    profile = Profile(
+        microbatch_sizes=SIZES, segments=(segment(1.0, 2.0, 1000), segment(1.0, 2.0, 3000)),
+        cuts=(CutProfile("cut", 8),),
+        params=(ParamProfile("p0", 100, (0,)), ParamProfile("tied", 10, (0, 1)), ParamProfile("p1", 200, (1,))),
+    )
+    first = stage_memory(profile, range(0, 1), 0, 2, 2, microbatch_size=2, num_microbatches=4, graphs=1)
+    # weights 100+10; gradients 110 + flat copies for D=2 (100) and for the tied one (10); Adam 2x; 4 gradient
+    # receive buffers of 8 x 2 bytes + one output in flight; one graph of 2000 bytes
+    assert (first.weights, first.gradients, first.optimizer, first.buffers, first.activations) == (
+        110, 220, 220, 80, 2000)
+    last = stage_memory(profile, range(1, 2), 1, 2, 1, microbatch_size=2, num_microbatches=4, graphs=1)
+    # D=1: only the tied copy is flattened; 4 activation receive buffers + one input gradient in flight
+    assert (last.weights, last.gradients, last.optimizer, last.buffers, last.activations) == (210, 220, 420, 80, 6000)
+    assert last.total == 210 + 220 + 420 + 80 + 6000
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("80GiB", 80 * 2**30), ("1.5GB", 1_500_000_000), ("512 MiB", 512 * 2**20), (4096, 4096), ("10k", 10_000),
+])
+def test_parse_bytes(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "80 GiBs", 0, True, "-1GB"])
+def test_parse_bytes_says_what_it_takes(bad: object) -> None:
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes(bad)  # type: ignore[arg-type]
+
+
+# -- prediction and search ------------------------------------------------------------------------------------
+def test_predicted_steps_hand_computed() -> None:
+    profile = two_segments()
+    two_procs = Cluster(2, 2)
+    # one stage holds both segments: F=2s, B=4s per micro-batch of s samples; 2 samples per replica -> 12 s
+    for m in (1, 2):
+        assert predict(profile, two_procs, 1, 2 / m, m, "varuna", False).candidate.step_s == pytest.approx(12.0)
+    # two stages without recompute: (m + P - 1) x (F + B) = 5 x 3 s with 4 micro-batches of one sample
+    for schedule in ("1f1b", "gpipe"):
+        assert predict(profile, two_procs, 2, 1, 4, schedule, False).candidate.step_s == pytest.approx(15.0)
+    # with recompute stage 0 works F + R + B = 4 s per micro-batch: at least 16 s
+    assert predict(profile, two_procs, 2, 1, 4, "varuna", True).candidate.step_s >= 16.0
+
+
+def test_search_takes_the_fastest_and_excludes_what_does_not_fit() -> None:
+    profile = two_segments(param_bytes=1000)
+    two_procs = Cluster(2, 2)
+    ranked = search(profile, two_procs, Choices(), memory_limit=2**40, global_batch_size=4)
+    best = ranked[0]
+    assert (best.pipeline_size, best.data_size, best.step_s) == (1, 2, pytest.approx(12.0))
+    assert best.num_microbatches == 2  # as fast as m=1, with half the activations
+    # P=1 holds 2000 weight bytes, gradients and their flat copy (4000) and Adam's 4000: more than 8000 bytes
+    ranked = search(profile, two_procs, Choices(), memory_limit=8000, global_batch_size=4)
+    best = ranked[0]
+    assert (best.pipeline_size, best.num_microbatches, best.recompute, best.step_s) == (2, 4, False,
+                                                                                      pytest.approx(15.0))
+    assert all(c.fits == (max(c.peak_bytes) <= 8000) for c in ranked)
+    assert all(not c.fits for c in ranked if c.pipeline_size == 1)
+    assert "over the memory limit" in format_table(ranked, memory_limit=8000)
+
+
+def test_a_slow_all_reduce_makes_the_pipeline_win() -> None:
+    # the whole model's 2000 gradient bytes over 2 replicas: 2 ring steps of 1000 bytes at 500 B/s = 4 s exposed
+    profile = two_segments(param_bytes=1000, allreduce=Link(0.0, 500.0))
+    one_stage = predict(profile, Cluster(2, 2), 1, 1, 2, "varuna", False).candidate
+    assert one_stage.step_s == pytest.approx(12.0 + 4.0)
+    best = search(profile, Cluster(2, 2), Choices(), memory_limit=2**40, global_batch_size=4)[0]
+    assert (best.pipeline_size, best.step_s) == (2, pytest.approx(15.0))
+
+
+def test_fixed_choices_are_kept_and_p_needs_a_global_batch() -> None:
+    profile = two_segments()
+    fixed = Choices(pipeline_size=2, microbatch_size=None, schedule="gpipe", recompute=True)
+    ranked = search(profile, Cluster(2, 2), fixed, memory_limit=2**40, replica_batch_size=6)
+    assert [(c.pipeline_size, c.num_microbatches, c.schedule, c.recompute) for c in ranked] == [(2, 4, "gpipe", True)]
+    with pytest.raises(PlanError, match="needs global_batch_size"):
+        search(profile, Cluster(2, 2), Choices(), memory_limit=2**40, replica_batch_size=6)
+    with pytest.raises(PlanError, match="does not split"):
+        search(profile, Cluster(2, 2), Choices(pipeline_size=1), memory_limit=2**40, global_batch_size=3)
+
+
+def test_cluster_knows_which_traffic_crosses_nodes() -> None:
+    two_nodes = Cluster(world_size=4, devices_per_node=2)
+    assert [two_nodes.boundary_crosses(4, b) for b in range(3)] == [False, True, False]
+    assert not two_nodes.boundary_crosses(2, 0)  # each pipeline inside a node
+    assert two_nodes.replicas_cross(2, [0]) and two_nodes.replicas_cross(1, [0])
+    assert two_nodes.replicas_cross(4, [0, 3]) and not two_nodes.replicas_cross(4, [0, 1])  # tied first and last
+    assert not Cluster(world_size=4, devices_per_node=4).replicas_cross(1, [0])
+    assert two_nodes.sharing(2) == 2 and two_nodes.sharing(1) == 1
+
+
+def test_interpolation_between_and_beyond_measured_sizes() -> None:
+    assert interpolate((1, 2, 4), (1.0, 3.0, 4.0), 3) == pytest.approx(3.5)
+    assert interpolate((1, 2, 4), (1.0, 3.0, 4.0), 8) == pytest.approx(6.0)
+    assert interpolate((2,), (3.0,), 6) == pytest.approx(9.0)
+    assert interpolate((1, 2), (5.0, 1.0), 10) == 0.0  # never negative
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+def test_profile_round_trip_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    profile = two_segments()
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    monkeypatch.setenv("LIGHTNING_VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+    assert load_cached("two") is None
+    stored = store_cached(profile)
+    assert stored is not None and stored.parent.parent == tmp_path / "cache"
+    assert load_cached("two") == profile
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="version"):
+        Profile.load(path)
+
+
+def test_chrome_trace_and_png_are_valid(tmp_path: Path) -> None:
+    prediction = predict(two_segments(), Cluster(2, 2), 2, 1, 4, "1f1b", False)
+    events = predicted_events(prediction)
+    trace = json.loads(json.dumps(chrome_trace(events)))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1}
+    assert sorted(e["name"] for e in spans if e["cat"] in "FB" and e["tid"] == 0) == sorted(
+        [f"F{k}" for k in range(4)] + [f"B{k}" for k in range(4)])
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 and isinstance(e["pid"], int) for e in spans)
+    names = {(e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {(0, "stage 0"), (1, "stage 1")}
+    metrics = step_metrics(events, 2)
+    assert metrics["pipeline/busy_s/stage_0"] == pytest.approx(12.0)
+    assert metrics["pipeline/bubble"] == pytest.approx(1 - 24 / 30) == prediction.candidate.bubble
+
+    path = tmp_path / "timeline.png"
+    executed = [TimelineEvent(0, "F", 0.0, 1.0, 0), TimelineEvent(1, "wait", 0.0, 1.0), TimelineEvent(1, "F", 1, 2, 0)]
+    render_png(path, [("predicted", events), ("executed", executed)], width=400)
+    width, height, pixels = _decode_png(path.read_bytes())
+    assert width == 400 and height > 100 and len(pixels) == height * (1 + 3 * width)
+
+
+def _decode_png(data: bytes) -> tuple[int, int, bytes]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    offset, chunks = 8, {}
+    while offset < len(data):
+        (length,) = struct.unpack(">I", data[offset : offset + 4])
+        kind, body = data[offset + 4 : offset + 8], data[offset + 8 : offset + 8 + length]
+        (crc,) = struct.unpack(">I", data[offset + 8 + length : offset + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
+        chunks[kind] = chunks.get(kind, b"") + body
+        offset += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2) and b"IEND" in chunks
+    return width, height, zlib.decompress(chunks[b"IDAT"])
+
+
+# -- options and errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("options", "match"), [
+    ({"recompute": "maybe"}, "recompute must be True, False or 'auto'"),
+    ({"microbatch_size": "auto", "num_microbatches": 4}, "microbatch_size='auto' chooses the number"),
+    ({"memory_limit": "lots"}, "memory size 'lots'"),
+    ({"microbatch_size": "big"}, "microbatch_size must be an int or 'auto'"),
+    ({"schedule": "fastest"}, "choose one of .* or 'auto'"),
+])
+def test_engine_config_says_what_to_change(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**options)
+
+
+def test_nothing_fits_and_a_foreign_profile_are_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+    model = nn.Sequential(nn.Linear(8, 8), CutPoint(), nn.Linear(8, 1))
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+
+    def step(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(model(b[0]), b[1])
+
+    engine = PipelineEngine(model, 1, schedule="auto", recompute="auto", memory_limit=64)
+    with pytest.raises(PlanError, match="No configuration fits in memory_limit=64 bytes per stage"):
+        engine.setup(batch, step)
+    assert list((tmp_path / "cache" / "profiles").glob("*.json")), "the measured profile is cached"
+    two_segments().save(tmp_path / "other.json")
+    engine = PipelineEngine(model, 1, schedule="auto", profile=str(tmp_path / "other.json"))
+    with pytest.raises(ProfileError, match="is of another model"):
+        engine.setup(batch, step)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("100Gbit", 12.5e9), ("12.5GB", 12.5e9), ("800MB", 8e8),
+                                                ("1e9", 1e9), ("100mbit/s", 12.5e6)])
+def test_cli_bandwidths(text: str, expected: float) -> None:
+    from lightning_varuna.plan import parse_bandwidth
+
+    assert parse_bandwidth(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("20us", 2e-5), ("0.5ms", 5e-4), ("1e-5", 1e-5), ("2s", 2.0)])
+def test_cli_latencies(text: str, expected: float) -> None:
+    from lightning_varuna.plan import parse_seconds
+
+    assert parse_seconds(text) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="latency 'soon'"):
+        parse_seconds("soon")
