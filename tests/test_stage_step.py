@@ -6,11 +6,20 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_varuna.pipeline.cut import CutPoint
-from lightning_varuna.pipeline.events import EventHooks, EventKind, EventLog, StageCounters
+from lightning_varuna.pipeline.cut import CutPoint, CutPointError
+from lightning_varuna.pipeline.events import (
+    Event,
+    EventHooks,
+    EventKind,
+    EventLog,
+    P2PTraceWriter,
+    PostedOp,
+    StageCounters,
+)
 from lightning_varuna.pipeline.executor import SUMMARY_SIZE, StageExecutor
 from lightning_varuna.pipeline.failures import PipelineError
-from lightning_varuna.pipeline.p2p import Link, decode_header
+from lightning_varuna.pipeline.p2p import Link, decode_header, encode_skip_header
+from lightning_varuna.pipeline.p2p_check import check_trace_dir
 from lightning_varuna.pipeline.p2p_plan import Message, MessageKind, link_messages
 from lightning_varuna.pipeline.schedules import Kind, Task, make_schedule
 from lightning_varuna.pipeline.topology import Topology
@@ -19,8 +28,9 @@ WIDTH = 4
 
 
 class FakeTransfer:
-    def __init__(self, kind: str, link: Link, message: Message, tensor: Tensor) -> None:
+    def __init__(self, kind: str, link: Link, message: Message, tensor: Tensor, op: PostedOp) -> None:
         self.kind, self.link, self.message, self.tensor, self.wire = kind, link, message, tensor, tensor
+        self.op = op
 
 
 class FakeP2P:
@@ -39,13 +49,20 @@ class FakeP2P:
         return Link(src, dst, None)
 
     def isend(self, tensor: Tensor, link: Link, message: Message, watch: bool = False) -> FakeTransfer:
-        self.posted.append(("send", link.name, message))
         self.sent[message] = tensor.clone()
-        return FakeTransfer("send", link, message, tensor)
+        return self._post("send", link.dst, tensor, link, message)
 
     def irecv(self, tensor: Tensor, link: Link, message: Message, watch: bool = False) -> FakeTransfer:
-        self.posted.append(("recv", link.name, message))
-        return FakeTransfer("recv", link, message, tensor)
+        return self._post("recv", link.src, tensor, link, message)
+
+    def _post(self, kind: str, peer: int, tensor: Tensor, link: Link, message: Message) -> FakeTransfer:
+        """Records the op, and tells the event hook as the real layer does (the NCCL-rules mode listens)."""
+        self.posted.append((kind, link.name, message))
+        op = PostedOp(len(self.posted), kind, peer, link.name, tensor.numel() * tensor.element_size(), tensor.dtype,
+                      message)
+        if self.events.emit is not None:
+            self.events.emit(Event(EventKind.POST, 0.0, op=op))
+        return FakeTransfer(kind, link, message, tensor, op)
 
     def completed(self, transfer: FakeTransfer) -> bool:
         return transfer.kind == "send" or transfer.message in self.arrived
@@ -55,9 +72,11 @@ class FakeP2P:
 
     def wait(self, transfer: FakeTransfer, what: str) -> None:
         assert self.completed(transfer), f"the step waits for {transfer.message!r}, which never arrives here"
+        if self.events.emit is not None:
+            self.events.emit(Event(EventKind.WAIT_START, 0.0, op=transfer.op))
         self.waits.append(transfer.message)
         if transfer.kind == "recv":
-            transfer.tensor.copy_(self.inbound[transfer.message])
+            transfer.tensor.detach().copy_(self.inbound[transfer.message])  # as a transport writes: not autograd
 
     def close(self, join: bool = True) -> None:
         self.closed += 1
@@ -216,3 +235,90 @@ def test_the_event_hook_is_off_without_recorders_and_fans_out_with_several() -> 
     assert hooks.emit is second
     hooks.remove(second)
     assert hooks.emit is None
+
+
+# -- a batch skipped before the model's forward -------------------------------------------------------------------
+def _stage(p2p: FakeP2P, model: Model, stages: int, rank: int) -> StageExecutor:
+    # stage s of P (P <= 3) on rank s: it receives at cut s-1 and ends at cut s
+    topology = Topology(world_size=stages, rank=rank, pipeline_size=stages, device=torch.device("cpu"))
+    first, last = (rank - 1 if rank > 0 else None), (rank if rank < stages - 1 else None)
+    return StageExecutor(topology, p2p, list(model.cuts), first_cut=first, last_cut=last)  # type: ignore[arg-type]
+
+
+def _from_neighbours(rank: int, stages: int, m: int, skipped: bool, train: bool) -> dict[Message, Tensor]:
+    """What the neighbours of ``rank`` send it in one step (the real shapes and dtypes, random values)."""
+    inbound: dict[Message, Tensor] = {}
+    if rank > 0:
+        inbound[Message(MessageKind.HEADER, rank - 1)] = (
+            encode_skip_header(torch.device("cpu")) if skipped else _header((2, WIDTH)))
+        for k in range(0 if skipped else m):
+            inbound[Message(MessageKind.ACTIVATION, rank - 1, k)] = torch.randn(2, WIDTH)
+    if rank < stages - 1 and train:
+        inbound[Message(MessageKind.SUMMARY, rank + 1)] = torch.zeros(SUMMARY_SIZE, dtype=torch.float64)
+        for k in range(0 if skipped else m):
+            inbound[Message(MessageKind.GRADIENT, rank + 1, k)] = torch.randn(2, WIDTH)
+    return inbound
+
+
+def _run_step(executor: StageExecutor, model: Model, name: str, m: int, train: bool, recompute: bool,
+              skip: object = ()) -> list:
+    stages = executor.topology.pipeline_size
+    batch = torch.zeros(2 * m, WIDTH)
+    return executor.run(make_schedule(name, stages, m, recompute=recompute, train=train),
+                        lambda k: None if k in skip else model(batch[2 * k: 2 * k + 2]), [2] * m, (0, 0),
+                        train=train, recompute=recompute, loss_of=lambda out, k: out,
+                        summary=lambda outputs: torch.zeros(1))
+
+
+@pytest.mark.parametrize(("stages", "name", "recompute"),
+                         [(2, "varuna", True), (3, "varuna", True), (3, "1f1b", False)])
+def test_a_batch_skipped_before_the_forward_on_every_stage_passes_nccls_rules(
+    tmp_path, stages: int, name: str, recompute: bool
+) -> None:
+    # each rank runs in-process against a fake p2p layer fed what its neighbours send; the ops every rank posted
+    # are recorded as in the NCCL-rules mode and replayed together: a skipped step between two full ones, and a
+    # skipped evaluation step
+    m = 3
+    steps = [(True, False), (True, True), (True, False), (False, True)]  # (train, skipped)
+    for rank in range(stages):
+        torch.manual_seed(rank)
+        model, p2p = Model(), FakeP2P({})
+        executor = _stage(p2p, model, stages, rank)
+        executor.events.add(P2PTraceWriter(tmp_path, "skips", rank, stages))
+        for train, skipped in steps:
+            p2p.inbound = _from_neighbours(rank, stages, m, skipped, train)
+            p2p.arrived, p2p.posted = set(p2p.inbound), []
+            outputs = _run_step(executor, model, name, m, train, recompute, skip=range(m) if skipped else ())
+            if not skipped:
+                continue
+            # only the step's header and its summary travel; the header says the batch was skipped
+            assert {message.kind for _, _, message in p2p.posted} <= {MessageKind.HEADER, MessageKind.SUMMARY}
+            if rank < stages - 1:
+                assert decode_header(p2p.sent[Message(MessageKind.HEADER, rank)]) is None
+            else:
+                assert outputs == [None] * m
+    checked = check_trace_dir(tmp_path)
+    per_edge = (2 * m + 2) + 2 + (2 * m + 2) + 1  # full step, skipped step (header, summary), full, skipped eval
+    assert (checked.steps, checked.skipped, checked.transfers) == (len(steps), 0, (stages - 1) * per_edge)
+
+
+def test_a_batch_skipped_for_some_micro_batches_or_on_some_stages_only_is_a_clear_error() -> None:
+    m = 2
+    # the first stage skips one micro-batch of the batch but not the other (either way round)
+    for skip, first, then in [({1}, 1, 0), ({0}, 0, 1)]:
+        model = Model()
+        p2p = FakeP2P(_from_neighbours(0, 3, m, skipped=False, train=True))
+        with pytest.raises(CutPointError, match=f"micro-batch {first} but not for micro-batch {then} of the same"):
+            _run_step(_stage(p2p, model, 3, 0), model, "varuna", m, True, True, skip=skip)
+        assert p2p.closed == 1
+    # a middle stage runs its forward on a batch the stage before it skipped; and skips one that stage ran
+    model = Model()
+    p2p = FakeP2P(_from_neighbours(1, 3, m, skipped=True, train=True))
+    with pytest.raises(CutPointError, match="Stage 0 skipped the batch before the model's forward, but stage 1 ran"):
+        _run_step(_stage(p2p, model, 3, 1), model, "varuna", m, True, True)
+    model = Model()
+    p2p = FakeP2P(_from_neighbours(1, 3, m, skipped=False, train=True))
+    with pytest.raises(CutPointError, match="Stage 1's step returned None .* but stage 0 ran its forward"):
+        _run_step(_stage(p2p, model, 3, 1), model, "varuna", m, True, True, skip=range(m))
+    # neither waited for a message that never comes (the fake fails such a wait), nor posted a gradient's receive
+    assert not any(message.kind is MessageKind.GRADIENT for _, _, message in p2p.posted)
