@@ -347,6 +347,7 @@ class System:
     schedule: str  # "1f1b" | "gpipe" | "varuna"
     recompute: bool
     feed_next_stage: bool = True  # ours: the run-time rule that feeds a starving next stage (schedules.next_task)
+    varuna_rule: bool = True  # ours: Varuna's rule (a forward goes ahead of an R/B whose gradient is late)
 
 
 SYSTEMS = {
@@ -358,6 +359,7 @@ SYSTEMS = {
         System("torch-gpipe-ckpt", "torch", "gpipe", True),
         System("ours-varuna-rc", "ours", "varuna", True),
         System("ours-varuna-rc-classic", "ours", "varuna", True, feed_next_stage=False),  # Varuna's rule alone
+        System("ours-varuna-rc-static", "ours", "varuna", True, feed_next_stage=False, varuna_rule=False),  # list order
         System("ours-1f1b-rc", "ours", "1f1b", True),
         System("ours-1f1b", "ours", "1f1b", False),
         System("ours-gpipe", "ours", "gpipe", False),
@@ -473,6 +475,10 @@ def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: 
         executor.feed_next_stage = False
     if rt.jitter_mode == "deadline" and executor is not None:
         _arrive_at_deadlines(executor.p2p, rt)
+    if not sysm.varuna_rule:  # every message counts as there: next_task then always runs the list's head
+        if executor is None or sysm.feed_next_stage:
+            raise NotImplementedError("Varuna's rule is switched off through the executor, with feed_next_stage off")
+        executor.p2p.completed = lambda transfer: True
 
     def run_step(batch):
         if takes_step:
