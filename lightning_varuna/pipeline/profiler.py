@@ -280,7 +280,7 @@ def measure_task_overhead(device: torch.device, tasks: int = 32) -> float:
     weight = torch.ones(4, device=device, requires_grad=True)
     topology = Topology(world_size=1, rank=0, pipeline_size=1, device=device)
     executor = StageExecutor(topology, P2P(topology, 10.0), [], None, None)
-    schedule = make_schedule("1f1b", 1, tasks, recompute=False)[0]
+    schedule = make_schedule("1f1b", 1, tasks, recompute=False)
 
     def step(k: int) -> Tensor:
         return (weight * (k + 1)).sum()
