@@ -135,6 +135,8 @@ def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: 
         raise ValueError(f"the config's strategy is {type(strategy).__name__}; plan needs VarunaStrategy")
     config = _config(args, strategy)
     device = torch.device("cuda", 0) if isinstance(trainer.accelerator, CUDAAccelerator) else torch.device("cpu")
+    with device:  # layers built in the configure_model hook: for real, on this device (as a plain fit would)
+        model.configure_model()
     model.to(device)
     batch = _first_batch(model, data, device)
     step = _dry_step(model, trainer)
