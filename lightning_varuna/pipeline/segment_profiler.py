@@ -91,7 +91,13 @@ def _segment_alone(module: nn.Module, trace: Trace, index: int, device: torch.de
 
 @contextlib.contextmanager
 def _registrations_restored(module: nn.Module) -> Iterator[None]:
-    """Every submodule's parameters and buffers are registered as before at the end of the block."""
+    """Every submodule's parameters and buffers are registered as before at the end of the block.
+
+    The registries are private (``_parameters``, ``_buffers``, ``_non_persistent_buffers_set``): torch has no public
+    way to turn a placeholder buffer back into the parameter it replaced, and restoring them as they were undoes
+    :func:`~lightning_varuna.pipeline.materialize.materialize` and
+    :func:`~lightning_varuna.pipeline.stage.free_parameter` alike.
+    """
     saved = [(m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set)) for m in module.modules()]
     try:
         yield
