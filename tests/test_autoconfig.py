@@ -137,7 +137,7 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "lightning_varuna.plan", "--config", str(gpt / "config.yaml"),
                "--model", f"{gpt / 'model.py'}:GPT", "--data", f"{gpt / 'data.py'}:StdlibText", "--devices", "4",
                "--auto", "--global-batch-size", str(GLOBAL_BATCH), "--memory", memory,
-               "--profile", str(tmp_path / "profile.json"), "--top", "0", "--data.max_chars", "20000"]
+               "--profile", str(tmp_path / "profile.json"), "--top", "0", "--data.max_chars", "20000", "--meta"]
     result = subprocess.run([*command, "--json", "--timeline", str(tmp_path / "plan.png"), "--save-profile",
                              str(tmp_path / "saved.json")], capture_output=True, text=True, timeout=300, env=_env(),
                             cwd=tmp_path)
