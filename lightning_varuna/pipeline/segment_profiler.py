@@ -186,6 +186,7 @@ class _SegmentProbe:
             backward = min(backward, self._backward(out))
             for p in self._module.parameters():
                 p.grad = None
+        self.output = None
         return forward, forward_grad, backward, self.saved
 
     def _forward(self, step_on: Callable[[int], Any], loss_of: Callable[[Any], Tensor], n: int) -> tuple[float, Tensor]:
