@@ -75,6 +75,7 @@ def real_profile(config: dict, largest: int, devices: int):
 
     torch.manual_seed(0)
     model = gpt_class()(**config)
+    model.configure_model()  # the layers, built for real (outside the strategy)
     T, V = config["block_size"], config["vocab_size"]
     batch = (torch.randint(0, V, (largest, T)), torch.randint(0, V, (largest, T)))
     start = time.perf_counter()
@@ -134,6 +135,7 @@ def emulated_model(real, scale: float, config: dict, rt: dict):
     class EmulatedGPT(GPT):
         def __init__(self) -> None:
             super().__init__(**config)
+            self.configure_model()  # the GPT's layers, for real; then the blocks are swapped for sleeping ones
             self.blocks = nn.ModuleList(SleepBlock(i) for i in range(config["n_layer"]))
 
         def forward(self, idx):

@@ -4,7 +4,8 @@ It builds the model, the data and the strategy from a LightningCLI config (as ``
 in this process (or reads ``--profile``; measured profiles are cached), and prints every valid configuration for
 N devices of this kind, ranked by predicted step time, with the predicted peak memory per stage; ``--json`` prints
 the same for scripts. The strategy's ``"auto"`` values are searched, its other values kept; ``--auto`` searches
-P, micro-batches, schedule and recompute whatever the config says.
+P, micro-batches, schedule and recompute whatever the config says. Layers built in ``configure_model`` are built
+for real here, or with ``--meta`` on the meta device (as the strategy builds them) and profiled a segment at a time.
 
 Examples::
 
@@ -21,6 +22,7 @@ subclass makes (``link_arguments``) are not applied: set those values in the con
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -37,10 +39,18 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import move_data_to_device
 
+from lightning_varuna.patches import meta_dry_run
 from lightning_varuna.pipeline.autoconfig import AutoConfig, plan
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
 from lightning_varuna.pipeline.cut import install_cut_at
 from lightning_varuna.pipeline.engine import batch_size_of, default_loss, first_samples, samples
+from lightning_varuna.pipeline.materialize import (
+    has_meta_tensors,
+    move_real_tensors,
+    on_meta,
+    parameters_on_meta,
+    to_meta,
+)
 from lightning_varuna.pipeline.memory import format_bytes, parse_bytes
 from lightning_varuna.pipeline.partition import trace_step
 from lightning_varuna.pipeline.planner import Candidate, Cluster, PlanError, format_table
@@ -89,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--intra-latency", help="inside a node")
     parser.add_argument("--global-batch-size", type=int, help="instead of the strategy's global_batch_size")
     parser.add_argument("--auto", action="store_true", help="search P, micro-batches, schedule and recompute")
+    parser.add_argument("--meta", action="store_true",
+                        help="build configure_model's layers on the meta device, as the strategy does, and profile"
+                             " the model a segment at a time (for a model larger than this machine)")
     parser.add_argument("--profile", help="a profile file to plan from instead of measuring")
     parser.add_argument("--save-profile", help="write the profile used to this file")
     parser.add_argument("--timeline", help="write the chosen and the runner-up's predicted timelines (PNG) here")
@@ -135,14 +148,22 @@ def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: 
         raise ValueError(f"the config's strategy is {type(strategy).__name__}; plan needs VarunaStrategy")
     config = _config(args, strategy)
     device = torch.device("cuda", 0) if isinstance(trainer.accelerator, CUDAAccelerator) else torch.device("cpu")
-    model.to(device)
+    # layers built in the configure_model hook: on meta as under the strategy, or for real as a plain fit would
+    with parameters_on_meta() if args.meta else device:
+        model.configure_model()
+    move_real_tensors(model, device)
     batch = _first_batch(model, data, device)
     step = _dry_step(model, trainer)
     cuts, hooks = install_cut_at(model, config.cut_at) if config.cut_at is not None else ([], [])
     try:
         names = {id(c): getattr(c, "_varuna_name", "") for c in cuts}
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            trace, _ = trace_step(model, lambda n: step(first_samples(batch, n)), cut_names=names)
+            if has_meta_tensors(model):
+                meta_batch = to_meta(batch)
+                with on_meta(model):
+                    trace, _ = trace_step(model, lambda n: step(first_samples(meta_batch, n)), cut_names=names)
+            else:
+                trace, _ = trace_step(model, lambda n: step(first_samples(batch, n)), cut_names=names)
             cluster = Cluster(args.devices, args.devices_per_node or args.devices)
             return plan(config, model, trace, lambda n: step(samples(batch, n)), default_loss, batch_size_of(batch),
                         device, optimizer_spec(model), cluster, _network(args, config, device))
@@ -179,10 +200,12 @@ def _first_batch(model: LightningModule, data: Any, device: torch.device) -> Any
 def _dry_step(model: LightningModule, trainer: Trainer) -> Any:
     precision = trainer.precision_plugin
 
+    built_on_meta = has_meta_tensors(model)
+
     def step(batch: Any) -> Any:
         with warnings.catch_warnings():  # self.log without a running trainer warns and does nothing
             warnings.simplefilter("ignore")
-            with precision.train_step_context():
+            with precision.train_step_context(), meta_dry_run(model) if built_on_meta else contextlib.nullcontext():
                 return model.training_step(batch, 0)
 
     return step

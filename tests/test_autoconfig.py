@@ -120,6 +120,7 @@ def _gpt_profile() -> Profile:
 
     torch.manual_seed(0)
     model = GPT()
+    model.configure_model()
     batch = (torch.randint(0, 256, (GLOBAL_BATCH, 64)), torch.randint(0, 256, (GLOBAL_BATCH, 64)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -136,7 +137,7 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "lightning_varuna.plan", "--config", str(gpt / "config.yaml"),
                "--model", f"{gpt / 'model.py'}:GPT", "--data", f"{gpt / 'data.py'}:StdlibText", "--devices", "4",
                "--auto", "--global-batch-size", str(GLOBAL_BATCH), "--memory", memory,
-               "--profile", str(tmp_path / "profile.json"), "--top", "0", "--data.max_chars", "20000"]
+               "--profile", str(tmp_path / "profile.json"), "--top", "0", "--data.max_chars", "20000", "--meta"]
     result = subprocess.run([*command, "--json", "--timeline", str(tmp_path / "plan.png"), "--save-profile",
                              str(tmp_path / "saved.json")], capture_output=True, text=True, timeout=300, env=_env(),
                             cwd=tmp_path)
@@ -157,7 +158,8 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_measured_path_agrees_on_every_rank(tmp_path: Path) -> None:
-    """Nothing given: both ranks measure the network, rank 0 profiles, both run the same choice."""
+    """Nothing given, the model on meta: both ranks measure the network, rank 0 profiles a segment at a time, both
+    run the same choice."""
     cache = tmp_path / "cache"
     out = tmp_path / "out"
     out.mkdir()
@@ -168,7 +170,9 @@ def test_the_measured_path_agrees_on_every_rank(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     first, second = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
-    assert first["chosen"] == second["chosen"] and first["source"] == "measured"
+    assert first["chosen"] == second["chosen"] and first["source"] == "measured" and first["built_on_meta"]
+    assert all(b > 0 for saved in first["saved_bytes"] for b in saved)
+    assert all(loss == loss for run in (first, second) for loss in run["losses"]), "a finite loss after materializing"
     assert first["sizes"] == [1, 2, 4, 8] and first["optimizer_state_ratio"] == pytest.approx(2.0, rel=1e-3)
     for latency, bandwidth in first["network"].values():
         assert latency >= 0 and bandwidth > 0

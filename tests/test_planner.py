@@ -264,3 +264,59 @@ def test_cli_latencies(text: str, expected: float) -> None:
     assert parse_seconds(text) == pytest.approx(expected)
     with pytest.raises(ValueError, match="latency 'soon'"):
         parse_seconds("soon")
+
+
+# -- profiling a model built on the meta device --------------------------------------------------------------
+class _Recorded(nn.Module):
+    """A block that, while ``seen`` is recording, notes which of the model's parameters have memory when it runs."""
+
+    def __init__(self, model: list[nn.Module], seen: list[set[str]] | None, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self._model, self._seen = model, seen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._seen is not None and self._model[1:] and not x.is_meta:
+            self._seen.append({n for n, p in self._model[0].named_parameters() if not p.is_meta and p.stride(-1)})
+        return torch.tanh(self.linear(x))
+
+
+def _profile_blocks(meta: bool, seen: list[set[str]]) -> tuple[Profile, nn.Module, list]:
+    """Profiles three recorded blocks with cut points between them, built on meta or for real."""
+    from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
+    from lightning_varuna.pipeline.materialize import on_meta, parameters_on_meta, to_meta
+    from lightning_varuna.pipeline.partition import trace_step
+    from lightning_varuna.pipeline.profiler import profile_model
+
+    torch.manual_seed(0)
+    holder: list = []  # the model, then True while profiling (the tracer would count the recording's uses)
+    with parameters_on_meta() if meta else torch.device("cpu"):
+        model = nn.Sequential(_Recorded(holder, seen, 8), CutPoint(), _Recorded(holder, seen, 8), CutPoint(),
+                              _Recorded(holder, seen, 8))
+    holder.append(model)
+    before = list(model.named_parameters())
+    batch = torch.randn(4, 8)
+
+    def step(b: torch.Tensor) -> torch.Tensor:
+        return model(b).square().mean()
+
+    with on_meta(model) if meta else torch.device("cpu"):
+        trace, _ = trace_step(model, lambda n: step(first_samples(to_meta(batch) if meta else batch, n)))
+    holder.append(True)
+    profile = profile_model(model, lambda n: step(samples(batch, n)), default_loss, trace, (1, 2, 4),
+                            torch.device("cpu"))
+    return profile, model, before
+
+
+def test_a_model_on_meta_is_profiled_a_segment_at_a_time() -> None:
+    seen: list[set[str]] = []
+    real, _, _ = _profile_blocks(False, [])
+    on_meta, model, before = _profile_blocks(True, seen)
+    assert list(model.named_parameters()) == before, "the same parameters afterwards"
+    assert all(p.is_meta for _, p in before), "every segment's memory was given back"
+    segments = [{f"{i}.linear.weight", f"{i}.linear.bias"} for i in (0, 2, 4)]
+    assert seen and all(any(s <= segment for segment in segments) for s in seen), "one segment at a time"
+    assert on_meta.params == real.params and on_meta.cuts == real.cuts and on_meta.key == real.key
+    for a, b in zip(real.segments, on_meta.segments, strict=True):
+        assert a.saved_bytes == b.saved_bytes
+        assert all(t > 0 for t in (*b.forward_s, *b.forward_grad_s, *b.backward_s))

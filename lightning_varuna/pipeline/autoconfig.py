@@ -174,7 +174,8 @@ def plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callabl
             profile, source = cached, "cache"
         else:
             sizes = profile_sizes(largest)
-            profile = profile_model(module, step_on, loss_of, trace, sizes, device, optimizer, key=key)
+            profile = profile_model(module, step_on, loss_of, trace, sizes, device, optimizer, key=key,
+                                    param_init_fn=config.param_init_fn)
             store_cached(profile)
             source = "measured"
     if network is not None:

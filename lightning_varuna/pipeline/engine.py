@@ -318,13 +318,7 @@ class PipelineEngine:
                 trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
                                                 cut_names=cut_names)
             world = topology.world_size if topology is not None else _world_size()
-            if config.searches and topology is None:
-                if self.built_on_meta and config.profile is None:
-                    raise ValueError(
-                        "Auto-configuration profiles the model, which is built on the meta device here. Give"
-                        " pipeline_parallel_size, microbatch_size, schedule and recompute, or a profile file"
-                        " measured on the model built for real (python -m lightning_varuna.plan --save-profile)."
-                    )
+            if config.searches and topology is None:  # a model on meta is profiled a segment at a time
                 self._autoconfigure(trace, sample_batch, step, optimizer)
                 config = self.config
             else:

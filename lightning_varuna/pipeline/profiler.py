@@ -15,7 +15,8 @@
 - Network (:func:`measure_network`, collective): ping-pong between two ranks of a node (and of two nodes), and
   all-reduces over all ranks, at a few sizes; latency and bandwidth are fitted by least squares.
 
-Models built on the meta device are not profiled here yet: every parameter must be materialized.
+A model built on the meta device is measured one segment at a time, only that segment's parameters materialized
+(:mod:`~lightning_varuna.pipeline.segment_profiler`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_varuna.pipeline.cut import CutPoint, forward_handler
 from lightning_varuna.pipeline.executor import StageExecutor
+from lightning_varuna.pipeline.materialize import ParamInitFn, has_meta_tensors
 from lightning_varuna.pipeline.p2p import P2P
 from lightning_varuna.pipeline.partition import Trace, time_segments
 from lightning_varuna.pipeline.profile import (
@@ -44,6 +46,7 @@ from lightning_varuna.pipeline.profile import (
     machine_description,
 )
 from lightning_varuna.pipeline.schedules import make_schedule
+from lightning_varuna.pipeline.segment_profiler import measure_segments_on_meta
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["measure_network", "measure_optimizer", "measure_task_overhead", "monotone", "profile_model",
@@ -77,8 +80,11 @@ def profile_model(
     optimizer: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
     network: Network | None = None,
     key: str = "",
+    param_init_fn: ParamInitFn | None = None,
 ) -> Profile:
-    """Measures the model's profile in this process (every parameter present; gradients left as they were).
+    """Measures the model's profile in this process (gradients left as they were).
+
+    A model with parameters on the meta device is measured a segment at a time (see the module's docstring).
 
     Args:
         module: The whole model.
@@ -90,11 +96,17 @@ def profile_model(
         optimizer: The optimizer's class and its keyword arguments (default: ``AdamW``).
         network: The network to record (default: :func:`~lightning_varuna.pipeline.profile.default_network`).
         key: The structure key to record.
+        param_init_fn: For a model on the meta device: initializes what a module owns directly (default: its
+            ``reset_parameters()``).
     """
     grads = {p: p.grad for p in module.parameters()}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            measured = [_measure_size(module, step_on, loss_of, trace.num_segments, n, device) for n in sizes]
+            if has_meta_tensors(module):
+                measured = measure_segments_on_meta(module, step_on, loss_of, trace, sizes, device, REPEATS,
+                                                    param_init_fn)
+            else:
+                measured = [_measure_size(module, step_on, loss_of, trace.num_segments, n, device) for n in sizes]
     finally:
         for p, grad in grads.items():
             p.grad = grad
@@ -280,7 +292,7 @@ def measure_task_overhead(device: torch.device, tasks: int = 32) -> float:
     weight = torch.ones(4, device=device, requires_grad=True)
     topology = Topology(world_size=1, rank=0, pipeline_size=1, device=device)
     executor = StageExecutor(topology, P2P(topology, 10.0), [], None, None)
-    schedule = make_schedule("1f1b", 1, tasks, recompute=False)[0]
+    schedule = make_schedule("1f1b", 1, tasks, recompute=False)
 
     def step(k: int) -> Tensor:
         return (weight * (k + 1)).sum()

@@ -1,4 +1,5 @@
-"""Two gloo ranks plan a small model with nothing given: the network measured by both, the profile by rank 0.
+"""Two gloo ranks plan a small model built on the meta device with nothing given: the network measured by both, the
+profile by rank 0 (a segment at a time), then each rank materializes its stage.
 
     torchrun --nproc-per-node=2 tests/jobs/measured.py OUT
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline.materialize import parameters_on_meta
 
 
 def main() -> None:
@@ -25,8 +27,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), CutPoint(), nn.Linear(32, 32), nn.Tanh(), CutPoint(),
-                          nn.Linear(32, 1))
+    with parameters_on_meta():
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), CutPoint(), nn.Linear(32, 32), nn.Tanh(), CutPoint(),
+                              nn.Linear(32, 1))
     batch = (torch.randn(8, 16), torch.randn(8, 1))
 
     def step(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -42,7 +45,8 @@ def main() -> None:
     engine.sync_gradients()
     profile = engine.autoconfig.profile
     record = {
-        "chosen": chosen.describe(), "source": engine.autoconfig.source,
+        "chosen": chosen.describe(), "source": engine.autoconfig.source, "built_on_meta": engine.built_on_meta,
+        "saved_bytes": [list(s.saved_bytes) for s in profile.segments],
         "configurations": len(engine.autoconfig.ranking),
         "network": {k: [v.latency_s, v.bandwidth] for k, v in profile.network.__dict__.items()},
         "sizes": list(profile.microbatch_sizes), "task_overhead_s": profile.task_overhead_s,
