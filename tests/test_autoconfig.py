@@ -163,11 +163,8 @@ def test_the_measured_path_agrees_on_every_rank(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     out = tmp_path / "out"
     out.mkdir()
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "tests" / "jobs" / "measured.py"), str(out)],
-        capture_output=True, text=True, timeout=300, env={**_env(), "LIGHTNING_VARUNA_CACHE_DIR": str(cache)}, cwd=ROOT,
-    )
+    result = torchrun("measured.py", str(out), nproc=2, timeout=300, env={"LIGHTNING_VARUNA_CACHE_DIR": str(cache)},
+                      check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     first, second = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
     assert first["chosen"] == second["chosen"] and first["source"] == "measured" and first["built_on_meta"]
