@@ -46,14 +46,8 @@ class ProcessGroupStrategy(ParallelStrategy):
     A subclass sets :attr:`topology` once the pipeline exists; from then on every collective's wait is bounded and
     its failure names the rank.
 
-    Args:
-        accelerator: The accelerator (set by the Trainer).
-        parallel_devices: The devices of this node (set by the Trainer).
-        cluster_environment: The cluster environment (set by the Trainer).
-        checkpoint_io: Checkpoint I/O plugin.
-        precision_plugin: Precision plugin (set by the Trainer).
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
-        timeout: Timeout of the default process group's collectives.
+    The first five arguments are ``ParallelStrategy``'s (the Trainer sets them); ``process_group_backend`` is
+    ``"gloo"`` or ``"nccl"`` (None: the device's default), ``timeout`` bounds the default group's collectives.
     """
 
     def __init__(self, accelerator: Accelerator | None, parallel_devices: list[torch.device] | None,
