@@ -242,7 +242,7 @@ def lean_patches(strategy, trainer) -> None:
     import torch
     import torch.distributed as dist
 
-    b = strategy._broadcaster
+    b = strategy._pipeline.steps.broadcaster
     original = b.share
     known = {"n": None}
 
@@ -343,7 +343,7 @@ def run_pair(ours: str, peer: str, steps: int, warmup: int, breakdown: bool, pro
             if breakdown:
                 timers.wrap(strategy, "training_step", "training_step")
                 timers.wrap(strategy.engine, "train_step", "engine.train_step")
-                timers.wrap(strategy._broadcaster, "share", "log_share")
+                timers.wrap(strategy._pipeline.steps.broadcaster, "share", "log_share")
                 timers.wrap(strategy, "backward", "backward")
                 # gradient reductions: GradientSync.sync, or start (in training_step) + finish (in the closure)
                 sync = strategy.engine.grad_sync

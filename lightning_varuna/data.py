@@ -25,7 +25,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from lightning_varuna.patches import InstancePatches, hand_over_dataloader
 
-__all__ = ["ElasticBatchSampler", "ResumableDataLoader", "make_resumable", "resumable_training_loader", "sample_batch"]
+__all__ = ["ElasticBatchSampler", "ResumableDataLoader", "check_global_batch", "make_resumable",
+           "resumable_training_loader", "sample_batch"]
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
@@ -224,6 +225,15 @@ def make_resumable(
         kwargs.pop("prefetch_factor", None)
         kwargs["persistent_workers"] = False
     return ResumableDataLoader(loader.dataset, elastic, position, **kwargs)
+
+
+def check_global_batch(global_batch_size: int | None, data_size: int) -> None:
+    """Raises if ``global_batch_size`` does not split evenly over ``data_size`` replicas."""
+    if global_batch_size is not None and global_batch_size % data_size:
+        raise MisconfigurationException(
+            f"global_batch_size={global_batch_size} does not split evenly over {data_size} data-parallel"
+            f" replicas: choose a multiple of {data_size}, or another pipeline_parallel_size."
+        )
 
 
 def resumable_training_loader(

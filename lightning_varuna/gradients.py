@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
-__all__ = ["BatchGradients"]
+__all__ = ["BatchGradients", "window_position"]
 
 
 class BatchGradients:
@@ -75,3 +77,23 @@ class BatchGradients:
         if summed:
             torch._foreach_add_([a for a, _ in summed], [b for _, b in summed])
         self._fresh = []
+
+
+def window_position(trainer: Trainer) -> tuple[bool, bool, bool]:
+    """Where the running batch sits in its accumulation window, as :meth:`BatchGradients.set_aside` takes it.
+
+    Returns:
+        ``first`` (the window's first batch), ``final`` (its last: an optimizer step follows), and ``drop_stale``:
+        nothing reads the last step's gradients before ``zero_grad`` clears them, unless the module or a callback
+        has its own ``zero_grad`` hooks; without one they can be dropped before the schedule (one gradient's memory
+        less).
+    """
+    module = trainer.lightning_module
+    loop = trainer.fit_loop.epoch_loop
+    first = loop.batch_idx % trainer.accumulate_grad_batches == 0
+    final = not loop._should_accumulate()  # private: Lightning's own test of the window's end
+    hooks = (
+        is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module)
+        or any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks)
+    )
+    return first, final, not hooks

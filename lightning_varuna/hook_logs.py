@@ -17,9 +17,10 @@ change), and none when neither the module nor any callback overrides ``on_before
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,9 +28,11 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from torch import Tensor
 
-from lightning_varuna.log_sync import _MetricLog, headers, pack
+from lightning_varuna.log_sync import LogCapture, _MetricLog, headers, pack
+from lightning_varuna.pipeline.failures import waiting_on_peers
+from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["HookLogMerger", "logs_in_optimizer_hook"]
+__all__ = ["HookLogMerger", "OptimizerHookLogs", "logs_in_optimizer_hook"]
 
 HOOK = "on_before_optimizer_step"
 _TOTAL = re.compile(r"^grad_(.+)_norm_total$")
@@ -41,6 +44,46 @@ def logs_in_optimizer_hook(module: LightningModule) -> bool:
         return True
     return any(type(cb).on_before_optimizer_step is not Callback.on_before_optimizer_step
                for cb in module.trainer.callbacks)  # type: ignore[union-attr]
+
+
+class OptimizerHookLogs:
+    """Around each optimizer step: what ``on_before_optimizer_step`` logs is captured, then merged over the pipeline.
+
+    Args:
+        topology: Where this rank sits.
+        device: Where the exchanged values live (the process group's device).
+    """
+
+    def __init__(self, topology: Topology, device: torch.device) -> None:
+        self.topology = topology
+        self.device = device
+        self._merger: HookLogMerger | None = None
+
+    @contextlib.contextmanager
+    def around_step(self, module: LightningModule) -> Iterator[Callable[[], None]]:
+        """Yields what the optimizer closure calls when it is done (the hooks run next); merges after the step.
+
+        Nothing is captured with one stage, or when neither the module nor a callback overrides the hook.
+        """
+        if self.topology.pipeline_size == 1 or not logs_in_optimizer_hook(module):
+            yield lambda: None
+            return
+        capture = LogCapture(module)
+        capturing = False
+        with contextlib.ExitStack() as hooks:
+
+            def start_capture() -> None:
+                nonlocal capturing
+                if not capturing:  # once, however often Lightning calls the closure
+                    hooks.enter_context(capture.capturing())
+                    capturing = True
+
+            yield start_capture
+        if self._merger is None:
+            self._merger = HookLogMerger(self.topology.pipe_group, self.topology.pipeline_size, self.device)
+        merger = self._merger
+        waiting_on_peers(self.topology, f"merging what {HOOK} logged over the pipeline",
+                         lambda: merger.replay(module, capture.records))
 
 
 class HookLogMerger:

@@ -39,6 +39,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import move_data_to_device
 
+from lightning_varuna.engine_setup import boundary_dtype
 from lightning_varuna.patches import meta_dry_run
 from lightning_varuna.pipeline.autoconfig import AutoConfig, plan
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
@@ -174,8 +175,8 @@ def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: 
 
 def _config(args: argparse.Namespace, strategy: VarunaStrategy) -> EngineConfig:
     # as the strategy sets them at setup; without a global batch, P follows its rule (at most the devices per node)
-    config = replace(strategy.config, wire_dtype=strategy._wire_dtype(),
-                     profile=args.profile or strategy.config.profile,
+    wire = boundary_dtype(strategy.boundary_dtype, strategy.precision_plugin)
+    config = replace(strategy.config, boundary_dtype=wire, profile=args.profile or strategy.config.profile,
                      max_pipeline_size=args.devices_per_node or args.devices)
     if args.global_batch_size is not None:
         config = replace(config, global_batch_size=args.global_batch_size)

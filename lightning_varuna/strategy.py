@@ -1,24 +1,13 @@
 """The Lightning strategy: thin glue between Lightning's loops and the :class:`PipelineEngine`.
 
-How a training step maps onto Lightning's automatic optimization (``training_step -> zero_grad ->
-backward`` inside ``optimizer.step(closure)``):
-
-- ``training_step`` runs the whole schedule (every micro-batch's forward and backward, the user's own
-  ``training_step`` called once per micro-batch) on gradients kept apart from ``.grad``
-  (:mod:`lightning_varuna.gradients`), shares the last stage's logged values and loss with every stage, and
-  returns the loss (NaN for a batch the user's step skipped);
-- ``zero_grad`` then clears only the previous step's gradients, and ``backward`` adds the batch's instead of
-  differentiating;
-- gradients are synced across replicas and tied copies once per optimizer step (each bucket's all-reduce
-  starts during the stage's last backward; the wrapped optimizer closure waits for them), before Lightning
-  clips them (with a norm taken over the whole pipeline); what ``on_before_optimizer_step`` logs is merged
-  over the pipeline.
+``training_step`` runs the whole schedule (the user's ``training_step`` once per micro-batch, forwards and
+backwards) on gradients kept apart from ``.grad``, ``backward`` hands them to Lightning, and the optimizer closure
+waits for their sync; ``docs/architecture.md`` shows the flow of one step and the modules this one delegates to.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Generator
 from dataclasses import replace
@@ -26,24 +15,14 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -53,50 +32,36 @@ from lightning_varuna.callbacks import (
     refuse_unsupported_callbacks,
     whole_model_summaries,
 )
-from lightning_varuna.checkpoint import load as checkpoint
 from lightning_varuna.checkpoint import state as checkpoint_state
-from lightning_varuna.checkpoint.lease import DEFAULT_TIMEOUT_S, Holder, LeaseKeeper, LeaseTicket
-from lightning_varuna.checkpoint.pretrained import InitialWeights, ModelLayout
-from lightning_varuna.checkpoint.state import CheckpointError
-from lightning_varuna.checkpoint.storage import Location
+from lightning_varuna.checkpoint.lease import DEFAULT_TIMEOUT_S
+from lightning_varuna.checkpoint.pretrained import InitialWeights
 from lightning_varuna.checkpoint.writer import CheckpointWriter
-from lightning_varuna.data import resumable_training_loader, sample_batch
-from lightning_varuna.gradients import BatchGradients
-from lightning_varuna.hook_logs import HookLogMerger, logs_in_optimizer_hook
+from lightning_varuna.checkpointing import StrategyCheckpoints, unwrapped
+from lightning_varuna.data import check_global_batch, resumable_training_loader
+from lightning_varuna.engine_setup import Pipeline, boundary_dtype, build_pipeline, new_engine
+from lightning_varuna.gradients import window_position
 from lightning_varuna.launcher import PipelineLauncher
-from lightning_varuna.log_sync import LogCapture
-from lightning_varuna.patches import (
-    InstancePatches,
-    install_ckpt_path_recorder,
-    kept_on_meta,
-    meta_dry_run,
-    selected_ckpt_path,
-)
+from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder, kept_on_meta
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.failures import PipelineError, report_failure, waiting_on_peers
+from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
 from lightning_varuna.pipeline.materialize import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.topology import Topology
-from lightning_varuna.pipeline.watchdog import current_watchdog
-from lightning_varuna.planning import TimelineOutput, optimizer_spec, report_choice
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
-from lightning_varuna.resume import checkpoint_folders, choose_last, last_fallbacks, requested_name
-from lightning_varuna.steps import StepRunner, check_metric_states
+from lightning_varuna.processes import (
+    ProcessGroupStrategy,
+    global_grad_norm,
+    is_initialized,
+    stop_watching_peers,
+    watch_peers,
+)
+from lightning_varuna.resume import choose_last
 
 __all__ = ["VarunaStrategy"]
 
-log = logging.getLogger(__name__)
 
-_STEP_HOOKS = {
-    TrainerFn.FITTING: "training_step",
-    TrainerFn.VALIDATING: "validation_step",
-    TrainerFn.TESTING: "test_step",
-    TrainerFn.PREDICTING: "predict_step",
-}
-
-
-class VarunaStrategy(ParallelStrategy):
+class VarunaStrategy(ProcessGroupStrategy):
     """Pipeline-parallel training of any LightningModule, Varuna style, with data parallelism across pipelines.
 
     The model is split at its ``CutPoint`` modules (or between the children of ``cut_at``) into P stages,
@@ -221,13 +186,9 @@ class VarunaStrategy(ParallelStrategy):
         timeout: timedelta | None = None,
         p2p_backend: Literal["auto", "nccl", "gloo"] = "auto",
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+                         process_group_backend, timeout)
         if boundary_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"boundary_dtype={boundary_dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
@@ -245,26 +206,17 @@ class VarunaStrategy(ParallelStrategy):
         )
         self.pipeline_parallel_size = pipeline_parallel_size
         self.timeline_dir = timeline_dir
-        self._timeline: TimelineOutput | None = None
         self.boundary_dtype = boundary_dtype
         self.global_batch_size = global_batch_size
         self.preemption_notice = preemption_notice
-        if checkpoint_lease_timeout is not None and not checkpoint_lease_timeout > 0:
-            raise ValueError(f"checkpoint_lease_timeout: give seconds (> 0) or None, not {checkpoint_lease_timeout!r}.")
         self.async_checkpoint = async_checkpoint
         self.verify_checkpoints = verify_checkpoints
         self.checkpoint_lease_timeout = checkpoint_lease_timeout
-        self._leases: LeaseKeeper | None = None
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         self._checkpoints = CheckpointWriter(asynchronous=async_checkpoint, timeout=self._timeout)
+        self._checkpointing = StrategyCheckpoints(self._checkpoints, verify_checkpoints, checkpoint_lease_timeout)
         install_ckpt_path_recorder(choose_last)
-        self.num_nodes = 1
         self.engine: PipelineEngine | None = None
-        self.topology: Topology | None = None
-        self._steps: StepRunner | None = None
-        self._gradients: BatchGradients | None = None
-        self._hook_logs: HookLogMerger | None = None
+        self._pipeline: Pipeline | None = None
         self._preemption: PreemptionGuard | None = None
         self._patches = InstancePatches()
         self._summaries: list[tuple[Any, FrozenSummary]] | None = None
@@ -276,28 +228,12 @@ class VarunaStrategy(ParallelStrategy):
         if "varuna" not in strategy_registry:
             strategy_registry.register("varuna", cls, description="Varuna-style pipeline parallelism")
 
-    # -- processes ----------------------------------------------------------------------------------------
-    @property
-    def root_device(self) -> torch.device:
-        """This process's device."""
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        """Processes per node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """The process group backend in use."""
-        return self._process_group_backend
-
+    # -- processes (the rest in :class:`~lightning_varuna.processes.ProcessGroupStrategy`) -------------------
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every stage of a replica reads the same batches; replicas read different ones, as under DDP."""
         if self.topology is None:
-            size = self._resolved_pipeline_size()
+            size = self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else self.world_size
             return {"num_replicas": self.world_size // size, "rank": self.global_rank // size}
         return {"num_replicas": self.topology.data_size, "rank": self.topology.replica}
 
@@ -308,45 +244,17 @@ class VarunaStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if isinstance(self.pipeline_parallel_size, int):
-            # before any process is started
-            Topology.check(self.num_nodes * self.num_processes, self.pipeline_parallel_size)
-            self._check_global_batch(self.num_nodes * self.num_processes // self.pipeline_parallel_size)
+        world = self.num_nodes * self.num_processes
+        if isinstance(self.pipeline_parallel_size, int):  # before any process is started
+            Topology.check(world, self.pipeline_parallel_size)
+            check_global_batch(self.global_batch_size, world // self.pipeline_parallel_size)
         self._launcher = PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._timeout)
-
-    def _check_global_batch(self, data_size: int) -> None:
-        if self.global_batch_size is not None and self.global_batch_size % data_size:
-            raise MisconfigurationException(
-                f"global_batch_size={self.global_batch_size} does not split evenly over {data_size} data-parallel"
-                f" replicas: choose a multiple of {data_size}, or another pipeline_parallel_size."
-            )
-
-    def _resolved_pipeline_size(self) -> int:
-        return self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else self.world_size
 
     def setup_environment(self) -> None:
         """Checks the P x D shape, then starts the process group."""
-        super().setup_environment()
-        world = self.num_nodes * self.num_processes
         if isinstance(self.pipeline_parallel_size, int):
-            Topology.check(world, self.pipeline_parallel_size)
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-
-    def set_world_ranks(self) -> None:
-        """Sets global rank and world size from node rank, local rank and processes per node."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+            Topology.check(self.num_nodes * self.num_processes, self.pipeline_parallel_size)
+        super().setup_environment()
 
     # -- setup --------------------------------------------------------------------------------------------
     def connect(self, model: Any) -> None:
@@ -372,8 +280,8 @@ class VarunaStrategy(ParallelStrategy):
         """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
         assert self.accelerator is not None and self.model is not None
         refuse_unsupported_callbacks(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._take_leases(trainer)  # before any work: a refused job stops at once
+        if trainer.state.fn == TrainerFn.FITTING:  # before any work: a refused job stops at once
+            self._checkpointing.take_leases(trainer, self.is_global_zero, self.broadcast)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -381,7 +289,8 @@ class VarunaStrategy(ParallelStrategy):
         if fitting and self._summaries is None:  # of the whole model, before it is partitioned
             self._summaries = whole_model_summaries(trainer, self.lightning_module)
         self._setup_pipeline(trainer)
-        self._watch()
+        # this rank waits on its peers from now on; a write that can no longer complete is stopped at once
+        self._forget_cleanup = watch_peers(self._checkpoints.abort)
         assert self.topology is not None
         adapt_callbacks(trainer, self._patches, self._summaries if fitting and self._summaries else [],
                         first_stage=self.topology.is_first)
@@ -398,76 +307,13 @@ class VarunaStrategy(ParallelStrategy):
             self._preemption.attach()
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
 
-    def _watch(self) -> None:
-        """This rank waits on its peers from now on: a failure elsewhere ends it (see the engine's watchdog)."""
-        watchdog = current_watchdog()
-        if watchdog is None:
-            return
-        verdict = watchdog.activate()
-        if verdict is not None and verdict.origin != watchdog.rank:
-            raise PipelineError(f"rank {watchdog.rank}: the job cannot go on: {verdict.text}.")
-        # a write that can no longer complete is stopped at once, not left to its timeout
-        self._forget_cleanup = watchdog.add_cleanup(self._checkpoints.abort)
-
     def _setup_pipeline(self, trainer: Trainer) -> None:
-        module = self.lightning_module
-        if self.engine is not None:
+        if self.engine is not None:  # the module stays partitioned for this strategy's later trainer calls
             return
-        hook = _STEP_HOOKS.get(trainer.state.fn)  # type: ignore[arg-type]
-        if hook is None:
-            raise MisconfigurationException(f"VarunaStrategy cannot run trainer.{trainer.state.fn}.")
-        config = replace(self.config, wire_dtype=self._wire_dtype(), max_pipeline_size=self.num_processes or None,
-                         devices_per_node=self.num_processes or None)
-        self.engine = engine = PipelineEngine.from_config(module, config, device=self.root_device)
-        step = getattr(module, hook)
-        capture = LogCapture(module)
-        on_meta = has_meta_tensors(module)
-        if on_meta:
-            check_metric_states(module)
-        layout = ModelLayout.of(module)  # before partitioning: the whole model's keys and shapes
-
-        def dry_step(batch: Any) -> Any:
-            dry = meta_dry_run(module) if on_meta else contextlib.nullcontext()
-            with capture.capturing(), self.precision_plugin.train_step_context(), dry:
-                return step(batch, 0)
-
-        # the planner times the model's optimizer (only rank 0 profiles, and not from a given profile)
-        profiles = config.searches and config.profile is None and self.global_rank == 0
-        optimizer = optimizer_spec(module) if profiles else None
-        batch = self.batch_to_device(sample_batch(trainer, self._patches), self.root_device)
-        plan = engine.setup(batch, dry_step, optimizer=optimizer)
-        config = engine.config
-        self._gradients = BatchGradients(list(module.parameters()))
-        self.topology = topo = engine.topology
-        assert topo is not None
-        if on_meta:
-            module.to(self.root_device)  # every tensor is real now: updates the module's `device`
-        self._load_initial_weights(trainer, layout)
-        self._steps = StepRunner(module, engine, self.precision_plugin)
-        if engine.autoconfig is not None:
-            report_choice(trainer, engine.autoconfig)
-        rank_zero_info(
-            f"VarunaStrategy: {topo.pipeline_size} stage(s) x {topo.data_size} replica(s), schedule"
-            f" {config.schedule!r}, recompute={config.recompute}\n{plan.table()}"
-        )
-        if self.timeline_dir is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._timeline = TimelineOutput(engine, self.timeline_dir)
-
-    def _load_initial_weights(self, trainer: Trainer, layout: ModelLayout) -> None:
-        if self.initial_weights is None:
-            return
-        # Lightning restores a checkpoint after this setup: then it supplies the weights (rank 0's view decides)
-        if self.broadcast(selected_ckpt_path(trainer) is not None):
-            rank_zero_info(f"VarunaStrategy: initial_weights ({self.initial_weights.path}) not loaded: resuming"
-                           " from a checkpoint, which holds the weights.")
-            return
-        self.initial_weights.load(self.lightning_module, layout)
-
-    def _wire_dtype(self) -> torch.dtype | None:
-        if self.boundary_dtype != "auto":
-            return getattr(torch, self.boundary_dtype)
-        mixed = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-        return mixed.get(getattr(self.precision_plugin, "precision", ""))
+        config = replace(self.config, boundary_dtype=boundary_dtype(self.boundary_dtype, self.precision_plugin))
+        self.engine = engine = new_engine(self, trainer, config)  # visible to the module's hooks during the dry run
+        self._pipeline = build_pipeline(self, trainer, engine, self._patches, self.initial_weights, self.timeline_dir)
+        self.topology = self._pipeline.topology
 
     def process_dataloader(self, dataloader: Any) -> Any:
         """Gives the training loader a data position that survives a resume under another number of replicas.
@@ -481,7 +327,7 @@ class VarunaStrategy(ParallelStrategy):
             return dataloader
         topo = self.topology
         if self.global_batch_size is not None:
-            self._check_global_batch(topo.data_size)
+            check_global_batch(self.global_batch_size, topo.data_size)
         return resumable_training_loader(dataloader, trainer.fit_loop, topo.data_size, topo.replica,
                                          self.global_batch_size)
 
@@ -517,8 +363,8 @@ class VarunaStrategy(ParallelStrategy):
 
     # -- steps --------------------------------------------------------------------------------------------
     def _run_step(self, hook: str, args: tuple, kwargs: dict, **options: Any) -> Any:
-        assert self._steps is not None
-        return self._steps.run(hook, args, kwargs, **options)
+        assert self._pipeline is not None
+        return self._pipeline.steps.run(hook, args, kwargs, **options)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch through the pipeline; returns the batch's loss (on every rank).
@@ -534,19 +380,16 @@ class VarunaStrategy(ParallelStrategy):
         skipped batch returns a NaN loss instead.
         """
         trainer = self.lightning_module.trainer
-        gradients = self._gradients
-        assert gradients is not None and self.engine is not None
-        first = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        final = not _accumulating(trainer)
-        # nothing reads the last step's gradients before zero_grad clears them unless a zero_grad hook does:
-        # without one they are dropped now rather than held through the schedule (one gradient's memory less)
-        accumulated = gradients.set_aside(first, final, drop_stale=not _zero_grad_hooks(trainer))
+        assert self._pipeline is not None
+        gradients = self._pipeline.gradients
+        first, final, drop_stale = window_position(trainer)
+        accumulated = gradients.set_aside(first, final, drop_stale)
         loss = self._run_step("training_step", args, kwargs, loss_scale=1.0 / trainer.accumulate_grad_batches,
                               start_sync=final, accumulated=accumulated)
         gradients.take(first, skipped=loss is None)
         if loss is not None:
             return loss
-        self.engine.discard_gradient_sync()  # the same on every replica: they agreed on the skip
+        self._pipeline.engine.discard_gradient_sync()  # the same on every replica: they agreed on the skip
         rank_zero_warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
         return torch.full((), float("nan"), device=self.root_device)
 
@@ -564,12 +407,13 @@ class VarunaStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Puts back the gradients the schedule computed (the schedule already ran backward)."""
-        assert self._gradients is not None
-        if self._gradients.skipped:  # a plain run calls no backward (nor its hooks) for a skipped batch
+        assert self._pipeline is not None
+        gradients = self._pipeline.gradients
+        if gradients.skipped:  # a plain run calls no backward (nor its hooks) for a skipped batch
             return closure_loss
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._gradients.put_back()
+        gradients.put_back()
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -579,51 +423,32 @@ class VarunaStrategy(ParallelStrategy):
         the step) is captured and, after the step, merged over the pipeline (:mod:`lightning_varuna.hook_logs`):
         logged gradient norms are the whole model's.
         """
-        engine, topo, gradients = self.engine, self.topology, self._gradients
-        assert engine is not None and topo is not None and gradients is not None
-        module = self.lightning_module
-        merge = topo.pipeline_size > 1 and logs_in_optimizer_hook(module)
-        capture = LogCapture(module)
-        hooks = contextlib.ExitStack()
-        capturing = False
-
+        pipeline = self._pipeline
+        assert pipeline is not None
         synced = 0.0
+        with pipeline.hook_logs.around_step(self.lightning_module) as capture_hook_logs:
 
-        def closure_then_sync() -> Any:
-            nonlocal capturing, synced
-            result = closure()
-            if gradients.window_has_gradients:  # else the window's batches were all skipped, and there are none
-                waiting_on_peers(topo, "syncing gradients", engine.sync_gradients)
-            if merge and not capturing:  # the on_before_optimizer_step hooks run next
-                hooks.enter_context(capture.capturing())
-                capturing = True
-            synced = time.perf_counter()
-            return None if gradients.skipped else result  # None: the precision plugin skips the step, as Lightning
+            def closure_then_sync() -> Any:
+                nonlocal synced
+                result = closure()
+                if pipeline.gradients.window_has_gradients:  # else every batch of the window was skipped
+                    waiting_on_peers(pipeline.topology, "syncing gradients", pipeline.engine.sync_gradients)
+                capture_hook_logs()  # the on_before_optimizer_step hooks run next
+                synced = time.perf_counter()
+                return None if pipeline.gradients.skipped else result  # None: the precision plugin skips the step
 
-        with hooks:
             output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-        if self._timeline is not None:
-            self._timeline.optimizer_step(synced, time.perf_counter())
-            self._timeline.log_metrics(module.trainer)
-        if merge:
-            if self._hook_logs is None:
-                self._hook_logs = HookLogMerger(topo.pipe_group, topo.pipeline_size, self.root_device)
-            merger = self._hook_logs
-            waiting_on_peers(topo, "merging what on_before_optimizer_step logged over the pipeline",
-                             lambda: merger.replay(module, capture.records))
+        if pipeline.timeline is not None:
+            pipeline.timeline.optimizer_step(synced, time.perf_counter())
+            pipeline.timeline.log_metrics(self.lightning_module.trainer)
         return output
 
     def global_grad_norm(self) -> Tensor:
         """The L2 norm of the whole model's gradient (all stages, tied parameters once)."""
         assert self.engine is not None and self.topology is not None
-        total = self.engine.local_grad_norm_sq()
-        topo = self.topology
-        if topo.pipeline_size > 1:
-            waiting_on_peers(topo, "summing the gradient norm over stages",
-                             lambda: dist.all_reduce(total, group=topo.pipe_group))
-        return total.sqrt()
+        return global_grad_norm(self.engine, self.topology)
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
+    # -- checkpoints (:mod:`lightning_varuna.checkpointing`) ----------------------------------------------
     @property
     def lightning_restore_optimizer(self) -> bool:
         """Optimizer state is loaded by the strategy itself, by parameter name."""
@@ -635,8 +460,7 @@ class VarunaStrategy(ParallelStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This stage's optimizer state, keyed by parameter name."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return checkpoint_state.optimizer_state(self.lightning_module, optimizer)
+        return checkpoint_state.optimizer_state(self.lightning_module, unwrapped([optimizer])[0])
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Writes a sharded checkpoint directory at ``filepath``, a local path or fsspec URL (collective; atomic).
@@ -647,35 +471,9 @@ class VarunaStrategy(ParallelStrategy):
             raise TypeError("VarunaStrategy.save_checkpoint does not take storage_options.")
         # async: the ranks compare paths in the background instead (no collective in the training thread)
         path = str(filepath) if self.async_checkpoint else self.broadcast(str(filepath))
-        shards = {"state_dict": checkpoint_dict.pop("state_dict")}
-        for i, state in enumerate(checkpoint_dict.pop("optimizer_states", [])):
-            shards[f"optimizer_{i}"] = state
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        groups = checkpoint_state.param_groups_by_name(self.lightning_module, optimizers)
         names = self.engine.param_names if self.engine is not None else []
-        self._checkpoints.save(path, shards, checkpoint_dict, groups, names, self.verify_checkpoints,
-                               self._lease_ticket(path))
-
-    def _take_leases(self, trainer: Trainer) -> None:
-        """Rank 0 takes the lease of every checkpoint folder of this fit; any refusal is raised on every rank."""
-        if self.checkpoint_lease_timeout is None:
-            return
-        problem = None
-        if self.is_global_zero:
-            self._leases = LeaseKeeper(self.checkpoint_lease_timeout)
-            problem = self._leases.acquire(checkpoint_folders(trainer))
-        problem = self.broadcast(problem)
-        if problem is not None:
-            raise CheckpointError(problem)
-
-    def _lease_ticket(self, path: str) -> LeaseTicket | None:
-        """Rank 0: how a save takes its folder's lease (kept and renewed during fit, released after it otherwise)."""
-        if self.checkpoint_lease_timeout is None or not self.is_global_zero:
-            return None
-        if self._leases is None:
-            return LeaseTicket(Holder.current(), self.checkpoint_lease_timeout, keep=False)
-        self._leases.track(Location.of(path).parent)
-        return self._leases.ticket()
+        self._checkpointing.save(checkpoint_dict, path, self.lightning_module, self.optimizers, names,
+                                 self.is_global_zero)
 
     def wait_for_checkpoint(self) -> None:
         """Blocks until the checkpoint being written in the background (``async_checkpoint``) is complete.
@@ -695,13 +493,8 @@ class VarunaStrategy(ParallelStrategy):
         assert self.engine is not None
         self._checkpoints.wait()
         path = self.broadcast(str(checkpoint_path))
-        # with ckpt_path="last", a bad checkpoint falls back to the newest good one of the run
-        trainer = self.lightning_module.trainer
-        fallbacks = self.broadcast(last_fallbacks(trainer, path) if self.is_global_zero else None)
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        names = self.engine.param_names
-        return checkpoint.load(path, self.lightning_module, optimizers, names, weights_only, fallbacks,
-                               self.verify_checkpoints, requested_name(trainer, path))
+        return self._checkpointing.load(path, self.lightning_module.trainer, self.optimizers, self.engine.param_names,
+                                        weights_only, self.is_global_zero, self.broadcast)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
@@ -709,43 +502,20 @@ class VarunaStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the optimizer state."""
 
-    # -- collectives Lightning needs ----------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
         """Waits for every process."""
-        if name == "Trainer.save_checkpoint":
-            return  # the save ended with the ranks' agreement on its outcome, or (async) goes on in the background
-        if _distributed_is_initialized():
-            self._waiting(f"a barrier ({name or 'unnamed'})", dist.barrier)
+        if name != "Trainer.save_checkpoint":  # a save ends with the ranks' agreement, or goes on in the background
+            super().barrier(name)
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Sends ``obj`` from ``src`` to every process."""
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        self._waiting(f"a broadcast from rank {src}", lambda: dist.broadcast_object_list(box, src))
-        return box[0]
-
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Reduces a tensor over all processes (mean by default)."""
-        if isinstance(tensor, Tensor):
-            return self._waiting("a reduction of logged values (sync_dist)",
-                                 lambda: _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
-        return tensor
-
-    def _waiting(self, what: str, wait: Callable[[], Any]) -> Any:
-        """Runs a collective of Lightning's; its failure becomes a :class:`PipelineError` naming this rank."""
-        if self.topology is None:  # before the pipeline exists (the dry run's broadcast of timings)
-            return wait()
-        return waiting_on_peers(self.topology, what, wait)
-
+    # -- the end ------------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
         """Writes the timeline files (with ``timeline_dir``)."""
-        if self._timeline is not None:
-            self._timeline.write()
+        if self._pipeline is not None and self._pipeline.timeline is not None:
+            self._pipeline.timeline.write()
 
     def on_exception(self, exception: BaseException) -> None:
         """Reports the error to the other ranks (their watchdogs end them; they quote it if they lose contact)."""
-        if _distributed_is_initialized() and not isinstance(exception, Preempted):
+        if is_initialized() and not isinstance(exception, Preempted):
             report_failure(exception)
 
     def teardown(self) -> None:
@@ -753,41 +523,19 @@ class VarunaStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         try:
-            self._checkpoints.close(interrupted)  # the last background checkpoint write finishes first
+            self._checkpointing.close(interrupted)  # the last background write finishes first; leases released
         finally:  # the rest of teardown happens even if that write failed
-            watchdog = current_watchdog()
-            if watchdog is not None and not interrupted:  # done with the peers: this rank may exit before them
-                watchdog.deactivate("finished")
-            if self._forget_cleanup is not None:
-                self._forget_cleanup()
-                self._forget_cleanup = None
+            stop_watching_peers(self._forget_cleanup, finished=not interrupted)
+            self._forget_cleanup = None
             self._patches.undo()
-            if self._leases is not None:
-                self._leases.close()
-                self._leases = None
             if self._preemption is not None:
                 self._preemption.detach()
                 self._preemption = None
             # the engine (stand-ins, cut_at hooks) stays: the module remains partitioned for this strategy's
             # later validate/test/predict calls
             module = self.lightning_module
-            if module is not None and has_meta_tensors(module):  # setup failed before materializing
+            on_meta = module is not None and has_meta_tensors(module)  # setup failed before materializing
+            if on_meta:
                 move_real_tensors(module, torch.device("cpu"))
-                with kept_on_meta(module):
-                    super().teardown()
-            else:
+            with kept_on_meta(module) if on_meta else contextlib.nullcontext():
                 super().teardown()
-
-
-def _zero_grad_hooks(trainer: Trainer) -> bool:
-    """Whether the module or a callback has its own zero_grad hooks (which may read last step's gradients)."""
-    module = trainer.lightning_module
-    return (
-        is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module)
-        or any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks)
-    )
-
-
-def _accumulating(trainer: Trainer) -> bool:
-    """Whether this batch only accumulates gradients (no optimizer step follows it)."""
-    return trainer.fit_loop.epoch_loop._should_accumulate()

@@ -1,8 +1,10 @@
-"""The package's layers: a Lightning-free engine, no import cycles, and Lightning left as it was after teardown."""
+"""The package's layers: a Lightning-free engine, checkpointing below the Lightning glue, no import cycles, a module
+table in docs/architecture.md that matches the tree, and Lightning left as it was after teardown."""
 
 from __future__ import annotations
 
 import ast
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_varuna"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def _module_name(path: Path) -> str:
@@ -43,6 +46,29 @@ def test_the_pipeline_engine_imports_nothing_of_lightning_or_of_the_layers_above
         if bad:
             offending[_module_name(path)] = bad
     assert offending == {}
+
+
+def test_checkpointing_imports_nothing_of_the_lightning_glue_and_lightning_only_for_conversion() -> None:
+    offending = {}
+    for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):
+        imports = _imports(path)
+        bad = sorted(m for m in imports if m.startswith("lightning_varuna")
+                     and not m.startswith(("lightning_varuna.checkpoint", "lightning_varuna.pipeline")))
+        if path.name != "convert.py":
+            bad += sorted(m for m in imports if m.split(".")[0] == "lightning" or m == "pytorch_lightning")
+        if bad:
+            offending[_module_name(path)] = bad
+    assert offending == {}
+
+
+def test_the_module_table_of_the_architecture_doc_lists_every_module_of_the_package() -> None:
+    # the table's first column names each module by its path inside the package, in backticks
+    table = ARCHITECTURE.read_text().split("## Modules", 1)[1].split("\n## ", 1)[0]
+    listed = set()
+    for row in re.findall(r"^\| (.+?) \|", table, flags=re.MULTILINE):
+        listed.update(re.findall(r"`([\w/]+\.py)`", row))
+    present = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    assert sorted(present - listed) == [] and sorted(listed - present) == []
 
 
 def test_the_pipeline_engine_trains_without_lightning_loaded() -> None:

@@ -1,6 +1,13 @@
+"""Schedules as data: the varuna, 1f1b and gpipe task lists, their validation, and the run-time rules (next_task),
+as pure functions and in running jobs."""
+
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from launch import torchrun
 
 from lightning_varuna.pipeline.schedules import (
     SCHEDULES,
@@ -12,6 +19,7 @@ from lightning_varuna.pipeline.schedules import (
     next_task,
     validate_schedule,
 )
+from lightning_varuna.pipeline.simulator import StageCosts, simulate
 
 
 def tasks(text: str) -> tuple[Task, ...]:
@@ -31,13 +39,13 @@ def forwards(microbatches: range) -> str:
 # --- varuna ---------------------------------------------------------------------------------------------
 
 VARUNA_P4_M8 = (
-    # Stage 0: F0..F7 then R0 B0 R1 B1 ... R7 B7 (VARUNA.md).
+    # Stage 0: F0..F7 then R0 B0 R1 B1 ... R7 B7 (the Varuna paper's example).
     tasks(forwards(range(8)) + " " + interleave("R", "B", microbatches=range(8))),
-    # Stage 1: not given in VARUNA.md; this is what the rules produce.
+    # Stage 1: not given in the paper's example; this is what the rules produce.
     tasks("F0 F1 F2 F3 F4 F5, R0 B0 R1 B1 R2 B2, F6 F7, R3 B3 R4 B4 R5 B5 R6 B6 R7 B7"),
-    # Stage 2 (VARUNA.md).
+    # Stage 2 (the Varuna paper's example).
     tasks("F0 F1 F2, R0 B0 R1 B1 R2 B2, F3 F4 F5, R3 B3 R4 B4 R5 B5, F6 F7, R6 B6 R7 B7"),
-    # Stage 3, the last: F0 B0 F1 B1 ... F7 B7 (VARUNA.md).
+    # Stage 3, the last: F0 B0 F1 B1 ... F7 B7 (the Varuna paper's example).
     tasks(interleave("F", "B", microbatches=range(8))),
 )
 
@@ -251,3 +259,41 @@ def test_next_task_feeds_a_next_stage_that_has_run_out_of_work() -> None:
     # F6's input not there, or the rule off: the list's order holds
     assert next_task(pending, arrived_only("B3 B4 B5"), forwards_stash=True) == 0
     assert next_task(pending, arrived_only("F6 B3 B4 B5"), forwards_stash=True, feed_next_stage=False) == 0
+
+
+# --- the run-time rules in running jobs ------------------------------------------------------------------
+
+
+def test_a_middle_stage_runs_a_ready_forward_while_its_gradient_is_late(tmp_path: Path) -> None:
+    # P=3 with a slow last backward: the middle stage's gradients are late and its inputs are there, so Varuna's
+    # rule must move forwards there (it never did on gloo before the transfers were watched)
+    torchrun("opportunistic.py", str(tmp_path), nproc=3, timeout=180)
+    moves = [json.loads((tmp_path / f"opportunistic.rank{r}.json").read_text())["moves"] for r in range(3)]
+    assert moves[1] > 0, moves
+    assert moves[2] == 0, moves  # the last stage has nothing to move
+
+
+@pytest.mark.slow
+def test_a_stage_sends_a_forward_early_when_its_next_stage_runs_out_of_work(tmp_path: Path) -> None:
+    # P=4, m=8 with unit-cost sleeps: fed, stage 2 runs F6 before B5 (the list has it after), as the simulator
+    # predicts; every stage still runs forwards and backwards in micro-batch order, so messages keep their order
+    torchrun("feed.py", str(tmp_path), nproc=4, timeout=240)
+    orders = [json.loads((tmp_path / f"feed.rank{r}.json").read_text()) for r in range(4)]
+    schedule = make_schedule("varuna", 4, 8, recompute=True)
+    predicted = simulate(schedule, [StageCosts(1.0, 2.0)] * 4, opportunistic=True).order
+    assert schedule[2].index(Task(Kind.F, 6)) > schedule[2].index(Task(Kind.B, 5))
+    assert predicted[2].index(Task(Kind.F, 6)) < predicted[2].index(Task(Kind.B, 5))
+    fed = [[_task(text) for text in order["fed"]] for order in orders]
+    assert fed[2].index(Task(Kind.F, 6)) < fed[2].index(Task(Kind.B, 5)), fed[2]
+    alone = [_task(text) for text in orders[2]["varuna_rule_alone"]]
+    assert alone.index(Task(Kind.F, 6)) > alone.index(Task(Kind.B, 5)), alone  # the switch is obeyed
+    for run in ("fed", "varuna_rule_alone"):
+        executed = tuple(tuple(_task(text) for text in order[run]) for order in orders)
+        validate_schedule(executed, 8, recompute=True)
+        for stage in executed:
+            assert [t.microbatch for t in stage if t.kind is Kind.F] == list(range(8))
+            assert [t.microbatch for t in stage if t.kind is Kind.B] == list(range(8))
+
+
+def _task(text: str) -> Task:
+    return Task(Kind(text[0]), int(text[1:]))

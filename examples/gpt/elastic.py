@@ -8,7 +8,7 @@ they resume from the newest checkpoint::
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc-per-node=2 --max-restarts=3 \\
         --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=gpt \\
         --rdzv-conf=is_host=true,keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=3 \\
-        examples/gpt/elastic.py --ckpt-dir /shared/ckpt/gpt
+        examples/gpt/elastic.py --ckpt-dir /nfs/ckpt/gpt
     # on the second machine: the same with is_host=false
 
 ``--ckpt-dir`` must be on storage that every machine sees and that outlives them. Without

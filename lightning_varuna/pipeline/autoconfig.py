@@ -199,8 +199,8 @@ def _choices(config: EngineConfig, trace: Trace, cluster: Cluster) -> Choices:
     if size == AUTO and config.global_batch_size is None:
         size = config.pipeline_size_for(cluster.world_size, trace.num_segments)
     wire = 1.0
-    if config.wire_dtype is not None and trace.cuts:
-        wire = _element_size(config.wire_dtype) / _element_size(trace.cuts[0].dtype)
+    if config.boundary_dtype is not None and trace.cuts:
+        wire = _element_size(config.boundary_dtype) / _element_size(trace.cuts[0].dtype)
     return Choices(
         pipeline_size=None if size == AUTO else int(size),
         microbatch_size=config.microbatch_size,

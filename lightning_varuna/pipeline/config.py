@@ -40,7 +40,7 @@ class EngineConfig:
         cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
-        wire_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype and
+        boundary_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype and
             are cast back on arrival.
         grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
             gradient, within 64 KiB-25 MiB).
@@ -75,7 +75,7 @@ class EngineConfig:
     cut_at: str | None = None
     partition: str = "time"
     p2p_timeout: float = 300.0
-    wire_dtype: torch.dtype | None = None
+    boundary_dtype: torch.dtype | None = None
     grad_bucket_bytes: int | None = None
     overlap_grad_sync: bool = True
     max_pipeline_size: int | None = None

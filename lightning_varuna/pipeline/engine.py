@@ -139,7 +139,7 @@ class PipelineEngine:
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
         device: The device of this rank (default: CPU).
-        wire_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype
+        boundary_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype
             (e.g. ``torch.bfloat16`` under bf16 autocast: half the bytes) and are cast back on arrival.
         grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
             gradient, within 64 KiB-25 MiB; see :func:`~lightning_varuna.pipeline.grad_sync.default_bucket_bytes`).
@@ -178,7 +178,7 @@ class PipelineEngine:
         partition: str = "time",
         p2p_timeout: float = 300.0,
         device: torch.device | None = None,
-        wire_dtype: torch.dtype | None = None,
+        boundary_dtype: torch.dtype | None = None,
         grad_bucket_bytes: int | None = None,
         overlap_grad_sync: bool = True,
         max_pipeline_size: int | None = None,
@@ -193,7 +193,8 @@ class PipelineEngine:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
-            partition=partition, p2p_timeout=p2p_timeout, wire_dtype=wire_dtype, grad_bucket_bytes=grad_bucket_bytes,
+            partition=partition, p2p_timeout=p2p_timeout, boundary_dtype=boundary_dtype,
+            grad_bucket_bytes=grad_bucket_bytes,
             overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size, param_init_fn=param_init_fn,
             init_seed=init_seed, p2p_backend=p2p_backend, global_batch_size=global_batch_size,
             memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node,
@@ -288,7 +289,7 @@ class PipelineEngine:
         last_cut = stage.segments.stop - 1 if not topo.is_last else None
         self._trace_p2p(run)
         self.executor = StageExecutor(topo, self._p2p(), cut_modules, first_cut, last_cut, self.events)
-        self.executor.wire_dtype = self.config.wire_dtype
+        self.executor.boundary_dtype = self.config.boundary_dtype
         self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
         self._batch_dims = (

@@ -28,9 +28,6 @@ __all__ = ["SUMMARY_SIZE", "StageExecutor", "StepFunction"]
 
 StepFunction = Callable[[int], Any]
 """Runs the user's step on micro-batch ``k`` and returns its output (on the last stage: the loss)."""
-EventHook = Callable[[str, float, float, "int | None"], None]
-"""Receives ``(kind, start, end, microbatch)`` (``time.perf_counter`` seconds): a task (``"F"``, ``"R"``, ``"B"``), a
-``"wait"`` for a message inside a task, or a ``"send"`` from its posting to when the stage saw it done."""
 
 
 class StageExecutor:
@@ -53,7 +50,7 @@ class StageExecutor:
         self.first_cut = first_cut
         self.last_cut = last_cut
         self.events = events if events is not None else p2p.events
-        self.wire_dtype: torch.dtype | None = None
+        self.boundary_dtype: torch.dtype | None = None
         """If set, floating-point activations and their gradients travel in this dtype."""
         self.input_dtype: torch.dtype | None = None
         """The dtype the model had at this stage's first cut (received activations are cast back to it)."""
@@ -62,8 +59,6 @@ class StageExecutor:
         """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
         (see :func:`~lightning_varuna.pipeline.schedules.next_task`); False keeps Varuna's rule alone."""
         self.summary: Tensor | None = None
-        self.on_event: EventHook | None = None
-        """If set, told what ran when (see :data:`EventHook`): for timelines; off by default."""
         self._pool: dict[tuple[str, int], Tensor] = {}
         self._links: dict[tuple[int, bool], tuple[Schedule, StageLinks]] = {}
 

@@ -197,7 +197,7 @@ class StageContext(Protocol):
     cuts: Sequence[CutPoint]
     first_cut: int | None
     last_cut: int | None
-    wire_dtype: torch.dtype | None
+    boundary_dtype: torch.dtype | None
     input_dtype: torch.dtype | None
     current: StageForward | None
     feed_next_stage: bool
@@ -531,7 +531,7 @@ class StageStep:
 
     def send_output(self, k: int, out: Tensor) -> None:
         """Sends this stage's output of micro-batch ``k`` (the step's header first), checked against the header."""
-        wire = self.executor.wire_dtype
+        wire = self.executor.boundary_dtype
         out = out.detach()
         if wire is not None and out.is_floating_point() and out.dtype != wire:
             out = out.to(wire)

@@ -98,7 +98,7 @@ def run(name: str, device: torch.device, width: int, rows: int, dropout: float, 
 
     engine = PipelineEngine(model, stages, num_microbatches=4, schedule=schedule, recompute=recompute,
                             partition="params", device=device, p2p_timeout=120, p2p_backend=p2p_backend,
-                            wire_dtype=torch.bfloat16 if bf16 else None)
+                            boundary_dtype=torch.bfloat16 if bf16 else None)
     replica = rank // stages
     batches = _batches(replicas, rows, width, device)
     mine = [b[replica * rows: (replica + 1) * rows] for b in batches]

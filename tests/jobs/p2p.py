@@ -1,4 +1,4 @@
-"""Two gloo ranks exercise watched p2p transfers; each rank writes what it saw to ``<out>/comm.rank<r>.json``.
+"""Two gloo ranks exercise watched p2p transfers; each rank writes what it saw to ``<out>/p2p.rank<r>.json``.
 
 Rank 0 sends a tensor 0.3 s after the start (gloo writes it into the socket in the thread that posts it: a
 helper thread must, not the caller); rank 1 has posted a watched receive and polls ``completed()``
@@ -77,7 +77,7 @@ def main(out: Path) -> None:
             seen["timeout_error"] = str(err)
         seen["timeout_after"] = time.monotonic() - start
     p2p.close()
-    (out / f"comm.rank{rank}.json").write_text(json.dumps(seen))
+    (out / f"p2p.rank{rank}.json").write_text(json.dumps(seen))
 
 
 def _poll(p2p: P2P, transfer, deadline: float) -> bool:

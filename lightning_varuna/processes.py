@@ -1,0 +1,163 @@
+"""The job's processes: one per device, one default process group, and the collectives Lightning asks for.
+
+:class:`ProcessGroupStrategy` is the part of the strategy that any multi-process strategy has: devices and ranks,
+the default process group (started as Lightning's own ``DDPStrategy`` starts it, with the same private helpers of
+``lightning.fabric``; see the private-API list in ``docs/architecture.md``), and Lightning's barrier, broadcast and
+``sync_dist`` reduction. Once the pipeline exists each collective goes through
+:func:`~lightning_varuna.pipeline.failures.waiting_on_peers`, so a peer that failed or hung turns into a
+:class:`~lightning_varuna.pipeline.failures.PipelineError` that names it, within the job's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+
+from lightning_varuna.pipeline.engine import PipelineEngine
+from lightning_varuna.pipeline.failures import PipelineError, waiting_on_peers
+from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.watchdog import current_watchdog
+
+__all__ = ["ProcessGroupStrategy", "global_grad_norm", "is_initialized", "stop_watching_peers", "waiting",
+           "watch_peers"]
+
+
+class ProcessGroupStrategy(ParallelStrategy):
+    """One process per device of every node on one default process group, with Lightning's collectives over it.
+
+    A subclass sets :attr:`topology` once the pipeline exists; from then on every collective's wait is bounded and
+    its failure names the rank.
+
+    The first five arguments are ``ParallelStrategy``'s (the Trainer sets them); ``process_group_backend`` is
+    ``"gloo"`` or ``"nccl"`` (None: the device's default), ``timeout`` bounds the default group's collectives.
+    """
+
+    def __init__(self, accelerator: Accelerator | None, parallel_devices: list[torch.device] | None,
+                 cluster_environment: ClusterEnvironment | None, checkpoint_io: CheckpointIO | None,
+                 precision_plugin: Precision | None, process_group_backend: str | None, timeout: timedelta) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self.topology: Topology | None = None
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The process group backend in use."""
+        return self._process_group_backend
+
+    def setup_environment(self) -> None:
+        """Sets up the device, then starts the default process group."""
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self._process_group_backend = backend
+
+    def set_world_ranks(self) -> None:
+        """Sets global rank and world size from node rank, local rank and processes per node."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+
+    def barrier(self, name: str | None = None) -> None:
+        """Waits for every process (nothing to wait for without a process group)."""
+        if _distributed_is_initialized():
+            waiting(self.topology, f"a barrier ({name or 'unnamed'})", dist.barrier)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Sends ``obj`` from rank ``src`` to every process."""
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        waiting(self.topology, f"a broadcast from rank {src}", lambda: dist.broadcast_object_list(box, src))
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduces a tensor over all processes as ``sync_dist`` asks (mean by default); anything else as it is."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return waiting(self.topology, "a reduction of logged values (sync_dist)",
+                       lambda: _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return _distributed_is_initialized()
+
+
+def watch_peers(cleanup: Callable[[], None]) -> Callable[[], None] | None:
+    """From now on a failure of another rank ends this one (the engine's watchdog), running ``cleanup`` first.
+
+    Returns:
+        What removes ``cleanup`` again (None without a watchdog).
+
+    Raises:
+        PipelineError: If the job already cannot go on (another rank failed before this one got here).
+    """
+    watchdog = current_watchdog()
+    if watchdog is None:
+        return None
+    verdict = watchdog.activate()
+    if verdict is not None and verdict.origin != watchdog.rank:
+        raise PipelineError(f"rank {watchdog.rank}: the job cannot go on: {verdict.text}.")
+    return watchdog.add_cleanup(cleanup)
+
+
+def stop_watching_peers(forget_cleanup: Callable[[], None] | None, finished: bool) -> None:
+    """Undoes :func:`watch_peers`; once ``finished`` with the peers, this rank may exit before them."""
+    watchdog = current_watchdog()
+    if watchdog is not None and finished:
+        watchdog.deactivate("finished")
+    if forget_cleanup is not None:
+        forget_cleanup()
+
+
+def waiting(topology: Topology | None, what: str, wait: Callable[[], Any]) -> Any:
+    """Runs a collective; once the pipeline exists, its failure becomes a ``PipelineError`` naming this rank."""
+    if topology is None:  # before the pipeline exists (the dry run's broadcast of timings)
+        return wait()
+    return waiting_on_peers(topology, what, wait)
+
+
+def global_grad_norm(engine: PipelineEngine, topology: Topology) -> Tensor:
+    """The L2 norm of the whole model's gradient: every stage's share summed over the pipeline."""
+    total = engine.local_grad_norm_sq()
+    if topology.pipeline_size > 1:
+        waiting_on_peers(topology, "summing the gradient norm over stages",
+                         lambda: dist.all_reduce(total, group=topology.pipe_group))
+    return total.sqrt()
