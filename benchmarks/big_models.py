@@ -16,9 +16,9 @@ One command runs everything (under the benchmark lock; each trial's memory is ca
   next to its parameter, gradient, optimizer-state and activation bytes; and the setup time (model
   construction to the first step). ``--runs`` runs of each.
 - ``largest``: the largest GPT (more layers of the same width) that trains 2 steps within the memory budget
-  (``--budget-gib``, the job's total proportional set size), for P=4 with SGD and P=8 with AdamW, both ways.
-  The search starts from a size predicted by the ``memory`` runs and steps one size up and down until the
-  boundary is found; every trial is kept.
+  (``--budget-gib``, the job's total proportional set size, 10 GiB by default), for P=4 with SGD and P=8 with
+  AdamW, both ways. A coarse bisection from a predicted size finds the boundary within a tenth of the layers
+  (at most ``--max-trials`` trials per build); every trial is kept.
 
 Memory caps: each trial runs under ``prlimit --as`` (per process) and a watchdog that kills the whole job as
 soon as its total proportional set size exceeds the budget, so a trial too large for the machine fails on its
@@ -33,7 +33,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -222,35 +221,48 @@ def memory(runs: int, budget_gib: float, timeout: float) -> list[dict]:
     return trials
 
 
-def largest(procs: int, optimizer: str, width: int, start: dict[str, int], step: int, budget_gib: float,
-            timeout: float, trials: list[dict], save: Callable[[], None]) -> None:
-    """From a predicted size, one ``step`` of layers at a time: up while it fits, down while it does not.
+def largest(procs: int, optimizer: str, width: int, start: dict[str, int], budget_gib: float, timeout: float,
+            trials: list[dict], save: Callable[[], None], max_trials: int = 4) -> None:
+    """The largest number of layers that fits, for each build, by a coarse bisection from a predicted size.
 
+    Up by a quarter while it fits (down by a fifth while it does not) until a fitting and a failing size bracket
+    the boundary, then halving the bracket until it is within a tenth, at most ``max_trials`` trials per build.
     Each trial is appended to ``trials`` and saved as soon as it ends.
     """
     for build in ("init", "configure"):
-        layers = start[build]
-        first = trial(layers, width, procs, optimizer, build, budget_gib, timeout)
-        trials.append(first)
-        save()
-        direction = step if first["fits"] else -step
-        while layers + direction >= procs:
-            layers += direction
+        fits, fails, layers = 0, None, max(procs, start[build])
+        for _ in range(max_trials):
             result = trial(layers, width, procs, optimizer, build, budget_gib, timeout)
             trials.append(result)
             save()
-            if result["fits"] != first["fits"]:
+            if result["fits"]:
+                fits = layers
+            else:
+                fails = layers
+            if fails is None:
+                layers = max(layers + 1, round(layers * 1.25))
+            elif not fits:
+                if fails == procs:  # not even one layer per stage fits
+                    break
+                layers = max(procs, min(fails - 1, round(fails * 0.8)))
+            elif fails - fits <= max(1, fits // 10):
                 break
+            else:
+                layers = (fits + fails) // 2
 
 
-def _predict(trials: list[dict], procs: int, optimizer: str, width: int, budget_gib: float) -> dict[str, int]:
-    """Layers that should just fit, from the memory runs: the job's peak PSS as fixed + per-parameter bytes."""
-    state = {"sgd": 2, "adamw": 4}[optimizer]  # parameter, gradient (+ 2 AdamW moments) per parameter, over P
-    base = statistics.median(r["base_mib"] for t in trials for r in t["ranks"]) / 1024
+def _predict(procs: int, optimizer: str, width: int, budget_gib: float) -> dict[str, int]:
+    """Layers that should just fit, each build: the first size the search tries.
+
+    From the memory runs: built in ``__init__`` every process holds about 1.35x the whole model at its peak;
+    built in ``configure_model`` the job holds about 1.1x the parameters, gradients and optimizer state in all;
+    each process starts at about 0.55 GiB before the model.
+    """
+    copies = {"sgd": 2, "adamw": 4}[optimizer]  # parameter, gradient (+ 2 AdamW moments), over all stages
+    free = budget_gib - 0.55 * procs
     per_layer = 12 * width * width * 4 / GIB
-    budget = budget_gib - procs * base * 0.6  # the processes' own memory, libraries shared
-    return {"init": max(procs, int(budget / (procs * per_layer))),
-            "configure": max(procs, int(budget / (state * per_layer)))}
+    return {"init": max(procs, int(free / (1.35 * procs * per_layer))),
+            "configure": max(procs, int(free / (1.1 * copies * per_layer)))}
 
 
 def _mib(value: float) -> str:
@@ -283,19 +295,19 @@ def render(results: dict) -> str:
         best = {}
         for build in ("init", "configure"):
             fitting = [t for t in trials if t["build"] == build and t["fits"]]
-            failing = [t for t in trials if t["build"] == build and not t["fits"]]
             best[build] = max(fitting, key=lambda t: t["params"]) if fitting else None
-            smallest_fail = min(failing, key=lambda t: t["params"]) if failing else None
-            lines.append(f"{name}, {build}: largest that trains: " + (
-                f"{best[build]['layers']} layers x {best[build]['width']}, {best[build]['params'] / 1e9:.2f} B"
-                f" parameters ({best[build]['param_gib']:.2f} GiB), job peak PSS {best[build]['peak_pss_gib']:.1f}"
-                " GiB" if best[build] else "none") + (
-                f"; {smallest_fail['layers']} layers ({smallest_fail['param_gib']:.2f} GiB) does not"
-                f" ({'over the budget' if smallest_fail['killed_over_budget'] else 'failed'})"
-                if smallest_fail else ""))
-        if best["init"] and best["configure"]:
-            lines.append(f"{name}: {best['configure']['params'] / best['init']['params']:.2f}x larger")
-        lines += ["", "| build | stage | params | grads | optimizer | activations (bound) | rest | peak |",
+        ratio = (f"{best['configure']['params'] / best['init']['params']:.2f}x larger"
+                 if best["init"] and best["configure"] else "no ratio")
+        lines += [f"{name}, budget {trials[0]['budget_gib']:g} GiB, every trial in order ({ratio} built in"
+                  " configure_model):", "",
+                  "| build | layers x width | parameters | fp32 GiB | job peak PSS GiB | 2 steps |",
+                  "|---|---|---|---|---|---|"]
+        for t in trials:
+            state = "fit" if t["fits"] else ("over the budget" if t["killed_over_budget"] else "failed")
+            lines.append(f"| {t['build']} | {t['layers']} x {t['width']} | {t['params'] / 1e9:.2f} B |"
+                         f" {t['param_gib']:.2f} | {t['peak_pss_gib']:.1f} | {state} |")
+        lines += ["", f"{name}, the largest that trains, per rank (MiB; peak is the growth of resident memory):", "",
+                  "| build | stage | params | grads | optimizer | activations (bound) | rest | peak |",
                   "|---|---|---|---|---|---|---|---|"]
         for build, t in best.items():
             for r in sorted(t["ranks"] if t else [], key=lambda r: r["stage"]):
@@ -312,8 +324,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "big_models.json"))
     parser.add_argument("--runs", type=int, default=2, help="runs of each memory measurement")
-    parser.add_argument("--budget-gib", type=float, default=20.0,
-                        help="memory a job may use in all, for the largest model that trains")
+    parser.add_argument("--budget-gib", type=float, default=10.0,
+                        help="memory a job may use in all (total PSS of its processes), for the largest model")
+    parser.add_argument("--max-trials", type=int, default=4, help="trials per build in the largest-model search")
     parser.add_argument("--memory-budget-gib", type=float, default=15.0, help="the same for the 2.2 GB model")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per trial")
     parser.add_argument("--only", choices=["memory", "largest"], help="run one part")
@@ -333,21 +346,22 @@ def main() -> None:
     if args.render:
         print(render(results))
         return
-    results["command"] = "flock /work/bench.lock python benchmarks/big_models.py " + " ".join(sys.argv[1:])
+    command = "flock /work/bench.lock python benchmarks/big_models.py " + " ".join(sys.argv[1:])
+    results["command" if args.only != "largest" else "command_largest"] = command
     if args.only in (None, "memory"):
         results["memory"] = memory(args.runs, args.memory_budget_gib, args.timeout)
         out.write_text(json.dumps(results, indent=1))
     if args.only in (None, "largest"):
-        settings = {"p4-sgd": (4, "sgd", 2048, 4), "p8-adamw": (8, "adamw", 1536, 4)}
+        settings = {"p4-sgd": (4, "sgd", 1536), "p8-adamw": (8, "adamw", 768)}
         results.setdefault("largest", {})
-        for name, (procs, optimizer, width, step) in settings.items():
+        for name, (procs, optimizer, width) in settings.items():
             if name not in args.settings.split(","):
                 continue
-            start = _predict(results["memory"], procs, optimizer, width, args.budget_gib)
+            start = _predict(procs, optimizer, width, args.budget_gib)
             print(f"largest {name}: predicted {start} layers of width {width}", flush=True)
             results["largest"][name] = []
-            largest(procs, optimizer, width, start, step, args.budget_gib, args.timeout, results["largest"][name],
-                    lambda: out.write_text(json.dumps(results, indent=1)))
+            largest(procs, optimizer, width, start, args.budget_gib, args.timeout, results["largest"][name],
+                    lambda: out.write_text(json.dumps(results, indent=1)), args.max_trials)
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
 

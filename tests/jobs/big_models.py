@@ -5,7 +5,8 @@
 
 CONFIG is ``name:key=value,...`` with keys of VarunaStrategy plus ``batch``, ``steps``, ``init`` (use this file's
 ``init_weights`` as ``param_init_fn``), ``save_dir`` (a ModelCheckpoint writing ``step4.ckpt`` after step 4),
-``resume`` (a checkpoint path) and ``expect_error`` (the run must fail: its error is recorded instead).
+``resume`` (a checkpoint path) and ``expect_error`` (the run must fail: its error is recorded instead, and the
+rank ends there: such a run must be the job's last).
 ``reference`` trains in one process without the strategy, built in ``__init__`` and loaded from ``weights``.
 The model ties its output head to the embedding under two ``state_dict`` keys (``lm_head.weight`` and
 ``wte.weight``, as Hugging Face models do) and adds a position signal computed from a non-persistent buffer.
@@ -131,11 +132,18 @@ def run(out: Path, spec: str) -> None:
         result.update(losses=recorder.losses, initial=recorder.initial, stage=trainer.strategy.topology.stage
                       if not reference else 0)
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if expect_error:
+        # A rank whose fit failed is a failed rank: the watchdog ends it, non-zero, moments later (and torchrun
+        # then stops the others, perhaps before they record their own error). Its error is recorded: end here.
+        os._exit(0)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     directory = Path(sys.argv[1])
     directory.mkdir(parents=True, exist_ok=True)
-    for spec in sys.argv[2:]:
+    specs = sys.argv[2:]
+    if any("expect_error" in spec for spec in specs[:-1]):
+        raise SystemExit("an expect_error run must be the job's last")
+    for spec in specs:
         run(directory, spec)
