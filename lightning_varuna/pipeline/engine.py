@@ -15,7 +15,6 @@ Typical use, on every rank of an initialised process group::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -23,28 +22,34 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_varuna.pipeline.autoconfig import AutoConfig, OptimizerSpec, choose
+from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples, split_batch
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.costs import DeviceRates
-from lightning_varuna.pipeline.cut import CutPoint, CutPointError, install_cut_at
+from lightning_varuna.pipeline.cut import CutPoint, install_cut_at
 from lightning_varuna.pipeline.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.executor import StageExecutor
 from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
 from lightning_varuna.pipeline.grad_sync import GradientSync
-from lightning_varuna.pipeline.materialize import ParamInitFn, has_meta_tensors, materialize, on_meta, to_meta
+from lightning_varuna.pipeline.materialize import (
+    ParamInitFn,
+    explained_meta_errors,
+    has_meta_tensors,
+    materialize,
+    on_meta,
+    to_meta,
+)
 from lightning_varuna.pipeline.no_trace import no_trace
 from lightning_varuna.pipeline.p2p import P2P, HostStaging
 from lightning_varuna.pipeline.partition import (
-    PartitionError,
     Plan,
     Trace,
     check_pipeline_size,
@@ -62,52 +67,6 @@ from lightning_varuna.pipeline.watchdog import current_watchdog, watch_job
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
 
 log = logging.getLogger(__name__)
-
-
-def batch_size_of(batch: Any) -> int:
-    """The size of dimension 0 of the first tensor in ``batch``."""
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
-    raise ValueError("The batch holds no tensor with a batch dimension; it cannot be split into micro-batches.")
-
-
-def split_batch(batch: Any, chunks: int) -> list[Any]:
-    """Splits every tensor of ``batch`` along dimension 0 into ``chunks`` near-equal parts.
-
-    Other values (strings, numbers) are shared by all parts.
-    """
-    leaves, spec = tree_flatten(batch)
-    size = batch_size_of(batch)
-    parts = [
-        leaf.tensor_split(chunks) if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size else None
-        for leaf in leaves
-    ]
-    return [
-        tree_unflatten([p[k] if p is not None else leaf for p, leaf in zip(parts, leaves)], spec) for k in range(chunks)
-    ]
-
-
-def first_samples(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of every batch-sized tensor in ``batch``."""
-    size = batch_size_of(batch)
-    leaves, spec = tree_flatten(batch)
-    return tree_unflatten(
-        [x[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x for x in leaves], spec
-    )
-
-
-def samples(batch: Any, n: int) -> Any:
-    """A batch of ``n`` samples made from ``batch``: its first ``n``, or it repeated along dimension 0."""
-    size = batch_size_of(batch)
-    if n <= size:
-        return first_samples(batch, n)
-    copies = -(-n // size)
-    leaves, spec = tree_flatten(batch)
-    return tree_unflatten(
-        [torch.cat([x] * copies)[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x
-         for x in leaves], spec
-    )
 
 
 @dataclass
@@ -312,7 +271,7 @@ class PipelineEngine:
         with no_trace(self.module, self.device):  # the dry run changes no state of the model, nor the RNGs
             if self.built_on_meta:
                 meta_batch = to_meta(sample_batch)
-                with on_meta(self.module), _explained_meta_errors():
+                with on_meta(self.module), explained_meta_errors():
                     trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(meta_batch, n)),
                                                     cut_names=cut_names)
             else:
@@ -564,33 +523,5 @@ class PipelineEngine:
         self._stand_ins = []
 
 
-@contextlib.contextmanager
-def _explained_meta_errors() -> Iterator[None]:
-    """Says why a step fails on meta tensors (the model was built on the meta device) and what to change."""
-    try:
-        yield
-    except (CutPointError, PartitionError):
-        raise
-    except Exception as err:  # noqa: BLE001 - user code on meta tensors: any error, re-raised with the reason
-        raise PartitionError(
-            "The model's parameters are on the meta device, so the dry run runs the step on meta tensors (shapes"
-            f" without values), and it failed: {type(err).__name__}: {err}. Create tensors on the device of the"
-            " step's inputs (x.device), and keep reads of values (.item(), printing, branches on values) out of the"
-            " step or behind `if not x.is_meta`."
-        ) from err
-
-
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def default_loss(output: Any) -> Tensor:
-    """The loss in a step's output: the tensor itself, or ``output["loss"]``."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    raise CutPointError(
-        f"The step returned a {type(output).__name__}; for training it must return the loss tensor or a dict"
-        " with a 'loss' tensor."
-    )

@@ -28,7 +28,11 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils._pytree import tree_map
 
+from lightning_varuna.pipeline.cut import CutPointError
+from lightning_varuna.pipeline.partition import PartitionError
+
 __all__ = [
+    "explained_meta_errors",
     "ParamInitFn", "has_meta_tensors", "materialize", "module_seed", "move_real_tensors", "on_meta",
     "parameters_on_meta", "to_meta",
 ]
@@ -201,3 +205,19 @@ def _whole(owner: nn.Module, device: torch.device) -> Iterator[None]:
         yield
     finally:
         _replace(owner, originals)
+
+
+@contextlib.contextmanager
+def explained_meta_errors() -> Iterator[None]:
+    """Says why a step fails on meta tensors (the model was built on the meta device) and what to change."""
+    try:
+        yield
+    except (CutPointError, PartitionError):
+        raise
+    except Exception as err:  # noqa: BLE001 - user code on meta tensors: any error, re-raised with the reason
+        raise PartitionError(
+            "The model's parameters are on the meta device, so the dry run runs the step on meta tensors (shapes"
+            f" without values), and it failed: {type(err).__name__}: {err}. Create tensors on the device of the"
+            " step's inputs (x.device), and keep reads of values (.item(), printing, branches on values) out of the"
+            " step or behind `if not x.is_meta`."
+        ) from err
