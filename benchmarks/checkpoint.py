@@ -89,7 +89,9 @@ def build_gpt(n_layer: int, n_embd: int):
     from model import GPT
 
     torch.manual_seed(1234)
-    return GPT(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
+    model = GPT(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
+    model.configure_model()  # built whole, here: the same model for every version of the package measured
+    return model
 
 
 def make_loader(num_batches: int, replicas: int, batch: int = BATCH, length: int = 64):
