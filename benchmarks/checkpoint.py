@@ -89,7 +89,9 @@ def build_gpt(n_layer: int, n_embd: int):
     from model import GPT
 
     torch.manual_seed(1234)
-    return GPT(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
+    model = GPT(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
+    model.configure_model()  # built whole, here: the same model for every version of the package measured
+    return model
 
 
 def make_loader(num_batches: int, replicas: int, batch: int = BATCH, length: int = 64):
@@ -176,15 +178,13 @@ def _writer_pid(trainer) -> int | None:
 
 
 def _strategy(mode: str):
-    import inspect
-
     from lightning_varuna import VarunaStrategy
 
     options = {"pipeline_parallel_size": 2, "num_microbatches": MICROBATCHES,
                "async_checkpoint": mode.startswith("async")}
     if mode.endswith("-unverified"):
         options["verify_checkpoints"] = False
-    if "verify_checkpoints" in inspect.signature(VarunaStrategy).parameters:
+    if _has_verify_option():
         options.setdefault("verify_checkpoints", True)
     return VarunaStrategy(**options)
 
@@ -291,8 +291,17 @@ def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
+def _has_verify_option() -> bool:
+    import inspect
+
+    from lightning_varuna import VarunaStrategy
+
+    return "verify_checkpoints" in inspect.signature(VarunaStrategy).parameters
+
+
 def modes_of(args) -> list[str]:
-    extra = ["blocking-unverified", "async-unverified"] if args.unverified else []
+    unverified = args.unverified and _has_verify_option()
+    extra = ["blocking-unverified", "async-unverified"] if unverified else []
     return MODES + extra + [f"idle-cpu-{n}" for n in args.idle_cpu_ms]
 
 
@@ -337,9 +346,9 @@ def worker(args) -> dict | None:
     return {"rounds": rounds, "checkpoint_bytes": size, "wall_s": time.monotonic() - started}
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, cwd: Path = ROOT) -> str | None:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -400,15 +409,16 @@ def main(argv=None) -> int:
     out = worker(args)
     if out is None:
         return 0
+    package = Path(__import__("lightning_varuna").__file__).parent  # PYTHONPATH may point at another version
     out.update(
         command=" ".join([f"torchrun --standalone --nproc-per-node={os.environ['WORLD_SIZE']} benchmarks/checkpoint.py",
                           *(argv or sys.argv[1:])]),
         world_size=int(os.environ["WORLD_SIZE"]),
         config={k: getattr(args, k) for k in ("rounds", "warmup", "every", "saves", "n_layer", "n_embd",
                                               "accelerator_like", "idle_cpu_ms", "timed_writes", "unverified")},
-        package=str(Path(__import__("lightning_varuna").__file__).parent),  # PYTHONPATH may point elsewhere
-        package_commit=_git("rev-parse", "HEAD"),
-        package_uncommitted_changes=_git("status", "--porcelain", "--", "lightning_varuna"),
+        package=str(package),
+        package_commit=_git("rev-parse", "HEAD", cwd=package),
+        package_uncommitted_changes=_git("status", "--porcelain", "--", ".", cwd=package),
         loadavg=os.getloadavg(),
     )
     out["table_md"] = render(out)

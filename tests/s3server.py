@@ -8,6 +8,7 @@ publication of a checkpoint must survive being interrupted in. Needs the test ex
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 BUCKET = "checkpoints"
+CLIENT_LIMITS = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}
+"""botocore's limits for the tests' requests: a server that stops answering fails a request within about two
+minutes instead of botocore's retries stretching it (each test's own timeout bounds it anyway)."""
 
 
 @contextlib.contextmanager
@@ -27,7 +31,8 @@ def s3_server(timeout: float = 60.0) -> Iterator[dict[str, str]]:
     """Starts the server with one bucket; yields the environment that points s3fs at it (set here too).
 
     The server is a process of its own (``python -m moto.server``): in this process its request threads would
-    compete for the GIL with the client's.
+    compete for the GIL with the client's. Skips the test where ``moto[server]`` or ``s3fs`` is not installed;
+    raises if the server does not answer within ``timeout`` seconds.
     """
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
@@ -41,7 +46,8 @@ def s3_server(timeout: float = 60.0) -> Iterator[dict[str, str]]:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "FSSPEC_S3_ENDPOINT_URL": url}  # read by fsspec when a process imports it
+           "FSSPEC_S3_ENDPOINT_URL": url,  # read by fsspec when a process imports it
+           "FSSPEC_S3_CONFIG_KWARGS": json.dumps(CLIENT_LIMITS)}
     saved = {key: os.environ.get(key) for key in env}
     try:
         deadline = time.monotonic() + timeout
@@ -54,7 +60,7 @@ def s3_server(timeout: float = 60.0) -> Iterator[dict[str, str]]:
                     raise RuntimeError(f"moto's server did not start (exit code {server.poll()})") from None
                 time.sleep(0.2)
         os.environ.update(env)
-        fsspec.config.conf["s3"] = {"endpoint_url": url}  # this process imported fsspec already
+        fsspec.config.conf["s3"] = {"endpoint_url": url, "config_kwargs": CLIENT_LIMITS}  # imported already
         s3fs.S3FileSystem.clear_instance_cache()
         fsspec.filesystem("s3").mkdir(BUCKET)
         yield env

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoint_outcomes import ended_on, own_errors
 from launch import JOBS, ROOT, _env, torchrun
 from s3server import fresh_prefix, s3_server
 
@@ -86,35 +87,39 @@ def test_a_job_stopped_inside_a_publication_resumes_from_the_newest_complete_che
 @pytest.mark.slow
 def test_damaged_checkpoints_are_refused_on_every_rank_and_last_falls_back(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
-    torchrun("checkpoint_faults.py", str(tmp_path),
-             f"train:folder={folder},steps=4,keep_every=3",  # last.ckpt = step 4, step=3.ckpt
-             f"damage:target={folder / 'last.ckpt'}",
-             f"explicit:kind=train,folder={folder},steps=5,ckpt={folder / 'last.ckpt'}",
-             f"fallback:kind=train,folder={folder},steps=5,ckpt=last,keep_every=3",
-             f"damage:target={folder / 'last.ckpt'}", f"damage:target={folder / 'step=3.ckpt'}",
-             f"all-bad:kind=train,folder={folder},steps=6,ckpt=last",
-             f"unverified:kind=train,folder={folder},steps=6,ckpt={folder / 'step=3.ckpt'},verify_checkpoints=false",
-             f"nan:kind=train,folder={tmp_path / 'nan'},steps=3,nan_at=2", nproc=2, timeout=500)
-    explicit = _ranks(tmp_path, "explicit")
-    refused = max(r["fit_end"] for r in explicit) - min(r["fit_start"] for r in explicit)
-    for run in explicit:
-        assert "last.ckpt: " in run["error"] and "checksum mismatch" in run["error"], run["error"]
-        assert run["start"] is None  # nothing trained
+    last = folder / "last.ckpt"
+    # each scenario that ends on an error ends its job (see checkpoint_outcomes), so it comes last in one
+    runs = (
+        [f"train:folder={folder},steps=4,keep_every=3",  # last.ckpt = step 4, step=3.ckpt
+         f"damage:target={last}",
+         f"fallback:kind=train,folder={folder},steps=5,ckpt=last,keep_every=3",
+         f"damage:target={last}", f"damage:target={folder / 'step=3.ckpt'}",
+         f"unverified:kind=train,folder={tmp_path / 'unverified'},steps=6,ckpt={folder / 'step=3.ckpt'},"
+         "verify_checkpoints=false",
+         f"all-bad:kind=train,folder={folder},steps=6,ckpt=last"],
+        [f"explicit:kind=train,folder={folder},steps=6,ckpt={last}"],
+        [f"nan:kind=train,folder={tmp_path / 'nan'},steps=3,nan_at=2"],
+    )
+    jobs = [torchrun("checkpoint_faults.py", str(tmp_path), *run, nproc=2, timeout=500, check=False) for run in runs]
+    output = "".join(job.stdout + job.stderr for job in jobs)
     fallback = _ranks(tmp_path, "fallback")
     for run in fallback:  # every rank warns, and resumes at step 3 (one step lost to the damage)
         assert run["error"] is None and run["start"] == 3 and run["steps"] == [4, 5], run
         assert any("checksum mismatch" in w and "Falling back to" in w and "step=3.ckpt" in w for w in run["warnings"])
-    all_bad = _ranks(tmp_path, "all-bad")
-    for run in all_bad:
+    assert [r["start"] for r in _ranks(tmp_path, "unverified")] == [3, 3]  # verify_checkpoints=False loads it
+    assert not ended_on(tmp_path, "all-bad", 2, output, f'Could not load ckpt_path="last" ({last}): {last}: ')
+    for run in own_errors(tmp_path, "all-bad", 2).values():
         error = run["error"]
-        last = folder / "last.ckpt"
-        assert error.startswith(f'Could not load ckpt_path="last" ({last}): {last}: '), error
         assert "step=3.ckpt" in error and error.count("checksum mismatch") == 2, error
         assert sum("Falling back" in w for w in run["warnings"]) == 1, run["warnings"]
-    assert [r["start"] for r in _ranks(tmp_path, "unverified")] == [3, 3]  # verify_checkpoints=False loads it
-    nan = _ranks(tmp_path, "nan")
-    for run in nan:  # refused at step 2 on every rank; last.ckpt stays at step 1
-        assert "NaN or infinite" in run["error"] and run["global_step"] == 2, run
+    assert not ended_on(tmp_path, "explicit", 2, output, f"{last}: "), output[-6000:]
+    explicit = own_errors(tmp_path, "explicit", 2).values()
+    refused = max(r["fit_end"] - r["fit_start"] for r in explicit)
+    for run in explicit:
+        assert "checksum mismatch" in run["error"] and run["start"] is None, run  # nothing trained
+    # NaN parameters at step 2: refused on every rank; last.ckpt stays at step 1
+    assert not ended_on(tmp_path, "nan", 2, output, "NaN or infinite"), output[-6000:]
+    assert all(run["global_step"] == 2 for run in own_errors(tmp_path, "nan", 2).values())
     assert _step(str(tmp_path / "nan" / "last.ckpt")) == 1
     assert sorted(_names(str(tmp_path / "nan"))) == ["last.ckpt"]
     print(f"\ndamaged last.ckpt: an explicit path refused {refused:.1f} s after fit() was called (setup and the"

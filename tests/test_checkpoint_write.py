@@ -74,6 +74,8 @@ def test_written_checkpoint_is_dcps_format_with_a_checksum_per_item(tmp_path: Pa
     assert checksums["algorithm"] == "crc32" and set(checksums["items"]) == keys
     assert set(checksums["files"]) == {META, INDEX}
     assert checksums["items"]["state_dict.transposed"] == tensor_checksum(state["state_dict"]["transposed"])
+    # whoever finds the directory learns how to load it (Lightning's own loader reads single files)
+    assert "lightning_varuna.load_from_checkpoint" in (tmp_path / "ckpt" / "README.txt").read_text()
     # DCP's own reader and tools read it
     dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "plain.pt")
     _assert_same(state, torch.load(tmp_path / "plain.pt", weights_only=False))
