@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_outcomes import ended_on, own_errors
-from launch import JOBS, ROOT, _env, torchrun
+from launch import JOBS, ROOT, _env, nccl_rules, torchrun
 from s3server import fresh_prefix, s3_server
 
 from lightning_varuna.checkpoint import Location, is_complete
@@ -143,10 +143,9 @@ def _wait_for(path: Path, job: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
-def test_a_second_job_on_a_checkpoint_folder_is_refused_and_a_dead_jobs_lease_is_taken_over(tmp_path: Path) -> None:
-    folder = tmp_path / "ckpt"
-    first = _start(tmp_path, f"first:kind=train,folder={folder},steps=6,wait_at=3")
+def _first_job_holds_then_dies(tmp_path: Path, folder: Path, environment: dict[str, str]) -> float:
+    """A first job holds the folder's lease; a second is refused (returns how soon); the first dies holding it."""
+    first = _start(tmp_path, f"first:kind=train,folder={folder},steps=6,wait_at=3", env=environment)
     try:
         for rank in range(2):  # steps 1-3 saved; waits before step 4, holding the lease
             _wait_for(tmp_path / f"first.waiting.rank{rank}", first)
@@ -166,6 +165,15 @@ def test_a_second_job_on_a_checkpoint_folder_is_refused_and_a_dead_jobs_lease_is
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
+    return refused
+
+
+@pytest.mark.slow
+def test_a_second_job_on_a_checkpoint_folder_is_refused_and_a_dead_jobs_lease_is_taken_over(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    environment: dict[str, str] = {}
+    with nccl_rules(environment):  # the first job's completed steps are replayed under NCCL's rules
+        refused = _first_job_holds_then_dies(tmp_path, folder, environment)
     # a new start takes the dead job's lease over at once and resumes from its checkpoint
     torchrun("checkpoint_faults.py", str(tmp_path), f"restart:kind=train,folder={folder},steps=5,ckpt=last",
              nproc=2, timeout=300)
