@@ -27,8 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"
 
 
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                     "NODE_RANK", "TORCHELASTIC_RUN_ID")
+
+
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
+    # an in-process fit in this worker leaves Lightning's MASTER_PORT (and rank variables) in os.environ, with
+    # its store possibly still listening there: a job started from here must choose its own
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = "ignore"
