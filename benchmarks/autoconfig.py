@@ -2,8 +2,8 @@
 
 Run from the repository root (it starts its own ``torchrun`` job: 4 processes, gloo, 1 thread each)::
 
-    flock /work/bench.lock python benchmarks/autoconfig.py --out benchmarks/results/autoconfig.json
-    flock /work/bench.lock python benchmarks/autoconfig.py --link netem --rate 100mbit \\
+    python benchmarks/autoconfig.py --out benchmarks/results/autoconfig.json
+    python benchmarks/autoconfig.py --link netem --rate 100mbit \\
         --out benchmarks/results/autoconfig_netem.json      # as root: two "nodes" joined by a shaped link
 
 What it does:

@@ -9,7 +9,7 @@ Compares the example GPT (``examples/gpt/model.py``) built two ways, under ``Var
 
 One command runs everything (under the benchmark lock; each trial's memory is capped, see below)::
 
-    flock /work/bench.lock python benchmarks/big_models.py --out benchmarks/results/big_models.json
+    python benchmarks/big_models.py --out benchmarks/results/big_models.json
 
 - ``memory``: a 2.2 GB (fp32) GPT, P=4 on 4 processes, SGD, batch 8 x 16 tokens: each rank's peak resident
   memory (growth over the process's resident memory before the model exists) during setup and through 2 steps,
@@ -346,7 +346,7 @@ def main() -> None:
     if args.render:
         print(render(results))
         return
-    command = "flock /work/bench.lock python benchmarks/big_models.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/big_models.py " + " ".join(sys.argv[1:])
     results["command" if args.only != "largest" else "command_largest"] = command
     if args.only in (None, "memory"):
         results["memory"] = memory(args.runs, args.memory_budget_gib, args.timeout)

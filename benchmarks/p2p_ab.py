@@ -1,6 +1,6 @@
 """A/B of the emulated benchmark: the engine of an earlier commit against this checkout's, runs alternated.
 
-    flock /work/bench.lock python benchmarks/p2p_ab.py --before bda546e --pairs 3 --out benchmarks/results/p2p_ab
+    python benchmarks/p2p_ab.py --before bda546e --pairs 3 --out benchmarks/results/p2p_ab
     python benchmarks/p2p_ab.py --summarize benchmarks/results/p2p_ab
 
 Both sides run this checkout's ``benchmarks/emulated.py`` (it adapts to the earlier engine's API), so only the
