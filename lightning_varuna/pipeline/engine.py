@@ -397,7 +397,7 @@ class PipelineEngine:
         them (:meth:`GradientSync.start <lightning_varuna.pipeline.grad_sync.GradientSync.start>`).
 
         The step may return None to skip its micro-batch: before the model's forward (then for every micro-batch
-        of the batch, on every stage alike: no message is exchanged for them) or, on the last stage, after the loss
+        of the batch, on every stage alike: no activation or gradient is exchanged) or, on the last stage, after the loss
         (a zero gradient goes back). Such micro-batches have None in ``StepResult.outputs``; to drop the batch,
         the caller discards its gradient (and :meth:`discard_gradient_sync` after ``start_sync``).
         """
