@@ -397,8 +397,8 @@ class PipelineEngine:
         them (:meth:`GradientSync.start <lightning_varuna.pipeline.grad_sync.GradientSync.start>`).
 
         The step may return None to skip its micro-batch: before the model's forward (then for every micro-batch
-        of the batch, on every stage alike: no activation or gradient is exchanged) or, on the last stage, after the loss
-        (a zero gradient goes back). Such micro-batches have None in ``StepResult.outputs``; to drop the batch,
+        of the batch, on every stage alike: no activation or gradient is exchanged) or, on the last stage, after the
+        loss (a zero gradient goes back). Such micro-batches have None in ``StepResult.outputs``; to drop the batch,
         the caller discards its gradient (and :meth:`discard_gradient_sync` after ``start_sync``).
         """
         return self._run(batch, step, train=True, loss_of=loss_of, loss_scale=loss_scale,
