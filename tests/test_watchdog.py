@@ -124,6 +124,22 @@ def test_a_rank_whose_step_failed_is_ended_only_after_its_grace(server) -> None:
     stop_all(ranks)
 
 
+def test_an_error_every_rank_raises_ends_no_peer_and_the_job_may_go_on(server) -> None:
+    # e.g. a checkpoint write that failed: the ranks agreed on it, and each raises it itself; rank 0 reports it
+    # first (the others are still on their way to raising it), then its process ends
+    ranks = ring(server, 3, grace=0.3)
+    ranks[0].report(RuntimeError("Could not write checkpoint"), cause=True, agreed=True)
+    time.sleep(0.1)  # the message travels before the close
+    ranks[0].die()
+    time.sleep(0.6)  # past the settling time and the grace
+    assert not any(r.ended.is_set() for r in ranks[1:]) and all(r.verdict is None for r in ranks)
+    ranks[1].report(RuntimeError("Could not write checkpoint"), cause=True, agreed=True)
+    time.sleep(0.6)
+    assert not ranks[1].ended.is_set()  # caught: it may go on
+    assert ranks[1].activate() is None and ranks[2].activate() is None  # a new fit starts clean
+    stop_all(ranks[1:])
+
+
 def test_a_lost_peer_reported_while_the_cause_is_on_its_way_does_not_hide_the_cause(server) -> None:
     ranks = ring(server, 4, settle=5.0)
     ranks[0].report(ConnectionError("Connection closed by peer"), cause=False)  # a symptom: it settles

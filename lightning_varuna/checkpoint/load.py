@@ -37,6 +37,7 @@ from lightning_varuna.checkpoint.state import (
     plain_to_flat,
 )
 from lightning_varuna.checkpoint.storage import INDEX, META, Location, is_complete, read_meta, single_process_quiet
+from lightning_varuna.pipeline.failures import raised_on_every_rank
 
 __all__ = ["check_files", "load", "read_everything", "read_items", "resolve"]
 
@@ -90,12 +91,12 @@ def load(
             if i + 1 < len(candidates):  # every rank says so: a rank's log may be the only one read
                 warnings.warn(f"{err} Falling back to {candidates[i + 1]}.", stacklevel=2)
     if len(candidates) == 1:
-        raise CheckpointError(failures[0])
+        raise raised_on_every_rank(CheckpointError(failures[0]))
     tried = " ".join(f"({n}) {failure}" for n, failure in enumerate(failures[1:], 2))
-    raise CheckpointError(
+    raise raised_on_every_rank(CheckpointError(
         f"Could not load {requested or candidates[0]}: {failures[0]} Every other checkpoint of the run was tried"
         f" and failed too: {tried}"
-    )
+    ))
 
 
 def _rank() -> int:
@@ -112,7 +113,7 @@ def _agree(problem: str | None, extra: Any = None) -> list[Any]:
     dist.all_gather_object(gathered, (problem, extra))
     for error, _ in gathered:
         if error is not None:
-            raise CheckpointError(error)
+            raise raised_on_every_rank(CheckpointError(error))
     return [e for _, e in gathered]
 
 

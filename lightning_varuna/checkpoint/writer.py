@@ -25,6 +25,7 @@ from lightning_varuna.checkpoint.lease import LeaseTicket
 from lightning_varuna.checkpoint.publish import remove_quietly
 from lightning_varuna.checkpoint.state import CheckpointError, Groups, split_shards
 from lightning_varuna.checkpoint.storage import Location, to_bytes
+from lightning_varuna.pipeline.failures import raised_on_every_rank
 
 __all__ = ["CheckpointWriter"]
 
@@ -106,7 +107,7 @@ class CheckpointWriter:
         self.wait()
         error = self._take_error()  # agreed by every rank at the end of that write
         if error is not None:
-            raise CheckpointError(f"The previous checkpoint could not be written: {error}")
+            raise raised_on_every_rank(CheckpointError(f"The previous checkpoint could not be written: {error}"))
         meta, problem = None, None
         if dist.get_rank() == 0:
             try:
@@ -124,7 +125,7 @@ class CheckpointWriter:
             error = write_job(job, None)
             if error is not None:
                 log.error(f"Writing checkpoint {target} failed ({error}); older checkpoints are kept.")
-                raise CheckpointError(f"Could not write checkpoint {target}: {error}")
+                raise raised_on_every_rank(CheckpointError(f"Could not write checkpoint {target}: {error}"))
             return
         tensors: list[Tensor] = []
         job.shards = hollow(shards, tensors)

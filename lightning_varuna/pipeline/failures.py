@@ -22,7 +22,8 @@ from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.watchdog import SETTLE_S, current_watchdog
 
 __all__ = [
-    "PipelineError", "check_job", "destroy_process_groups_at_exit", "finish_together", "peer_error", "report_failure",
+    "PipelineError", "check_job", "destroy_process_groups_at_exit", "finish_together", "peer_error",
+    "raised_on_every_rank", "report_failure",
     "waiting_on_peers",
 ]
 
@@ -31,6 +32,7 @@ _FINISH_KEY = "lightning_varuna/finish/"
 _exit = {"registered": False, "failed": False}
 _runs = itertools.count()
 _T = TypeVar("_T")
+_E = TypeVar("_E", bound=BaseException)
 
 
 class PipelineError(RuntimeError):
@@ -59,6 +61,16 @@ def _destroy_process_groups() -> None:
         pass
 
 
+def raised_on_every_rank(error: _E) -> _E:
+    """Marks ``error`` as raised by every rank alike, at the same point, after the ranks agreed on it.
+
+    :func:`report_failure` then ends no other rank: each raises the error itself, and a process that catches it
+    may go on (e.g. call ``fit`` again).
+    """
+    error.raised_on_every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
 def report_failure(error: BaseException) -> None:
     """Leaves this rank's error in the job's store, so peers that lose contact can say what happened.
 
@@ -67,10 +79,11 @@ def report_failure(error: BaseException) -> None:
     peer), so that peers quote the cause rather than another rank's report of it. The watchdog, if running,
     passes it to every rank (a lost peer only once the cause had a moment to arrive first).
     """
-    _exit["failed"] = True
+    agreed = getattr(error, "raised_on_every_rank", False)
+    _exit["failed"] = _exit["failed"] or not agreed  # every peer is alive after an agreed error
     watchdog = current_watchdog()
     if watchdog is not None:
-        watchdog.report(error, cause=not _lost_peer(error))
+        watchdog.report(error, cause=not _lost_peer(error), agreed=agreed)
     try:
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()

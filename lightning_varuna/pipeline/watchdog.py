@@ -192,14 +192,20 @@ class Watchdog:
         self._cleanups.append(cleanup)
         return lambda: self._cleanups.remove(cleanup) if cleanup in self._cleanups else None
 
-    def report(self, error: BaseException, cause: bool) -> None:
+    def report(self, error: BaseException, cause: bool, agreed: bool = False) -> None:
         """This rank failed with ``error``: every rank learns of it at once (see the module's description).
 
         Args:
             error: The error.
             cause: Whether it is a cause (the user's code, an interrupt) rather than a symptom of a lost peer.
+            agreed: Whether every rank raises this same error at the same point (the ranks agreed on it, e.g. a
+                checkpoint write that failed): it ends no other rank, since each raises it itself, and a
+                process that catches it may go on. This rank only says that its exit is no failure.
         """
         text = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
+        if agreed:
+            self.deactivate(f"raised on every rank: {text}")
+            return
         details = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-8000:]
         verdict = Verdict(self.rank, f"rank {self.rank} failed: {text}", cause)
         with self._lock:
