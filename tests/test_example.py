@@ -8,7 +8,9 @@ import sys
 import pytest
 from launch import run_checked
 
-SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+# the CLI reads a number given on the command line as a float: "1" would be 1.0, every validation batch; "2" is
+# 2.0, which Lightning takes as 2 batches
+SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
          "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
 
 
@@ -26,6 +28,7 @@ def test_example_trains_on_four_processes(config: str) -> None:
     output = result.stdout + result.stderr
     assert "VarunaStrategy:" in output and "replica(s)" in output
     assert "`Trainer.fit` stopped: `max_steps=4` reached." in output
+    assert "100% of the batches will be used" not in output
 
 
 def test_strategy_arguments_are_documented_for_the_cli() -> None:
