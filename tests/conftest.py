@@ -6,6 +6,13 @@ import pytest
 import torch.distributed as dist
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that run multi-process jobs first, each module's tests kept together: with ``-n``, the short
+    in-process tests then fill the workers' last minutes instead of one long job running alone at the end."""
+    with_jobs = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module not in with_jobs)
+
+
 @pytest.fixture(autouse=True)
 def _process_group_destroyed_after_each_test():
     """An in-process fit leaves the strategy's process group (as DDP's does); later tests in the worker make theirs."""

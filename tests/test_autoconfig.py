@@ -45,6 +45,10 @@ def _expected(profile: Profile, world: int) -> Candidate:
     return search(profile, Cluster(world, world), Choices(), parse_bytes(MEMORY), GLOBAL_BATCH)[0]
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
+pytestmark = pytest.mark.xdist_group("autoconfig")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, Profile]:
     out = tmp_path_factory.mktemp("autoconfig")

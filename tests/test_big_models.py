@@ -50,6 +50,10 @@ def _write_weights(out: Path) -> dict[str, Path]:
     return paths
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
+pytestmark = pytest.mark.xdist_group("big_models")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("big_models")

@@ -31,6 +31,10 @@ class Stop(Exception):
     """Where the injected crash stops the publication."""
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
+pytestmark = pytest.mark.xdist_group("checkpoint_publish")
+
+
 @pytest.fixture(scope="module")
 def s3() -> Iterator[None]:
     with s3_server():

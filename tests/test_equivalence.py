@@ -70,11 +70,14 @@ LOSS_TOLERANCE = 5e-4
 GRAD_TOLERANCE = 1e-5
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
+pytestmark = pytest.mark.xdist_group("equivalence")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("equivalence")
-    for name, options in REFERENCES.items():
-        python("equivalence.py", str(out), f"{name}:{options}")
+    python("equivalence.py", str(out), *(f"{name}:{options}" for name, options in REFERENCES.items()))
     job = torchrun("equivalence.py", str(out), *(f"{name}:{options}" for name, options in CONFIGS.items()),
                    timeout=900)
     # every training step of every pipelined configuration was replayed under NCCL's rules (P=1 posts nothing)

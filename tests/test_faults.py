@@ -30,6 +30,10 @@ HUNG_TIMEOUT = 5.0
 """p2p_timeout of the hang scenarios."""
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
+pytestmark = pytest.mark.xdist_group("faults")
+
+
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("faults")

@@ -57,6 +57,10 @@ gradient is tiny moves by up to 3e-5 more or less when micro-batching rounds its
 or skipped wrongly moves elements by about lr."""
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
+pytestmark = pytest.mark.xdist_group("lightning_features")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lightning_features")

@@ -81,6 +81,10 @@ def server() -> Iterator[NoticeServer]:
         server.server_close()
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
+pytestmark = pytest.mark.xdist_group("preemption")
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> Iterator[tuple[Path, list[str]]]:
     out = tmp_path_factory.mktemp("preemption")
