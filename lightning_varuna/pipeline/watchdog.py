@@ -26,7 +26,9 @@ the previous rank (a ring over the world; the addresses go through the job's sto
   :data:`SETTLE_S` seconds to arrive first; if none does (a hung rank), every rank ends naming every symptom
   reported meanwhile (which ranks waited on which).
 
-A rank that failed itself is not ended at once: its own error is being raised and reported. If it is still
+An error that every rank raises alike, by agreement (a checkpoint that could not be written), ends no one: the
+rank that reports it only goes idle. A rank that failed itself is not ended at once: its own error is being
+raised and reported. If it is still
 running :data:`GRACE_S` seconds later (stuck in teardown on a peer that is gone), the watchdog prints that
 error and ends it; and its interpreter's shutdown is bounded by :data:`SHUTDOWN_S`.
 
