@@ -28,9 +28,9 @@ the previous rank (a ring over the world; the addresses go through the job's sto
 
 An error that every rank raises alike, by agreement (a checkpoint that could not be written), ends no one: the
 rank that reports it only goes idle. A rank that failed itself is not ended at once: its own error is being
-raised and reported. If it is still
-running :data:`GRACE_S` seconds later (stuck in teardown on a peer that is gone), the watchdog prints that
-error and ends it; and its interpreter's shutdown is bounded by :data:`SHUTDOWN_S`.
+raised and reported. If it is still running :data:`GRACE_S` seconds later (stuck in teardown on a peer that is
+gone), the watchdog prints that error and ends it; and its interpreter's shutdown is bounded by
+:data:`SHUTDOWN_S`.
 
 Nothing here imports Lightning; the strategy (or a user of the engine) drives the states.
 """
