@@ -138,7 +138,9 @@ def build_gpt():
     from model import GPT
 
     torch.manual_seed(1234)
-    return GPT(**CONFIG)
+    gpt = GPT(**CONFIG)
+    gpt.configure_model()  # real layers, initialized here: every system starts from the same weights
+    return gpt
 
 
 class RawPeer:
