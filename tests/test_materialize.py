@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import lightning.pytorch as pl
@@ -14,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from lightning_varuna.pipeline import CutPoint, PartitionError
-from lightning_varuna.pipeline.costs import DeviceRates, Linear, estimated_seconds
+from lightning_varuna.pipeline.costs import CostCounter, DeviceRates, Linear, estimated_seconds
 from lightning_varuna.pipeline.engine import PipelineEngine, first_samples
 from lightning_varuna.pipeline.materialize import (
     has_meta_tensors,
@@ -253,6 +254,37 @@ def test_estimated_costs_balance_stages_without_timing() -> None:
     rates = DeviceRates(flops_per_second=1.0, bytes_per_second=1e30)
     assert estimated_seconds(cost, 64, rates) == pytest.approx(3 * 2 * 64 * 64 * 64)
     assert make_plan(trace, 2, by="params").balanced_by == "params"
+
+
+def test_the_dry_run_on_real_tensors_frees_its_activations_and_counting_keeps_gradients_exact() -> None:
+    # exp and sigmoid save their own outputs for backward: neither counting saved bytes nor the step's result
+    # (the loss, which holds the graph) may keep them alive
+    kept: list[weakref.ref] = []
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.cut, self.b = nn.Linear(8, 8), CutPoint(), nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x).exp()
+            kept.append(weakref.ref(h.untyped_storage()))
+            return self.b(self.cut(torch.sigmoid(h))).sum()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(4, 8)
+    trace = trace_step(model, lambda n: model(first_samples(x, n)))[0]
+    assert trace.costs[0].saved_bytes.per_sample > 0
+    del trace
+    gc.collect()
+    assert len(kept) == 2 and all(ref() is None for ref in kept)
+
+    model(x).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with CostCounter(lambda: 0):
+        model(x).backward()
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
 
 
 def test_a_step_that_reads_values_on_meta_gets_an_error_that_says_why() -> None:

@@ -202,7 +202,10 @@ class CostCounter:
             segment = self.segment()
             self._grow(segment)
             self.saved[segment] += base.numel() * base.element_size()
-        return tensor
+        # An op that saves its own output (exp, sigmoid, layer norm) would otherwise hold that output, whose
+        # grad_fn holds the saved variable: a cycle through C++ that the garbage collector cannot see, so the
+        # dry run's activations outlived it. A detached alias keeps the same data for backward without the cycle.
+        return tensor.detach()
 
     def __enter__(self) -> CostCounter:
         self._flop_mode.__enter__()

@@ -98,7 +98,7 @@ class _Tracer:
         self.crossings: dict[tuple[int, int], str] = {}
         self._stack: list[tuple[str, int]] = []
         self.paused = False
-        self.returned: object = None
+        self.returned_nothing = False
         self._origin = WeakTensorKeyDictionary()
 
     def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
@@ -194,7 +194,10 @@ def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[i
     post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
     try:
         with forward_handler(tracer), _TraceMode(tracer), tracer.costs:
-            tracer.returned = step()
+            # only whether the step returned anything is kept: its result holds the step's autograd graph, whose
+            # saved tensors hold the cost counter's pack hook, which holds this tracer (a cycle through C++ that
+            # the garbage collector cannot see, so the dry run's activations would outlive it)
+            tracer.returned_nothing = step() is None
     finally:
         pre.remove()
         post.remove()
@@ -285,7 +288,7 @@ def trace_step(
         module_segments={k: v for k, v in two.module_segments.items() if k not in two.spanning},
         crossings=two.crossings,
         segment_seconds=seconds,
-        skipped=not cuts and one.returned is None,
+        skipped=not cuts and one.returned_nothing,
         costs=fit_costs(one.costs, two.costs, two.param_segments, params, len(cuts) + 1),
     )
     return trace, list(one.cut_order)
