@@ -20,7 +20,8 @@ What it does:
    network on the 4 ranks and predicts every valid configuration: P in {1, 2, 4}, D = 4 / P, every micro-batch
    size that divides the replica's batch (global batch ``--global-batch``), the three schedules, recompute on and
    off. The memory limit (``--memory-limit``, default: the 60th percentile of the predicted peaks, so that the
-   largest configurations are ruled out) decides the auto choice: the fastest predicted that fits.
+   largest configurations are ruled out) decides the auto choice: the fastest predicted whose every stage's
+   peak is within the planner's budget (the limit less its 10% reserve).
 4. Measures every configuration (built by the engine with the planner's stages, AdamW on its stage): ``--rounds``
    rounds, each building every configuration in turn (the order rotated between rounds), one warm-up step,
    ``--steps`` timed steps and one untimed memory step in which the heap in use (glibc ``mallinfo2``) is sampled
@@ -176,6 +177,7 @@ def worker(args) -> int:
     from lightning_varuna.pipeline.autoconfig import choose
     from lightning_varuna.pipeline.config import EngineConfig
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
+    from lightning_varuna.pipeline.memory import planning_budget
     from lightning_varuna.pipeline.partition import trace_step
     from lightning_varuna.pipeline.planner import Choices, search
     from lightning_varuna.pipeline.profile import Profile
@@ -205,7 +207,7 @@ def worker(args) -> int:
         auto.profile.save(args.emulated_profile)
     peaks = sorted(max(c.peak_bytes) for c in auto.ranking)
     limit = args.memory_limit or peaks[int(0.6 * (len(peaks) - 1))]
-    ranking = search(auto.profile, auto.cluster, Choices(), limit, G)
+    ranking = search(auto.profile, auto.cluster, Choices(), planning_budget(limit), G)  # as the engine plans
     dist.barrier(group=group)
     model = None  # free it before the configurations are built
 

@@ -52,7 +52,7 @@ from lightning_varuna.pipeline.materialize import (
     parameters_on_meta,
     to_meta,
 )
-from lightning_varuna.pipeline.memory import format_bytes, parse_bytes
+from lightning_varuna.pipeline.memory import MEMORY_RESERVE, format_bytes, parse_bytes
 from lightning_varuna.pipeline.partition import trace_step
 from lightning_varuna.pipeline.planner import Candidate, Cluster, PlanError, format_table
 from lightning_varuna.pipeline.profile import Network, Profile, ProfileError, default_network
@@ -275,7 +275,8 @@ def _print(autoconfig: AutoConfig, args: argparse.Namespace) -> None:
     print(f"{args.devices} device(s) of this machine ({autoconfig.profile.machine}); profile: {autoconfig.source};"
           f" {autoconfig.seconds:.2f} s to profile and search; memory limit {format_bytes(autoconfig.memory_limit)}")
     print(f"chosen: {c.describe()}, predicted {c.step_s * 1e3:.2f} ms per step")
-    print(format_table(autoconfig.ranking, limit=args.top or None, memory_limit=autoconfig.memory_limit))
+    print(format_table(autoconfig.ranking, limit=args.top or None, memory_limit=autoconfig.memory_limit,
+                       reserve=MEMORY_RESERVE))
 
 
 def _timeline(autoconfig: AutoConfig, path: Path) -> None:

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_varuna.pipeline.autoconfig import AutoConfig, OptimizerSpec
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.failures import waiting_on_peers
+from lightning_varuna.pipeline.memory import MEMORY_RESERVE
 from lightning_varuna.pipeline.planner import format_table
 from lightning_varuna.pipeline.timeline import (
     TimelineEvent,
@@ -79,7 +80,8 @@ def report_choice(trainer: Trainer, autoconfig: AutoConfig, rows: int = 6) -> No
     rank_zero_info(
         f"VarunaStrategy auto-configuration: {c.describe()}, predicted {c.step_s * 1e3:.2f} ms per step "
         f"(profile: {autoconfig.source}; {autoconfig.seconds:.2f} s to profile and search)\n"
-        + format_table(autoconfig.ranking, limit=rows, memory_limit=autoconfig.memory_limit)
+        + format_table(autoconfig.ranking, limit=rows, memory_limit=autoconfig.memory_limit,
+                       reserve=MEMORY_RESERVE)
     )
     for logger in trainer.loggers:
         logger.log_hyperparams(choice_hparams(autoconfig))

@@ -22,7 +22,7 @@ from profiles import synthetic_profile
 from test_planner import _decode_png
 from torch.utils.data import DataLoader
 
-from lightning_varuna.pipeline.memory import parse_bytes
+from lightning_varuna.pipeline.memory import parse_bytes, planning_budget
 from lightning_varuna.pipeline.planner import Candidate, Choices, Cluster, search
 from lightning_varuna.pipeline.profile import Link, Profile
 
@@ -42,7 +42,7 @@ def _tiny_gpt_profile() -> Profile:
 
 
 def _expected(profile: Profile, world: int) -> Candidate:
-    return search(profile, Cluster(world, world), Choices(), parse_bytes(MEMORY), GLOBAL_BATCH)[0]
+    return search(profile, Cluster(world, world), Choices(), planning_budget(parse_bytes(MEMORY)), GLOBAL_BATCH)[0]
 
 
 # under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
@@ -147,7 +147,8 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     plan = json.loads(result.stdout[result.stdout.index("{"):])
-    ranking = search(profile, Cluster(4, 4), Choices(), parse_bytes(memory), GLOBAL_BATCH)
+    budget = planning_budget(parse_bytes(memory))  # the limit less the planner's reserve
+    ranking = search(profile, Cluster(4, 4), Choices(), budget, GLOBAL_BATCH)
     best = ranking[0]
     assert plan["chosen"]["pipeline_parallel_size"] == best.pipeline_size > 1
     assert (plan["chosen"]["microbatch_size"], plan["chosen"]["schedule"], plan["chosen"]["recompute"]) == (
@@ -155,7 +156,7 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
     assert plan["chosen"]["step_s"] == pytest.approx(best.step_s)
     assert plan["configurations"] == len(plan["candidates"]) == len(ranking)
     assert any(not c["fits"] for c in plan["candidates"])
-    assert all(c["fits"] == (max(c["peak_bytes"]) <= parse_bytes(memory)) for c in plan["candidates"])
+    assert all(c["fits"] == (max(c["peak_bytes"]) <= budget) for c in plan["candidates"])
     assert Profile.load(tmp_path / "saved.json") == profile
     _decode_png((tmp_path / "plan.png").read_bytes())
 

@@ -9,11 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from profiles import synthetic_profile
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline.autoconfig import AutoConfig, plan
 from lightning_varuna.pipeline.config import EngineConfig
-from lightning_varuna.pipeline.memory import graphs_in_flight, parse_bytes, stage_memory
+from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
+from lightning_varuna.pipeline.memory import (
+    MEMORY_RESERVE,
+    graphs_in_flight,
+    parse_bytes,
+    planning_budget,
+    stage_memory,
+)
+from lightning_varuna.pipeline.partition import trace_step
 from lightning_varuna.pipeline.planner import Choices, Cluster, PlanError, format_table, predict, search
 from lightning_varuna.pipeline.profile import (
     CutProfile,
@@ -229,6 +239,32 @@ def _decode_png(data: bytes) -> tuple[int, int, bytes]:
 def test_engine_config_says_what_to_change(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         EngineConfig(**options)
+
+
+def test_the_planner_keeps_a_reserve_below_the_memory_limit(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 64), CutPoint(), nn.Linear(64, 1))
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+
+    def step(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(model(b[0]), b[1])
+
+    synthetic_profile(model, batch, step, 4).save(tmp_path / "profile.json")
+    trace = trace_step(model, lambda n: step(first_samples(batch, n)))[0]
+
+    def chosen(memory_limit: int) -> AutoConfig:
+        config = EngineConfig(pipeline_parallel_size=1, microbatch_size="auto", schedule="auto", recompute="auto",
+                              memory_limit=memory_limit, profile=str(tmp_path / "profile.json"))
+        return plan(config, model, trace, lambda n: step(samples(batch, n)), default_loss, 4, torch.device("cpu"),
+                    None, Cluster(1, 1), None)
+
+    fastest = chosen(2**40).chosen
+    peak = max(fastest.peak_bytes)
+    assert planning_budget(peak) == int(peak * (1 - MEMORY_RESERVE)) < peak
+    # the fastest configuration's predicted peak is exactly the limit: within it, but not within the reserve
+    auto = chosen(peak)
+    assert auto.chosen.describe() != fastest.describe() and max(auto.chosen.peak_bytes) <= planning_budget(peak)
+    assert all(c.fits == (max(c.peak_bytes) <= planning_budget(peak)) for c in auto.ranking)
+    assert "less its 10% reserve" in format_table(auto.ranking, memory_limit=peak, reserve=MEMORY_RESERVE)
 
 
 def test_nothing_fits_and_a_foreign_profile_are_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
 from lightning_varuna.pipeline.failures import PipelineError
-from lightning_varuna.pipeline.memory import default_memory_limit, parse_bytes
+from lightning_varuna.pipeline.memory import MEMORY_RESERVE, default_memory_limit, parse_bytes, planning_budget
 from lightning_varuna.pipeline.partition import Trace
 from lightning_varuna.pipeline.planner import Candidate, Choices, Cluster, PlanError, Prediction, predict, search
 from lightning_varuna.pipeline.profile import (
@@ -51,7 +51,8 @@ class AutoConfig:
         ranking: Every valid configuration, best first (``ranking[0] is chosen``).
         profile: The profile planned from (with the network measured for this job).
         cluster: The processes planned for.
-        memory_limit: Bytes a stage may use.
+        memory_limit: Bytes a stage may use; the search kept predicted peaks within
+            :func:`~lightning_varuna.pipeline.memory.planning_budget` of it.
         global_batch_size: The global batch planned for (None: the replica's batch was fixed).
         source: Where the profile came from: ``"file"``, ``"cache"`` or ``"measured"``.
         seconds: Time to profile (or load) and search, on rank 0.
@@ -182,13 +183,15 @@ def plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callabl
         profile = replace(profile, network=network)
     limit = parse_bytes(config.memory_limit) if config.memory_limit is not None else default_memory_limit(
         device, cluster.devices_per_node)
-    ranking = search(profile, cluster, choices, limit, config.global_batch_size, replica_batch_size)
+    budget = planning_budget(limit)
+    ranking = search(profile, cluster, choices, budget, config.global_batch_size, replica_batch_size)
     if not ranking[0].fits:
         smallest = min(ranking, key=lambda c: max(c.peak_bytes))
         raise PlanError(
             f"No configuration fits in memory_limit={limit} bytes per stage: the smallest predicted peak is "
-            f"{max(smallest.peak_bytes)} bytes ({smallest.describe()}). Raise memory_limit, use more devices,"
-            " allow recompute, or add cut points."
+            f"{max(smallest.peak_bytes)} bytes ({smallest.describe()}), and the planner keeps "
+            f"{MEMORY_RESERVE:.0%} of the limit in reserve (a peak may reach {budget} bytes). Raise memory_limit,"
+            " use more devices, allow recompute, or add cut points."
         )
     return AutoConfig(ranking[0], tuple(ranking), profile, cluster, limit, config.global_batch_size, source,
                       time.perf_counter() - start, choices, replica_batch_size)

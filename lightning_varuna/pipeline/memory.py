@@ -15,6 +15,10 @@ Per stage, in bytes (:class:`StageMemory`):
 
 A recomputing stage's stashed inputs are its receive buffers (on the first stage, views of the batch), so they
 cost nothing beyond the buffers.
+
+What the model does not count (the allocator's fragmentation and rounding, communication buffers, the step's
+short-lived temporaries, the CUDA context on a GPU) is left to a reserve: a configuration fits when its predicted
+peak is within :func:`planning_budget` of the memory limit.
 """
 
 from __future__ import annotations
@@ -29,10 +33,16 @@ import torch
 from lightning_varuna.pipeline.profile import Profile
 from lightning_varuna.pipeline.schedules import Kind, Task
 
-__all__ = ["StageMemory", "default_memory_limit", "format_bytes", "graphs_in_flight", "parse_bytes", "stage_memory"]
+__all__ = [
+    "MEMORY_RESERVE", "StageMemory", "default_memory_limit", "format_bytes", "graphs_in_flight", "parse_bytes",
+    "planning_budget", "stage_memory",
+]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+MEMORY_RESERVE = 0.1
+"""The share of the memory limit the planner leaves for what its model does not count (see the module's docstring)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,11 @@ def stage_memory(
         buffers=buffers,
         activations=activations,
     )
+
+
+def planning_budget(memory_limit: int) -> int:
+    """The bytes a stage's predicted peak may reach: ``memory_limit`` less its :data:`MEMORY_RESERVE`."""
+    return int(memory_limit * (1.0 - MEMORY_RESERVE))
 
 
 def _spans_stages(param_segments: tuple[int, ...], stage_segments: range) -> bool:

@@ -376,8 +376,16 @@ def _schedules(P: int, choices: Choices) -> list[tuple[str, bool]]:
 
 
 # -- table ----------------------------------------------------------------------------------------------------
-def format_table(candidates: Sequence[Candidate], limit: int | None = 8, memory_limit: int | None = None) -> str:
-    """The ranked candidates as a text table (the first ``limit`` rows; the chosen one first)."""
+def format_table(candidates: Sequence[Candidate], limit: int | None = 8, memory_limit: int | None = None,
+                 reserve: float = 0.0) -> str:
+    """The ranked candidates as a text table (the first ``limit`` rows; the chosen one first).
+
+    Args:
+        candidates: Ranked, best first.
+        limit: Rows shown (None: all).
+        memory_limit: The limit the fits were judged against, named in the closing note.
+        reserve: The share of ``memory_limit`` the search kept in reserve, named in the note.
+    """
     header = ("rank", "P", "D", "mbs", "m", "schedule", "recompute", "step ms", "bubble", "peak per stage", "fits")
     rows = [header]
     shown = list(candidates if limit is None else candidates[:limit])
@@ -393,6 +401,7 @@ def format_table(candidates: Sequence[Candidate], limit: int | None = 8, memory_
     note = f"{len(candidates)} configuration(s)"
     if memory_limit is not None:
         note += f", {excluded} over the memory limit of {format_bytes(memory_limit)}"
+        note += f" less its {reserve:.0%} reserve" if reserve else ""
     if hidden > 0:
         note += f"; {hidden} more not shown"
     return "\n".join([*lines, note])
