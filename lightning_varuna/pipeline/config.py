@@ -49,9 +49,9 @@ class EngineConfig:
             (e.g. the processes per node, so that pipelines stay inside a node).
         global_batch_size: Samples per step over all replicas: each replica's batch is ``global_batch_size / D``,
             which the planner needs to choose P.
-        memory_limit: Bytes (or a string such as ``"80GiB"``) a stage may use; configurations predicted above it
-            are never chosen. Default: the device's memory (CUDA), or the machine's memory shared by the
-            processes of the node (CPU).
+        memory_limit: Bytes (or a string such as ``"80GiB"``) a stage may use; configurations predicted above
+            90% of it are never chosen (10% kept in reserve). Default: the device's memory (CUDA), or the
+            machine's memory shared by the processes of the node (CPU).
         profile: A profile file (:class:`~lightning_varuna.pipeline.profile.Profile`) to plan from instead of
             measuring: the same file gives the same choice (and the stages are balanced by its costs, also when
             every value is fixed).

@@ -112,7 +112,7 @@ class PipelineEngine:
         p2p_backend: ``"auto"`` (the default process group's backend), ``"gloo"`` (activations and gradients
             through pinned host memory over gloo, for CUDA jobs) or ``"nccl"``.
         global_batch_size: Samples per step over all replicas; needed to choose P (``"auto"``).
-        memory_limit: Bytes (or e.g. ``"80GiB"``) a stage may use; the planner never chooses more.
+        memory_limit: Bytes (or e.g. ``"80GiB"``) a stage may use; the planner plans within 90% of it.
         profile: A profile file to plan from instead of measuring.
         devices_per_node: Processes per node (default: all on one node).
 
