@@ -328,7 +328,7 @@ def driver(args) -> int:
                 print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
                 return proc.returncode or 1
         result = json.loads(worker_out.read_text())
-    summary = summarize(result)
+    summary = summarize(result, args.rounds)
     out = {"command": "python benchmarks/autoconfig.py " + " ".join(sys.argv[1:]), "wall_s": time.monotonic() - t0,
            "loadavg_end": list(os.getloadavg()), "args": vars(args), "bench_model": bench,
            "example_profile_s": example_profile_s, "example_search_s": example_search_s,

@@ -29,8 +29,12 @@ def kendall_tau_b(x: list[float], y: list[float]) -> float:
     return (concordant - discordant) / denominator if denominator else 0.0
 
 
-def summarize(result: dict) -> dict:
-    """Medians, tau, relative error, the auto choice's regret and peak, how many fits the prediction got right."""
+def summarize(result: dict, rounds: int = 1) -> dict:
+    """Medians, tau, relative error, the auto choice's regret and peak, how many fits the prediction got right.
+
+    With several rounds, also the measurement's own repeatability: Kendall's tau between the per-round medians of
+    every two rounds (``retest_tau``), the ceiling that measurement noise puts on the predicted-measured tau.
+    """
     rows, limit = result["rows"], result["memory_limit"]
     for row in rows:
         row["measured_step_s"] = statistics.median(row["steps_s"])
@@ -43,7 +47,12 @@ def summarize(result: dict) -> dict:
     fitting = [r for r in rows if r["measured_fits"]]
     best = min(fitting, key=lambda r: r["measured_step_s"]) if fitting else None
     memory_errors = [max(r["measured_peak_bytes"]) / max(r["predicted_peak_bytes"]) for r in rows]
+    per_round = _round_medians(rows, rounds)
     return {
+        "rounds": rounds,
+        "retest_tau": [kendall_tau_b(per_round[a], per_round[b])
+                       for a in range(rounds) for b in range(a + 1, rounds)],
+        "kendall_tau_per_round": [kendall_tau_b(predicted, medians) for medians in per_round],
         "configurations": len(rows),
         "kendall_tau": kendall_tau_b(predicted, measured),
         "median_relative_error": statistics.median(errors),
@@ -60,6 +69,12 @@ def summarize(result: dict) -> dict:
         "measured_over_predicted_peak_median": statistics.median(memory_errors),
         "measured_over_predicted_peak_range": [min(memory_errors), max(memory_errors)],
     }
+
+
+def _round_medians(rows: list[dict], rounds: int) -> list[list[float]]:
+    """Each round's median step time of every configuration (a round measured each configuration once)."""
+    per = len(rows[0]["steps_s"]) // max(1, rounds)
+    return [[statistics.median(r["steps_s"][k * per:(k + 1) * per]) for r in rows] for k in range(rounds)]
 
 
 def _label(row: dict) -> str:
@@ -80,7 +95,10 @@ def render(out: dict) -> str:
         f"the limit {s['best_measured']}: {s['best_measured_step_s'] * 1e3:.1f} ms); chosen peak "
         f"{s['chosen_measured_peak_bytes'] / MIB:.1f} MiB ({'within' if s['chosen_within_limit'] else 'OVER'} the "
         f"limit). Planning in the job: {out['plan_seconds']:.1f} s. Example GPT: profile {out['example_profile_s']:.1f}"
-        f" s, search {out['example_search_s']:.2f} s.",
+        f" s, search {out['example_search_s']:.2f} s."
+        + (f" Per round, predicted vs measured tau {', '.join(f'{t:.3f}' for t in s['kendall_tau_per_round'])};"
+           f" measured vs measured between rounds (repeatability) {', '.join(f'{t:.3f}' for t in s['retest_tau'])}."
+           if s.get("retest_tau") else ""),
         "",
         "| rank | P x D | mbs | m | schedule | recompute | predicted ms | measured ms (min-max) | error "
         "| predicted peak MiB | measured peak MiB | fits: predicted / measured |",
