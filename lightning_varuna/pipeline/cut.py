@@ -8,14 +8,14 @@ of the tensor, or end the stage's forward once its output is known.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["CutPoint", "CutPointError", "install_cut_at", "ForwardHandler", "StageOutputReady"]
+__all__ = ["CutPoint", "CutPointError", "install_cut_at", "ForwardHandler", "StageForward", "StageOutputReady"]
 
 
 class CutPointError(RuntimeError):
@@ -71,6 +71,47 @@ class CutPoint(nn.Module):
                 " a place where a single activation tensor flows, or pack the values into one tensor."
             )
         return handler.on_cut(self, x)
+
+
+class StageForward:
+    """The cut point handler of one forward of one stage.
+
+    ``receive`` returns the activation received from the previous stage: it is waited for only when the forward
+    reaches the stage's first cut point (a step that returns None before the model's forward waits for nothing).
+    """
+
+    def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None,
+                 receive: Callable[[], Tensor] | None, microbatch: int, recomputing: bool):
+        self.microbatch = microbatch
+        self.recomputing = recomputing
+        self.cuts = cuts
+        self.first = first
+        self.last = last
+        self.receive = receive
+        self.segment = 0
+        self.output: Tensor | None = None
+
+    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
+        """Counts the cut point; returns the received activation at the first, ends the forward at the last."""
+        index = self.segment
+        if index >= len(self.cuts) or self.cuts[index] is not cut:
+            seen = getattr(cut, "_varuna_name", None) or "a cut point the dry run did not see"
+            expected = (
+                f"the dry run saw {getattr(self.cuts[index], '_varuna_name', None) or 'another one'} there"
+                if index < len(self.cuts) else f"the dry run saw only {len(self.cuts)} cut point(s)"
+            )
+            raise CutPointError(
+                f"Cut point #{index} of this forward is {seen}, but {expected} (micro-batch {self.microbatch})."
+                " Cut points must be reached in the same order in every forward (and each at most once); keep"
+                " data-dependent control flow inside a segment."
+            )
+        self.segment = index + 1
+        if index == self.first:
+            return self.receive()  # type: ignore[misc]
+        if index == self.last:
+            self.output = x
+            raise StageOutputReady
+        return x
 
 
 def install_cut_at(root: nn.Module, path: str) -> tuple[list[CutPoint], list[RemovableHandle]]:

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_varuna.pipeline.cut import CutPoint
+from lightning_varuna.pipeline.cut import CutPoint, StageForward
 from lightning_varuna.pipeline.events import EventHooks
 from lightning_varuna.pipeline.p2p import P2P
 from lightning_varuna.pipeline.schedules import Schedule
-from lightning_varuna.pipeline.stage_step import SUMMARY_SIZE, StageForward, StageStep
+from lightning_varuna.pipeline.stage_step import SUMMARY_SIZE, StageStep
 from lightning_varuna.pipeline.step_links import StageLinks
 from lightning_varuna.pipeline.topology import Topology
 

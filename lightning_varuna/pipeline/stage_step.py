@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_varuna.pipeline.cut import CutPoint, CutPointError, StageOutputReady, forward_handler
+from lightning_varuna.pipeline.cut import CutPoint, CutPointError, StageForward, StageOutputReady, forward_handler
 from lightning_varuna.pipeline.events import Event, EventHooks, EventKind
 from lightning_varuna.pipeline.failures import PipelineError
 from lightning_varuna.pipeline.p2p import HEADER_SIZE, P2P, Transfer, decode_header, encode_header, encode_skip_header
@@ -39,7 +39,7 @@ from lightning_varuna.pipeline.schedules import Kind, Task, next_task
 from lightning_varuna.pipeline.step_links import Inbox, Outbox, Spec, StageLinks
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["SUMMARY_SIZE", "StageContext", "StageForward", "StageStep"]
+__all__ = ["SUMMARY_SIZE", "StageContext", "StageStep"]
 
 SUMMARY_SIZE = 64
 """Float64 slots of the per-step summary the last stage sends back along the pipeline (losses, logs)."""
@@ -68,47 +68,6 @@ class StageContext(Protocol):
     def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         """A receive buffer, reused across steps."""
         ...
-
-
-class StageForward:
-    """The cut point handler of one forward of one stage.
-
-    ``receive`` returns the activation received from the previous stage: it is waited for only when the forward
-    reaches the stage's first cut point (a step that returns None before the model's forward waits for nothing).
-    """
-
-    def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None,
-                 receive: Callable[[], Tensor] | None, microbatch: int, recomputing: bool):
-        self.microbatch = microbatch
-        self.recomputing = recomputing
-        self.cuts = cuts
-        self.first = first
-        self.last = last
-        self.receive = receive
-        self.segment = 0
-        self.output: Tensor | None = None
-
-    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
-        """Counts the cut point; returns the received activation at the first, ends the forward at the last."""
-        index = self.segment
-        if index >= len(self.cuts) or self.cuts[index] is not cut:
-            seen = getattr(cut, "_varuna_name", None) or "a cut point the dry run did not see"
-            expected = (
-                f"the dry run saw {getattr(self.cuts[index], '_varuna_name', None) or 'another one'} there"
-                if index < len(self.cuts) else f"the dry run saw only {len(self.cuts)} cut point(s)"
-            )
-            raise CutPointError(
-                f"Cut point #{index} of this forward is {seen}, but {expected} (micro-batch {self.microbatch})."
-                " Cut points must be reached in the same order in every forward (and each at most once); keep"
-                " data-dependent control flow inside a segment."
-            )
-        self.segment = index + 1
-        if index == self.first:
-            return self.receive()  # type: ignore[misc]
-        if index == self.last:
-            self.output = x
-            raise StageOutputReady
-        return x
 
 
 class StageStep:
