@@ -289,11 +289,8 @@ def _measure(c, args, real, config, rt, group, engine_class, G, T, V):
     step(True)
     peak = rt["peak"] - base
     rt["gauge"] = False
-    topology = engine.topology
     engine.teardown()
-    for g in {topology.pipe_group, topology.data_group, *topology._shared_groups.values()}:
-        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(g)
+    engine.topology.destroy_groups()  # the next configuration makes its own
     return steps, peak
 
 

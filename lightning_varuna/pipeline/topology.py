@@ -141,6 +141,18 @@ class Topology:
             self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
         return self._shared_groups[stages]
 
+    def destroy_groups(self) -> None:
+        """Destroys every process group this rank belongs to that :meth:`create` and :meth:`stages_group` made.
+
+        For a process that builds several engines one after another (each gloo group keeps its own threads and
+        connections until destroyed); a collective call on every rank. The topology is unusable afterwards.
+        """
+        groups = [self.pipe_group, self.data_group, *self.links.values(), *self._shared_groups.values()]
+        for group in dict.fromkeys(g for g in groups if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER):
+            dist.destroy_process_group(group)
+        self.links.clear()
+        self._shared_groups.clear()
+
 
 def _connect(links: dict[tuple[int, int], object], rank: int, device: torch.device) -> None:
     """Moves one element over every link of this rank, link after link in the order they were created.

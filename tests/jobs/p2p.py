@@ -6,7 +6,8 @@ without waiting on it (Varuna's opportunistic rule needs exactly that). Then a t
 (what ``p2p_backend="gloo"`` does in a CUDA job; here with CPU tensors): the bytes cross in host buffers and land
 in the receiver's own tensor once waited for. Then rank 1 waits on a receive that is never sent, which must end
 in a PipelineError after ``p2p_timeout`` (rank 0 stays up meanwhile, so that it is a timeout and not a closed
-connection). A gloo timeout closes the pair, so no collective follows.
+connection). A gloo timeout closes the pair, so no collective follows. First, the grid of groups is made and
+destroyed three times: the process's thread count must not grow (each gloo group has threads of its own).
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ TIMEOUT = 2.0
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    seen: dict = {"threads_after_rebuilds": []}
+    for _ in range(3):
+        Topology.create(2, torch.device("cpu"), timeout=30.0).destroy_groups()
+        seen["threads_after_rebuilds"].append(_native_threads())
     p2p = P2P(Topology(world_size=2, rank=rank, pipeline_size=2, device=torch.device("cpu")), TIMEOUT)
     link = p2p.link(0, 1)
     first, staged, never = (Message(MessageKind.ACTIVATION, 0, k) for k in range(3))
-    seen: dict = {}
     if rank == 0:
         posted_by = []
         isend = dist.isend
@@ -78,6 +82,10 @@ def main(out: Path) -> None:
         seen["timeout_after"] = time.monotonic() - start
     p2p.close()
     (out / f"p2p.rank{rank}.json").write_text(json.dumps(seen))
+
+
+def _native_threads() -> int:
+    return len(list(Path("/proc/self/task").iterdir()))
 
 
 def _poll(p2p: P2P, transfer, deadline: float) -> bool:
