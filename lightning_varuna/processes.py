@@ -1,6 +1,7 @@
-"""The job's processes: one per device, one default process group, and the collectives Lightning asks for.
+"""The job's processes: one per device, laid out as P x D, one default process group, Lightning's collectives.
 
-:class:`ProcessGroupStrategy` is the part of the strategy that any multi-process strategy has: devices and ranks,
+:class:`ProcessGroupStrategy` is the part of the strategy that concerns processes: devices and ranks, the P x D
+layout (checked before any process starts, and how the sampler splits the data among replicas), the launcher,
 the default process group (started as Lightning's own ``DDPStrategy`` starts it, with the same private helpers of
 ``lightning.fabric``; see the private-API list in ``docs/architecture.md``), and Lightning's barrier, broadcast and
 ``sync_dist`` reduction. Once the pipeline exists each collective goes through
@@ -31,6 +32,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
+from lightning_varuna.data import check_global_batch
+from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.failures import PipelineError, waiting_on_peers
 from lightning_varuna.pipeline.topology import Topology
@@ -47,12 +50,15 @@ class ProcessGroupStrategy(ParallelStrategy):
     its failure names the rank.
 
     The first five arguments are ``ParallelStrategy``'s (the Trainer sets them); ``process_group_backend`` is
-    ``"gloo"`` or ``"nccl"`` (None: the device's default), ``timeout`` bounds the default group's collectives.
+    ``"gloo"`` or ``"nccl"`` (None: the device's default), ``timeout`` bounds the default group's collectives;
+    ``pipeline_parallel_size`` (P, or ``"auto"``) and ``global_batch_size`` are the strategy's, checked against the
+    number of processes before any is started.
     """
 
     def __init__(self, accelerator: Accelerator | None, parallel_devices: list[torch.device] | None,
                  cluster_environment: ClusterEnvironment | None, checkpoint_io: CheckpointIO | None,
-                 precision_plugin: Precision | None, process_group_backend: str | None, timeout: timedelta) -> None:
+                 precision_plugin: Precision | None, process_group_backend: str | None, timeout: timedelta, *,
+                 pipeline_parallel_size: int | str = "auto", global_batch_size: int | None = None) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -60,6 +66,8 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._timeout = timeout
         self.num_nodes = 1
         self.topology: Topology | None = None
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.global_batch_size = global_batch_size
 
     @property
     def root_device(self) -> torch.device:
@@ -77,8 +85,26 @@ class ProcessGroupStrategy(ParallelStrategy):
         """The process group backend in use."""
         return self._process_group_backend
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every stage of a replica reads the same batches; replicas read different ones, as under DDP."""
+        if self.topology is None:
+            size = self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else self.world_size
+            return {"num_replicas": self.world_size // size, "rank": self.global_rank // size}
+        return {"num_replicas": self.topology.data_size, "rank": self.topology.replica}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        world = self.num_nodes * self.num_processes
+        if isinstance(self.pipeline_parallel_size, int):  # before any process is started
+            Topology.check(world, self.pipeline_parallel_size)
+            check_global_batch(self.global_batch_size, world // self.pipeline_parallel_size)
+        self._launcher = PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._timeout)
+
     def setup_environment(self) -> None:
-        """Sets up the device, then starts the default process group."""
+        """Checks the P x D shape, sets up the device, then starts the default process group."""
+        if isinstance(self.pipeline_parallel_size, int):
+            Topology.check(self.num_nodes * self.num_processes, self.pipeline_parallel_size)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

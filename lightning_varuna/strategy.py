@@ -40,13 +40,11 @@ from lightning_varuna.checkpointing import StrategyCheckpoints, unwrapped
 from lightning_varuna.data import check_global_batch, resumable_training_loader
 from lightning_varuna.engine_setup import Pipeline, boundary_dtype, build_pipeline, new_engine
 from lightning_varuna.gradients import window_position
-from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder, kept_on_meta
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
 from lightning_varuna.pipeline.materialize import has_meta_tensors, move_real_tensors, parameters_on_meta
-from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.processes import (
@@ -188,7 +186,8 @@ class VarunaStrategy(ProcessGroupStrategy):
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-                         process_group_backend, timeout)
+                         process_group_backend, timeout, pipeline_parallel_size=pipeline_parallel_size,
+                         global_batch_size=global_batch_size)
         if boundary_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"boundary_dtype={boundary_dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
@@ -204,10 +203,8 @@ class VarunaStrategy(ProcessGroupStrategy):
             InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)
             if initial_weights is not None else None
         )
-        self.pipeline_parallel_size = pipeline_parallel_size
         self.timeline_dir = timeline_dir
         self.boundary_dtype = boundary_dtype
-        self.global_batch_size = global_batch_size
         self.preemption_notice = preemption_notice
         self.async_checkpoint = async_checkpoint
         self.verify_checkpoints = verify_checkpoints
@@ -228,33 +225,10 @@ class VarunaStrategy(ProcessGroupStrategy):
         if "varuna" not in strategy_registry:
             strategy_registry.register("varuna", cls, description="Varuna-style pipeline parallelism")
 
-    # -- processes (the rest in :class:`~lightning_varuna.processes.ProcessGroupStrategy`) -------------------
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every stage of a replica reads the same batches; replicas read different ones, as under DDP."""
-        if self.topology is None:
-            size = self.pipeline_parallel_size if isinstance(self.pipeline_parallel_size, int) else self.world_size
-            return {"num_replicas": self.world_size // size, "rank": self.global_rank // size}
-        return {"num_replicas": self.topology.data_size, "rank": self.topology.replica}
-
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """Checkpoints are loaded after the model has been partitioned."""
         return True
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        world = self.num_nodes * self.num_processes
-        if isinstance(self.pipeline_parallel_size, int):  # before any process is started
-            Topology.check(world, self.pipeline_parallel_size)
-            check_global_batch(self.global_batch_size, world // self.pipeline_parallel_size)
-        self._launcher = PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._timeout)
-
-    def setup_environment(self) -> None:
-        """Checks the P x D shape, then starts the process group."""
-        if isinstance(self.pipeline_parallel_size, int):
-            Topology.check(self.num_nodes * self.num_processes, self.pipeline_parallel_size)
-        super().setup_environment()
 
     # -- setup --------------------------------------------------------------------------------------------
     def connect(self, model: Any) -> None:
