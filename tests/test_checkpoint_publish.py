@@ -11,6 +11,7 @@ and resume with ``ckpt_path="last"`` are in ``test_checkpoint_faults.py``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -178,3 +179,25 @@ def test_last_is_the_newest_complete_copy_of_the_newest_last_checkpoint(folder: 
     _write(Location.of(f"{folder}/epoch=0-step=1.ckpt"), 1)
     assert last_fallbacks(trainer, tmp.text) == [f"{folder}/epoch=0-step=1.ckpt", f"{folder}/last-v1.ckpt",
                                                  f"{folder}/last.ckpt.varuna-old"]
+
+
+def test_writers_of_the_same_file_at_once_each_replace_it_whole(tmp_path) -> None:
+    # a lease is renewed by one thread while another job (or a test) takes it over: both write the same file
+    target = Location.of(str(tmp_path / "lease.json"))
+    errors: list[BaseException] = []
+
+    def write(mark: bytes) -> None:
+        try:
+            for _ in range(200):
+                target.write_bytes(mark * 64)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    writers = [threading.Thread(target=write, args=(mark,)) for mark in (b"a", b"b")]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert not errors, errors
+    assert target.read_bytes() in (b"a" * 64, b"b" * 64)
+    assert [p.name for p in tmp_path.iterdir()] == ["lease.json"], "no part file is left"

@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import re
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -141,7 +142,9 @@ class Location:
         if not self.local:
             self.fs.pipe_file(self.path, data)
             return
-        part = self.with_suffix(PART_SUFFIX)
+        # a part file of its own per writer: two that write the same file at once (a lease renewed while another
+        # job takes it over) would otherwise rename each other's part away
+        part = self.with_suffix(f"-{os.getpid()}-{threading.get_ident()}{PART_SUFFIX}")
         self.fs.makedirs(self.parent.path, exist_ok=True)
         with open(part.path, "wb") as f:
             f.write(data)
