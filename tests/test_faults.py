@@ -211,6 +211,8 @@ def test_a_killed_rank_ends_every_rank_within_seconds_under_every_launcher(tmp_p
 @pytest.mark.slow
 def test_ctrl_c_on_rank_0_of_independent_processes_ends_every_rank(tmp_path: Path) -> None:
     result, logs, _ = launch(tmp_path, "independent", "sigint")
+    # the rank must start with Python's Ctrl-C handler and SIGINT unblocked, or no KeyboardInterrupt can happen
+    assert "SIGINT handler <built-in function default_int_handler>, blocked False" in logs[0], logs[0][-2000:]
     assert "Detected KeyboardInterrupt" in logs[0], logs[0][-2000:]
     check_ended_by(result, logs, 0, "failed: KeyboardInterrupt", "SIGINT to rank 0 of independent processes")
 

@@ -67,6 +67,9 @@ def train(out: Path, scenario: str) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     (out / f"{name}.rank{rank}.pid").write_text(str(os.getpid()))
+    if scenario == "sigint":  # what Ctrl-C finds: Python's handler, and SIGINT not blocked
+        print(f"SIGINT handler {signal.getsignal(signal.SIGINT)!r}, blocked "
+              f"{signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])}", flush=True)
     import warnings
 
     warnings.simplefilter("default")
