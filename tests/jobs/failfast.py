@@ -195,6 +195,9 @@ def launch(mode: str, out: Path, scenario: str) -> None:
     """Runs the job under ``mode`` and writes ``OUT/<scenario>-<mode>.json``."""
     name = f"{scenario}-{mode}"
     _become_subreaper()
+    # the ranks get Ctrl-C as a terminal's user would: a shell starts background jobs with SIGINT ignored, and an
+    # ignored signal stays ignored across exec (a handler is reset to the default there)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, str(ROOT / "tests" / "jobs"))
     from forked import free_port
 
