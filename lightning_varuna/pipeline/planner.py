@@ -383,8 +383,8 @@ def format_table(candidates: Sequence[Candidate], limit: int | None = 8, memory_
     Args:
         candidates: Ranked, best first.
         limit: Rows shown (None: all).
-        memory_limit: The limit the fits were judged against, named in the closing note.
-        reserve: The share of ``memory_limit`` the search kept in reserve, named in the note.
+        memory_limit: The limit the fits were judged against, named in the line under the table.
+        reserve: The share of ``memory_limit`` the search kept in reserve, named in that line too.
     """
     header = ("rank", "P", "D", "mbs", "m", "schedule", "recompute", "step ms", "bubble", "peak per stage", "fits")
     rows = [header]
