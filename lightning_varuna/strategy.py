@@ -147,6 +147,9 @@ class VarunaStrategy(ProcessGroupStrategy):
             all-reduces still on the process group backend (what Varuna shipped; for GPUs where NCCL's
             point-to-point misbehaves, and with ``process_group_backend="gloo"`` for processes that share a GPU).
             ``"nccl"``: NCCL (GPUs only).
+        fuse_grad_accumulation: ``nn.Linear`` layers add each later micro-batch's weight gradient straight into
+            ``.grad`` with one multiply-add, instead of autograd making it as a weight-sized temporary and adding
+            it (Megatron-LM's gradient accumulation fusion). Falls back to autograd's way under autocast.
     """
 
     strategy_name = "varuna"
@@ -183,6 +186,7 @@ class VarunaStrategy(ProcessGroupStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         p2p_backend: Literal["auto", "nccl", "gloo"] = "auto",
+        fuse_grad_accumulation: bool = True,
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -198,6 +202,7 @@ class VarunaStrategy(ProcessGroupStrategy):
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn,
             p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
+            fuse_grad_accumulation=fuse_grad_accumulation,
         )
         self.initial_weights = (
             InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)

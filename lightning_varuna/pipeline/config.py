@@ -45,6 +45,9 @@ class EngineConfig:
         grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
             gradient, within 64 KiB-25 MiB).
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a step.
+        fuse_grad_accumulation: Whether ``nn.Linear`` layers add each later micro-batch's weight gradient straight
+            into ``.grad`` (one multiply-add) instead of making it apart and adding it: no weight-sized temporary
+            (:mod:`~lightning_varuna.pipeline.grad_accumulation`).
         max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this
             (e.g. the processes per node, so that pipelines stay inside a node).
         global_batch_size: Samples per step over all replicas: each replica's batch is ``global_batch_size / D``,
@@ -78,6 +81,7 @@ class EngineConfig:
     boundary_dtype: torch.dtype | None = None
     grad_bucket_bytes: int | None = None
     overlap_grad_sync: bool = True
+    fuse_grad_accumulation: bool = True
     max_pipeline_size: int | None = None
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     init_seed: int | None = None

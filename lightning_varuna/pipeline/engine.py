@@ -38,6 +38,7 @@ from lightning_varuna.pipeline.cut import CutPoint, install_cut_at
 from lightning_varuna.pipeline.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.executor import StageExecutor
 from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
+from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulation, remove_grad_accumulation
 from lightning_varuna.pipeline.grad_sync import GradientSync
 from lightning_varuna.pipeline.materialize import (
     ParamInitFn,
@@ -105,6 +106,8 @@ class PipelineEngine:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
+        fuse_grad_accumulation: Whether ``nn.Linear`` layers add later micro-batches' weight gradients straight
+            into ``.grad`` (no weight-sized temporary; :mod:`~lightning_varuna.pipeline.grad_accumulation`).
         max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this.
         param_init_fn: Initializes what a module owns directly, for a model built on the meta device (default:
             the module's ``reset_parameters()``).
@@ -140,6 +143,7 @@ class PipelineEngine:
         boundary_dtype: torch.dtype | None = None,
         grad_bucket_bytes: int | None = None,
         overlap_grad_sync: bool = True,
+        fuse_grad_accumulation: bool = True,
         max_pipeline_size: int | None = None,
         param_init_fn: ParamInitFn | None = None,
         init_seed: int | None = None,
@@ -153,8 +157,9 @@ class PipelineEngine:
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, boundary_dtype=boundary_dtype,
-            grad_bucket_bytes=grad_bucket_bytes,
-            overlap_grad_sync=overlap_grad_sync, max_pipeline_size=max_pipeline_size, param_init_fn=param_init_fn,
+            grad_bucket_bytes=grad_bucket_bytes, overlap_grad_sync=overlap_grad_sync,
+            fuse_grad_accumulation=fuse_grad_accumulation, max_pipeline_size=max_pipeline_size,
+            param_init_fn=param_init_fn,
             init_seed=init_seed, p2p_backend=p2p_backend, global_batch_size=global_batch_size,
             memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node,
         )
@@ -175,6 +180,7 @@ class PipelineEngine:
         self._cuts: list[CutPoint] = []
         self._hooks: list[Any] = []
         self._stand_ins: list[Any] = []
+        self._accumulating: list[nn.Linear] = []
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._batch_dims: tuple[int | None, int | None] = (None, None)
         self.built_on_meta = False
@@ -251,6 +257,8 @@ class PipelineEngine:
         self.executor.boundary_dtype = self.config.boundary_dtype
         self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
+        if self.config.fuse_grad_accumulation:
+            self._accumulating = install_grad_accumulation(self.module)
         self._batch_dims = (
             trace.cuts[first_cut].batch_dim if first_cut is not None else None,
             trace.cuts[last_cut].batch_dim if last_cut is not None else None,
@@ -508,7 +516,7 @@ class PipelineEngine:
         return current is not None and current.recomputing
 
     def teardown(self) -> None:
-        """Removes cut_at hooks and stand-ins (freed parameters stay freed); this rank's work with the others is done.
+        """Undoes setup's changes to the module (freed parameters stay freed); this rank's work with others is done.
 
         From here on this process may end without its peers taking it for a failure (see
         :mod:`~lightning_varuna.pipeline.watchdog`).
@@ -521,6 +529,8 @@ class PipelineEngine:
         self._hooks = []
         remove_stand_ins(self._stand_ins)
         self._stand_ins = []
+        remove_grad_accumulation(self._accumulating)
+        self._accumulating = []
 
 
 def _world_size() -> int:

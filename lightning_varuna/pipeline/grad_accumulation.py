@@ -1,0 +1,86 @@
+"""Weight gradients of linear layers added straight into ``.grad`` across a step's micro-batches.
+
+A stage runs several micro-batches' backwards per step. For every micro-batch after the first, autograd makes
+each weight's gradient as a new tensor and then adds it into ``.grad``: one weight-sized temporary at a time
+(the largest weight of the stage sets the peak) and a pass over it. For ``nn.Linear`` layers the engine
+computes that gradient with one multiply-add into the existing ``.grad`` instead (as Megatron-LM's
+``gradient_accumulation_fusion`` does for its own layers), so no weight-sized tensor is made after the first
+micro-batch.
+
+The accumulated gradient still reaches ``.grad`` through autograd: the backward takes ``.grad`` away, adds this
+micro-batch into it and returns it as the weight's gradient, which autograd's accumulation then takes over
+without a copy (it owns the only reference). So every guarantee of ``.grad`` holds as before: gradient
+hooks and post-accumulate-grad hooks run, a parameter used twice (tied) sums both uses, and a gradient that
+cannot be taken over is copied rather than lost.
+
+Only plain ``nn.Linear`` modules (not subclasses, which may compute differently) are changed, and a call falls
+back to ``F.linear`` under autocast (the weight's gradient is then made in another dtype than ``.grad``), when
+the weight is frozen, and when gradients of gradients are asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
+
+__all__ = ["LinearAccumulatingGrad", "install_grad_accumulation", "remove_grad_accumulation"]
+
+
+class LinearAccumulatingGrad(torch.autograd.Function):
+    """``F.linear`` whose backward adds the weight's gradient into the weight's existing ``.grad`` in place."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``F.linear(x, weight, bias)``."""
+        ctx.save_for_backward(x, weight)
+        ctx.weight = weight  # the parameter itself: saved tensors are unpacked as new Tensor objects
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The input's and bias's gradients, and the weight's accumulated into its ``.grad`` when it has one."""
+        x, weight = ctx.saved_tensors
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        x_2d = x.reshape(-1, x.shape[-1])
+        param: nn.Parameter = ctx.weight
+        held = param.grad
+        if held is None or torch.is_grad_enabled() or held.dtype != grad_2d.dtype or held.is_sparse:
+            return grad_x, grad_2d.t().mm(x_2d), grad_bias
+        # autograd's accumulation takes ``held`` back as the whole gradient (no copy: ours is the only reference)
+        param.grad = None
+        return grad_x, held.addmm_(grad_2d.t(), x_2d), grad_bias
+
+
+def _forward(self: nn.Linear, x: Tensor) -> Tensor:
+    """``nn.Linear.forward`` through :class:`LinearAccumulatingGrad` where it applies."""
+    if not self.weight.requires_grad or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, self.weight, self.bias)
+    return LinearAccumulatingGrad.apply(x, self.weight, self.bias)
+
+
+def install_grad_accumulation(root: nn.Module) -> list[nn.Linear]:
+    """Makes every plain ``nn.Linear`` in ``root`` (whose ``forward`` is its class's) accumulate in place.
+
+    Returns:
+        The modules changed, for :func:`remove_grad_accumulation`.
+    """
+    changed = []
+    for module in root.modules():
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            module.forward = _forward.__get__(module)  # type: ignore[method-assign]
+            changed.append(module)
+    return changed
+
+
+def remove_grad_accumulation(modules: list[nn.Linear]) -> None:
+    """Gives the modules their class's ``forward`` back."""
+    for module in modules:
+        if getattr(module.__dict__.get("forward"), "__func__", None) is _forward:
+            del module.__dict__["forward"]

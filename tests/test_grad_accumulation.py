@@ -1,0 +1,142 @@
+"""Linear layers' weight gradients accumulated in place across micro-batches (pipeline/grad_accumulation.py)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulation, remove_grad_accumulation
+
+MICROBATCHES = 4
+
+
+class _TiedNet(nn.Module):
+    """An embedding whose weight is also the output head's, between two biased linear layers and one without."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8, bias=False)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx)
+        return self.head(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class _WeightShapedOutputs(TorchDispatchMode):
+    """Records the ops that make a new tensor of one of ``shapes`` (in-place ops and aliases make none)."""
+
+    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.shapes, self.ops = shapes, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        fresh = not schema.is_mutable and func is not torch.ops.aten.detach.default
+        for value in out if isinstance(out, (tuple, list)) else [out]:
+            if fresh and isinstance(value, Tensor) and tuple(value.shape) in self.shapes:
+                self.ops.append(schema.name)
+        return out
+
+
+def _batches() -> list[Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(16, (3, 5), generator=generator) for _ in range(MICROBATCHES)]
+
+
+def _train(model: _TiedNet) -> list[tuple[list[str], int]]:
+    """Per micro-batch: the ops of its backward that made an ``up``/``down``-shaped tensor, the gradient's storage."""
+    seen = []
+    for idx in _batches():
+        loss = model(idx).logsumexp(-1).sum()
+        mode = _WeightShapedOutputs({tuple(model.up.weight.shape), tuple(model.down.weight.shape)})
+        with mode:
+            loss.backward()
+        seen.append((mode.ops, model.up.weight.grad.untyped_storage().data_ptr()))
+    return seen
+
+
+def test_accumulated_gradients_equal_autograds_for_biased_unbiased_and_tied_weights() -> None:
+    torch.manual_seed(0)
+    model = _TiedNet()
+    reference = copy.deepcopy(model)
+    _train(reference)
+    changed = install_grad_accumulation(model)
+    assert set(changed) == {model.up, model.down, model.head}
+    _train(model)
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        # the same sums in another order: equal to fp32 rounding of the gradient's scale
+        scale = expected.grad.abs().max().item()
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
+
+
+def test_no_weight_sized_gradient_is_made_after_the_first_microbatch() -> None:
+    torch.manual_seed(0)
+    model = _TiedNet()
+    # the detector sees autograd's temporaries: every micro-batch makes both weights' gradients anew
+    plain = _train(copy.deepcopy(model))
+    assert all(ops.count("aten::mm") == 2 for ops, _ in plain), plain
+    install_grad_accumulation(model)
+    fused = _train(model)
+    assert fused[0][0].count("aten::mm") == 2  # the first micro-batch's gradients become .grad
+    assert [ops for ops, _ in fused[1:]] == [[]] * (MICROBATCHES - 1)
+    assert len({storage for _, storage in fused}) == 1  # one buffer, written in place by every micro-batch
+
+
+def test_post_accumulate_grad_hooks_see_every_backward_as_with_autograd() -> None:
+    torch.manual_seed(0)
+    model = _TiedNet()
+    install_grad_accumulation(model)
+    calls: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, n=name: calls.__setitem__(n, calls.get(n, 0) + 1))
+    _train(model)
+    assert calls == {name: MICROBATCHES for name, _ in model.named_parameters()}
+
+
+def test_autocast_frozen_weights_and_subclasses_use_plain_linear() -> None:
+    class Scaled(nn.Linear):
+        def forward(self, x: Tensor) -> Tensor:
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4), nn.Linear(4, 2))
+    model[2].weight.requires_grad_(False)
+    changed = install_grad_accumulation(model)
+    assert changed == [model[0], model[2]]
+    reference = copy.deepcopy(model)
+    remove_grad_accumulation([reference[0], reference[2]])
+    for net in (model, reference):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                net(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).float().sum().backward()
+    for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (param.grad is None) == (expected.grad is None)
+        if param.grad is not None:
+            assert torch.equal(param.grad, expected.grad)
+    remove_grad_accumulation(changed)
+    assert all("forward" not in m.__dict__ for m in model)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_engine_installs_it_for_its_stage_and_teardown_removes_it(fuse: bool, tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), CutPoint(), nn.Linear(8, 1))
+    engine = PipelineEngine(model, 1, num_microbatches=2, fuse_grad_accumulation=fuse)
+    batch = (torch.randn(4, 4), torch.randn(4, 1))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        engine.setup(batch, lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1]))
+        assert ["forward" in m.__dict__ for m in (model[0], model[2])] == [fuse, fuse]
+    finally:
+        engine.teardown()
+    assert all("forward" not in m.__dict__ for m in model)
