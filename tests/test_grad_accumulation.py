@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
 from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulation, remove_grad_accumulation
+from lightning_varuna.pipeline.stage import free_parameter
 
 MICROBATCHES = 4
 
@@ -105,15 +106,17 @@ def test_post_accumulate_grad_hooks_see_every_backward_as_with_autograd() -> Non
     assert calls == {name: MICROBATCHES for name, _ in model.named_parameters()}
 
 
-def test_autocast_frozen_weights_and_subclasses_use_plain_linear() -> None:
+def test_autocast_frozen_weights_subclasses_and_other_stages_layers_use_plain_linear() -> None:
     class Scaled(nn.Linear):
         def forward(self, x: Tensor) -> Tensor:
             return super().forward(x) * 2
 
-    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
     model[2].weight.requires_grad_(False)
+    free_parameter(model, "3.weight")  # held by another stage: a placeholder buffer here
     changed = install_grad_accumulation(model)
     assert changed == [model[0], model[2]]
+    model = model[:3]
     reference = copy.deepcopy(model)
     remove_grad_accumulation([reference[0], reference[2]])
     for net in (model, reference):

@@ -66,14 +66,17 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
 
 
 def install_grad_accumulation(root: nn.Module) -> list[nn.Linear]:
-    """Makes every plain ``nn.Linear`` in ``root`` (whose ``forward`` is its class's) accumulate in place.
+    """Makes every plain ``nn.Linear`` of ``root`` that holds its weight accumulate in place.
+
+    Skipped: subclasses, modules whose ``forward`` is already replaced (a stand-in), and modules whose weight
+    another stage holds (a placeholder buffer here).
 
     Returns:
         The modules changed, for :func:`remove_grad_accumulation`.
     """
     changed = []
     for module in root.modules():
-        if type(module) is nn.Linear and "forward" not in module.__dict__:
+        if type(module) is nn.Linear and "forward" not in module.__dict__ and isinstance(module.weight, nn.Parameter):
             module.forward = _forward.__get__(module)  # type: ignore[method-assign]
             changed.append(module)
     return changed

@@ -1,7 +1,8 @@
 """The engine and the strategy on CUDA, each against the plain run on the same device. Skipped without CUDA.
 
 Run as is on a GPU machine: ``bash tests/gpu/run.sh``. With one GPU: the compute path on CUDA (recompute replaying
-the forward's CUDA RNG, bf16 autocast with bfloat16 on the wire, ``torch.cuda.max_memory_allocated``), P=1 under
+the forward's CUDA RNG, bf16 autocast with bfloat16 on the wire, ``torch.cuda.max_memory_allocated``, linear layers'
+gradients accumulated in place against autograd's), P=1 under
 Lightning, and P=2 with two processes sharing the GPU over gloo (``p2p_backend="gloo"``: pinned host staging),
 engine-level and under Lightning. With two or more GPUs, NCCL point-to-point too (P=2, and P=2 x D=2 with four).
 Every job also runs in the NCCL-rules mode (``launch.py``), so its p2p order is replayed as well.
@@ -114,3 +115,30 @@ def test_nccl_point_to_point_trains_as_the_plain_run(tmp_path: Path) -> None:
     _check_engine(runs)
     if world == 4:
         _check_against_plain(runs, "fp32-p4", FP32)
+
+
+def test_fused_accumulation_on_cuda_saves_the_largest_weight_and_matches_autograd() -> None:
+    from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulation
+
+    def step(fused: bool) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+        if fused:
+            install_grad_accumulation(model)
+        inputs = [torch.randn(8, 64, 1024, device="cuda") for _ in range(4)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        for x in inputs:
+            model(x).square().mean().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, [p.grad for p in model.parameters()]
+
+    fused_peak, fused_grads = step(True)
+    plain_peak, plain_grads = step(False)
+    weight = 1024 * 4096 * 4
+    print(f"\npeak CUDA memory of 4 micro-batches: fused {fused_peak / 2**20:.1f} MiB,"
+          f" autograd {plain_peak / 2**20:.1f} MiB (largest weight {weight / 2**20:.0f} MiB)")
+    assert fused_peak <= plain_peak - 0.9 * weight
+    for got, want in zip(fused_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, **FP32)
