@@ -5,7 +5,9 @@ Compares the example GPT (``examples/gpt/model.py``) built two ways, under ``Var
 - ``init``: built in ``__init__`` (``model.configure_model()`` called before ``fit``): every rank builds and
   initializes the whole model, then keeps its stage's share;
 - ``configure``: built in ``configure_model`` by Lightning, parameters on the meta device, and each stage
-  materializes and initializes only its own (``param_init_fn``).
+  materializes and initializes only its own (``param_init_fn``);
+- ``configure-autograd`` (``--builds``, memory part only): as ``configure``, with weight gradients accumulated
+  by autograd (``fuse_grad_accumulation=False``) instead of in place.
 
 One command runs everything (under the benchmark lock; each trial's memory is capped, see below)::
 
@@ -107,7 +109,8 @@ def worker(args: argparse.Namespace) -> None:
             record["peak_mib"] = _status_mib("VmHWM") - base
 
     strategy = lightning_varuna.VarunaStrategy(pipeline_parallel_size=args.procs, num_microbatches=args.procs,
-                                               param_init_fn=init_weights)
+                                               param_init_fn=init_weights,
+                                               fuse_grad_accumulation=args.build != "configure-autograd")
     trainer = pl.Trainer(accelerator="cpu", devices=args.procs, strategy=strategy, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Probe()])
@@ -212,10 +215,10 @@ def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budge
 
 
 # -- the measurements ----------------------------------------------------------------------------------------------
-def memory(runs: int, budget_gib: float, timeout: float) -> list[dict]:
+def memory(runs: int, budget_gib: float, timeout: float, builds: list[str]) -> list[dict]:
     trials = []
     for run in range(runs):
-        for build in ("init", "configure"):
+        for build in builds:
             print(f"memory: run {run + 1}/{runs}", flush=True)
             trials.append(trial(7, 2560, 4, "sgd", build, budget_gib, timeout))
     return trials
@@ -330,6 +333,9 @@ def main() -> None:
     parser.add_argument("--memory-budget-gib", type=float, default=15.0, help="the same for the 2.2 GB model")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per trial")
     parser.add_argument("--only", choices=["memory", "largest"], help="run one part")
+    parser.add_argument("--builds", default="init,configure",
+                        help="builds of the memory part; also configure-autograd: built in configure_model, weight"
+                             " gradients accumulated by autograd (fuse_grad_accumulation=False)")
     parser.add_argument("--settings", default="p4-sgd,p8-adamw", help="which largest-model searches to run")
     parser.add_argument("--render", action="store_true", help="print the tables of --out and stop")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -349,7 +355,7 @@ def main() -> None:
     command = "python benchmarks/big_models.py " + " ".join(sys.argv[1:])
     results["command" if args.only != "largest" else "command_largest"] = command
     if args.only in (None, "memory"):
-        results["memory"] = memory(args.runs, args.memory_budget_gib, args.timeout)
+        results["memory"] = memory(args.runs, args.memory_budget_gib, args.timeout, args.builds.split(","))
         out.write_text(json.dumps(results, indent=1))
     if args.only in (None, "largest"):
         settings = {"p4-sgd": (4, "sgd", 1536), "p8-adamw": (8, "adamw", 768)}
