@@ -12,7 +12,11 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
-from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulation, remove_grad_accumulation
+from lightning_varuna.pipeline.grad_accumulation import (
+    accumulating_in_place,
+    install_grad_accumulation,
+    remove_grad_accumulation,
+)
 from lightning_varuna.pipeline.stage import free_parameter
 
 MICROBATCHES = 4
@@ -62,7 +66,7 @@ def _train(model: _TiedNet) -> list[tuple[list[str], int]]:
     for idx in _batches():
         loss = model(idx).logsumexp(-1).sum()
         mode = _WeightShapedOutputs({tuple(model.up.weight.shape), tuple(model.down.weight.shape)})
-        with mode:
+        with mode, accumulating_in_place():
             loss.backward()
         seen.append((mode.ops, model.up.weight.grad.untyped_storage().data_ptr()))
     return seen
@@ -122,13 +126,37 @@ def test_autocast_frozen_weights_subclasses_and_other_stages_layers_use_plain_li
     for net in (model, reference):
         for _ in range(2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                net(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).float().sum().backward()
+                loss = net(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).float().sum()
+            with accumulating_in_place():
+                loss.backward()
     for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
         assert (param.grad is None) == (expected.grad is None)
         if param.grad is not None:
             assert torch.equal(param.grad, expected.grad)
     remove_grad_accumulation(changed)
     assert all("forward" not in m.__dict__ for m in model)
+
+
+def test_autograd_grad_and_backward_outside_the_engine_compute_as_autograd_and_leave_grad_alone() -> None:
+    torch.manual_seed(0)
+    model = _TiedNet()
+    reference = copy.deepcopy(model)
+    install_grad_accumulation(model)
+    idx = _batches()
+    for net in (model, reference):  # .grad holds a first micro-batch's gradient
+        with accumulating_in_place():
+            net(idx[0]).logsumexp(-1).sum().backward()
+    before = model.up.weight.grad.clone()
+    # a gradient taken with torch.autograd.grad (e.g. in the user's step) is not meant for .grad
+    got = torch.autograd.grad(model(idx[1]).logsumexp(-1).sum(), [model.up.weight, model.down.weight])
+    want = torch.autograd.grad(reference(idx[1]).logsumexp(-1).sum(), [reference.up.weight, reference.down.weight])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
+    assert torch.equal(model.up.weight.grad, before)
+    # a backward outside the engine accumulates as autograd does
+    model(idx[1]).logsumexp(-1).sum().backward()
+    reference(idx[1]).logsumexp(-1).sum().backward()
+    torch.testing.assert_close(model.up.weight.grad, reference.up.weight.grad, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("fuse", [True, False])

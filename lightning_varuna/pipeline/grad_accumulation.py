@@ -13,13 +13,18 @@ without a copy (it owns the only reference). So every guarantee of ``.grad`` hol
 hooks and post-accumulate-grad hooks run, a parameter used twice (tied) sums both uses, and a gradient that
 cannot be taken over is copied rather than lost.
 
-Only plain ``nn.Linear`` modules (not subclasses, which may compute differently) are changed, and a call falls
-back to ``F.linear`` under autocast (the weight's gradient is then made in another dtype than ``.grad``), when
-the weight is frozen, and when gradients of gradients are asked for.
+Only backward passes run inside :func:`accumulating_in_place` (the stage's own, which the engine runs) do this:
+there autograd accumulates into every leaf's ``.grad``. Any other (``torch.autograd.grad``, a backward with
+``inputs=``) computes the weight's gradient as autograd does, since it may not be meant for ``.grad``. Only
+plain ``nn.Linear`` modules (not subclasses, which may compute differently) are changed, and a call falls back to
+``F.linear`` under autocast (the weight's gradient is then made in another dtype than ``.grad``), when the weight
+is frozen, and when gradients of gradients are asked for.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,7 +32,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["LinearAccumulatingGrad", "install_grad_accumulation", "remove_grad_accumulation"]
+__all__ = ["LinearAccumulatingGrad", "accumulating_in_place", "install_grad_accumulation", "remove_grad_accumulation"]
+
+# Backward passes inside accumulating_in_place(). Not thread-local: autograd runs a CUDA graph's backward on its
+# device's own thread, while the caller waits in torch.autograd.backward.
+_depth = 0
+
+
+@contextlib.contextmanager
+def accumulating_in_place() -> Iterator[None]:
+    """Backward passes run inside accumulate linear layers' weight gradients in place into ``.grad``.
+
+    Only for passes whose gradients all go to ``.grad`` (``torch.autograd.backward`` without ``inputs``).
+    """
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
 
 
 class LinearAccumulatingGrad(torch.autograd.Function):
@@ -51,7 +74,8 @@ class LinearAccumulatingGrad(torch.autograd.Function):
         x_2d = x.reshape(-1, x.shape[-1])
         param: nn.Parameter = ctx.weight
         held = param.grad
-        if held is None or torch.is_grad_enabled() or held.dtype != grad_2d.dtype or held.is_sparse:
+        fresh = not _depth or held is None or torch.is_grad_enabled() or held.dtype != grad_2d.dtype
+        if fresh or held.is_sparse:
             return grad_x, grad_2d.t().mm(x_2d), grad_bias
         # autograd's accumulation takes ``held`` back as the whole gradient (no copy: ours is the only reference)
         param.grad = None

@@ -33,6 +33,7 @@ from torch import Tensor
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, StageForward, StageOutputReady, forward_handler
 from lightning_varuna.pipeline.events import Event, EventHooks, EventKind
 from lightning_varuna.pipeline.failures import PipelineError
+from lightning_varuna.pipeline.grad_accumulation import accumulating_in_place
 from lightning_varuna.pipeline.p2p import HEADER_SIZE, P2P, Transfer, decode_header, encode_header, encode_skip_header
 from lightning_varuna.pipeline.p2p_plan import Message, MessageKind
 from lightning_varuna.pipeline.schedules import Kind, Task, next_task
@@ -243,11 +244,13 @@ class StageStep:
             return 0, 0
         if self.next is None:
             if self.results[k] is not None:  # else skipped after the loss: a zero gradient goes back
-                torch.autograd.backward(self.loss_of(self.results[k], k))  # type: ignore[misc]
+                with accumulating_in_place():
+                    torch.autograd.backward(self.loss_of(self.results[k], k))  # type: ignore[misc]
         else:
             grad = self.receive_grad(k)
             output = self.outputs[k]
-            torch.autograd.backward(output, grad_tensors=grad if grad.dtype == output.dtype else grad.to(output.dtype))
+            with accumulating_in_place():
+                torch.autograd.backward(output, grad if grad.dtype == output.dtype else grad.to(output.dtype))
         self.outputs[k] = None
         stash = 0
         if self.prev is not None:

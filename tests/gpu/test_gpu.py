@@ -118,7 +118,7 @@ def test_nccl_point_to_point_trains_as_the_plain_run(tmp_path: Path) -> None:
 
 
 def test_fused_accumulation_on_cuda_saves_the_largest_weight_and_matches_autograd() -> None:
-    from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulation
+    from lightning_varuna.pipeline.grad_accumulation import accumulating_in_place, install_grad_accumulation
 
     def step(fused: bool) -> tuple[int, list[torch.Tensor]]:
         torch.manual_seed(0)
@@ -130,7 +130,9 @@ def test_fused_accumulation_on_cuda_saves_the_largest_weight_and_matches_autogra
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         for x in inputs:
-            model(x).square().mean().backward()
+            loss = model(x).square().mean()
+            with accumulating_in_place():
+                loss.backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start, [p.grad for p in model.parameters()]
 
