@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 
@@ -147,16 +148,39 @@ def test_autograd_grad_and_backward_outside_the_engine_compute_as_autograd_and_l
         with accumulating_in_place():
             net(idx[0]).logsumexp(-1).sum().backward()
     before = model.up.weight.grad.clone()
-    # a gradient taken with torch.autograd.grad (e.g. in the user's step) is not meant for .grad
-    got = torch.autograd.grad(model(idx[1]).logsumexp(-1).sum(), [model.up.weight, model.down.weight])
-    want = torch.autograd.grad(reference(idx[1]).logsumexp(-1).sum(), [reference.up.weight, reference.down.weight])
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
-    assert torch.equal(model.up.weight.grad, before)
+    # gradients taken with torch.autograd.grad, or a backward limited by inputs=, are not meant for .grad: also
+    # inside the engine's backward (a hook may run one)
+    for context in (contextlib.nullcontext, accumulating_in_place):
+        with context():
+            got = torch.autograd.grad(model(idx[1]).logsumexp(-1).sum(), [model.up.weight, model.down.weight])
+            model(idx[1]).logsumexp(-1).sum().backward(inputs=[model.up.bias])
+        want = torch.autograd.grad(reference(idx[1]).logsumexp(-1).sum(), [reference.up.weight, reference.down.weight])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
+        assert torch.equal(model.up.weight.grad, before)
     # a backward outside the engine accumulates as autograd does
     model(idx[1]).logsumexp(-1).sum().backward()
     reference(idx[1]).logsumexp(-1).sum().backward()
     torch.testing.assert_close(model.up.weight.grad, reference.up.weight.grad, rtol=1e-6, atol=1e-5)
+
+
+def test_a_gradient_hook_sees_each_microbatch_alone_and_a_weight_frozen_after_forward_keeps_its_grad() -> None:
+    torch.manual_seed(0)
+    model = _TiedNet()
+    reference = copy.deepcopy(model)
+    install_grad_accumulation(model)
+    seen: dict[str, list[float]] = {"fused": [], "plain": []}
+    for net, name in ((model, "fused"), (reference, "plain")):
+        # a hook that changes the gradient: applied to each micro-batch's, not to the running sum
+        net.up.weight.register_hook(lambda g, n=name: seen[n].append(g.norm().item()) or g.clamp(-0.5, 0.5))
+        for i, idx in enumerate(_batches()):
+            loss = net(idx).logsumexp(-1).sum()
+            net.down.weight.requires_grad_(i < 2)  # frozen between the forward and the backward of micro-batch 2
+            with accumulating_in_place():
+                loss.backward()
+    torch.testing.assert_close(seen["fused"], seen["plain"])
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, expected.grad, rtol=1e-6, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("fuse", [True, False])

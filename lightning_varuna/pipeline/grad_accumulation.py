@@ -11,11 +11,16 @@ The accumulated gradient still reaches ``.grad`` through autograd: the backward 
 micro-batch into it and returns it as the weight's gradient, which autograd's accumulation then takes over
 without a copy (it owns the only reference). So every guarantee of ``.grad`` holds as before: gradient
 hooks and post-accumulate-grad hooks run, a parameter used twice (tied) sums both uses, and a gradient that
-cannot be taken over is copied rather than lost.
+cannot be taken over is copied rather than lost. Two differences remain: a ``.grad`` that something else also
+references (a view kept into a flat buffer) is written in place and then copied, so it stops being that view
+(nothing in this package keeps one); and a backward that fails between a linear layer and its weight's
+accumulation leaves that weight's ``.grad`` empty, where autograd would leave the earlier micro-batches' sum
+(the step fails either way).
 
 Only backward passes run inside :func:`accumulating_in_place` (the stage's own, which the engine runs) do this:
 there autograd accumulates into every leaf's ``.grad``. Any other (``torch.autograd.grad``, a backward with
-``inputs=``) computes the weight's gradient as autograd does, since it may not be meant for ``.grad``. Only
+``inputs=``) computes the weight's gradient as autograd does, and so does a weight with a gradient hook
+(``register_hook``: it must see one micro-batch's gradient). Only
 plain ``nn.Linear`` modules (not subclasses, which may compute differently) are changed, and a call falls back to
 ``F.linear`` under autocast (the weight's gradient is then made in another dtype than ``.grad``), when the weight
 is frozen, and when gradients of gradients are asked for.
@@ -24,6 +29,7 @@ is frozen, and when gradients of gradients are asked for.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,17 +80,33 @@ class LinearAccumulatingGrad(torch.autograd.Function):
         x_2d = x.reshape(-1, x.shape[-1])
         param: nn.Parameter = ctx.weight
         held = param.grad
-        fresh = not _depth or held is None or torch.is_grad_enabled() or held.dtype != grad_2d.dtype
-        if fresh or held.is_sparse:
+        if not _into_grad(ctx, param, held, grad_2d.dtype):
             return grad_x, grad_2d.t().mm(x_2d), grad_bias
         # autograd's accumulation takes ``held`` back as the whole gradient (no copy: ours is the only reference)
         param.grad = None
         return grad_x, held.addmm_(grad_2d.t(), x_2d), grad_bias
 
 
+def _into_grad(ctx: Any, param: nn.Parameter, held: Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether this backward may add the weight's gradient into ``held`` (its ``.grad``) and hand that back."""
+    if not _depth or held is None or held.dtype != dtype or held.is_sparse or torch.is_grad_enabled():
+        return False
+    # a hook on the gradient must see this micro-batch's alone; autograd's accumulation skips a frozen parameter
+    if param._backward_hooks or not param.requires_grad:
+        return False
+    try:
+        # whether this pass runs the weight's accumulation into .grad (torch.autograd.grad and a backward with
+        # inputs= may not): torch.autograd.graph.register_multi_grad_hook asks the engine the same way
+        return torch._C._will_engine_execute_node(ctx.next_functions[1][0])
+    except RuntimeError:  # inside torch.autograd.grad, whose gradients never go to .grad
+        return False
+
+
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     """``nn.Linear.forward`` through :class:`LinearAccumulatingGrad` where it applies."""
-    if not self.weight.requires_grad or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
+    # torch.func's transforms need an autograd.Function with setup_context; torch.autograd asks them the same way
+    if (not self.weight.requires_grad or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
+            or torch._C._are_functorch_transforms_active()):
         return F.linear(x, self.weight, self.bias)
     return LinearAccumulatingGrad.apply(x, self.weight, self.bias)
 
@@ -101,7 +123,7 @@ def install_grad_accumulation(root: nn.Module) -> list[nn.Linear]:
     changed = []
     for module in root.modules():
         if type(module) is nn.Linear and "forward" not in module.__dict__ and isinstance(module.weight, nn.Parameter):
-            module.forward = _forward.__get__(module)  # type: ignore[method-assign]
+            module.forward = functools.partial(_forward, module)  # a partial pickles (torch.save of the model)
             changed.append(module)
     return changed
 
@@ -109,5 +131,5 @@ def install_grad_accumulation(root: nn.Module) -> list[nn.Linear]:
 def remove_grad_accumulation(modules: list[nn.Linear]) -> None:
     """Gives the modules their class's ``forward`` back."""
     for module in modules:
-        if getattr(module.__dict__.get("forward"), "__func__", None) is _forward:
+        if getattr(module.__dict__.get("forward"), "func", None) is _forward:
             del module.__dict__["forward"]
