@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -89,23 +90,40 @@ def test_release_removes_only_ones_own_lease(tmp_path: Path) -> None:
     assert not (tmp_path / LEASE_FILE).exists()
 
 
-def test_the_keeper_renews_and_stops_when_another_job_took_over(tmp_path: Path) -> None:
+def test_the_keeper_renews_and_stops_when_another_job_took_over(tmp_path: Path, monkeypatch) -> None:
     keeper = LeaseKeeper(timeout_s=1.0)  # renewed every second
     folders = [tmp_path / "a", tmp_path / "b"]
+    # the keeper's renewal of folder b waits for the test: the takeover happens between two renewals, not by luck
+    at_b, proceed, reads = threading.Event(), threading.Event(), []
+    read = lease.read
+
+    def controlled_read(folder: Location):
+        if threading.current_thread().name == "varuna-checkpoint-lease":
+            reads.append(folder.text)
+            if folder.text == str(folders[1]) and not proceed.is_set():
+                at_b.set()
+                assert proceed.wait(30), "the test never let the keeper go on"
+        return read(folder)
+
+    monkeypatch.setattr(lease, "read", controlled_read)
     assert keeper.acquire([str(f) for f in folders]) is None
     try:
         first = json.loads((folders[0] / LEASE_FILE).read_text())["renewed"]
-        deadline = time.monotonic() + 30
-        while json.loads((folders[0] / LEASE_FILE).read_text())["renewed"] == first:
-            assert time.monotonic() < deadline, "not renewed"
-            time.sleep(0.1)
+        assert at_b.wait(30), "not renewed"
+        assert json.loads((folders[0] / LEASE_FILE).read_text())["renewed"] > first  # a was renewed
         # another job took folder b over (it found the lease stale): the keeper leaves it alone
         _age(folders[1], 10)
         assert take(folders[1], _other(), 1.0) is None
-        time.sleep(2.5)
+        done = len(reads)
+        proceed.set()
+        deadline = time.monotonic() + 30
+        while str(folders[0]) not in reads[done:]:  # the next round began: b's renewal was decided
+            assert time.monotonic() < deadline, "the keeper stopped renewing"
+            time.sleep(0.05)
         assert _holder_of(folders[1]).token == "other-token"
         assert keeper.ticket().keep and keeper.ticket().holder == keeper.holder
     finally:
+        proceed.set()
         keeper.close()
     assert not (folders[0] / LEASE_FILE).exists() and (folders[1] / LEASE_FILE).exists()
 
