@@ -257,14 +257,14 @@ def largest(procs: int, optimizer: str, width: int, start: dict[str, int], budge
 def _predict(procs: int, optimizer: str, width: int, budget_gib: float) -> dict[str, int]:
     """Layers that should just fit, each build: the first size the search tries.
 
-    From the memory runs: built in ``__init__`` every process holds about 1.35x the whole model at its peak;
+    From the memory runs: built in ``__init__`` every process holds about 1.1x the whole model at its peak;
     built in ``configure_model`` the job holds about 1.1x the parameters, gradients and optimizer state in all;
     each process starts at about 0.55 GiB before the model.
     """
     copies = {"sgd": 2, "adamw": 4}[optimizer]  # parameter, gradient (+ 2 AdamW moments), over all stages
     free = budget_gib - 0.55 * procs
     per_layer = 12 * width * width * 4 / GIB
-    return {"init": max(procs, int(free / (1.35 * procs * per_layer))),
+    return {"init": max(procs, int(free / (1.1 * procs * per_layer))),
             "configure": max(procs, int(free / (1.1 * copies * per_layer)))}
 
 
