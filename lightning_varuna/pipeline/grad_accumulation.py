@@ -20,10 +20,10 @@ accumulation leaves that weight's ``.grad`` empty, where autograd would leave th
 Only backward passes run inside :func:`accumulating_in_place` (the stage's own, which the engine runs) do this:
 there autograd accumulates into every leaf's ``.grad``. Any other (``torch.autograd.grad``, a backward with
 ``inputs=``) computes the weight's gradient as autograd does, and so does a weight with a gradient hook
-(``register_hook``: it must see one micro-batch's gradient). Only
-plain ``nn.Linear`` modules (not subclasses, which may compute differently) are changed, and a call falls back to
-``F.linear`` under autocast (the weight's gradient is then made in another dtype than ``.grad``), when the weight
-is frozen, and when gradients of gradients are asked for.
+(``register_hook``: it must see one micro-batch's gradient). Only plain ``nn.Linear`` modules (not subclasses,
+which may compute differently) are changed, and a call falls back to ``F.linear`` under autocast (the weight's
+gradient is then made in another dtype than ``.grad``), under ``torch.func`` transforms, when the weight is
+frozen, and when gradients of gradients are asked for.
 """
 
 from __future__ import annotations
