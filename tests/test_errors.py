@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.cut import install_cut_at
-from lightning_varuna.pipeline.partition import TIMED_RUNS, balance, make_plan, trace_step
+from lightning_varuna.pipeline.partition import TIMED_RUNS, balance, check_pipeline_size, make_plan, trace_step
 
 CPU = torch.device("cpu")
 
@@ -412,13 +412,16 @@ def test_skip_connection_across_stages() -> None:
     assert set(result.crossings) == {(0, 1)}
     message = (
         r"A tensor \(\(2, 4\) torch\.float32\) computed from parameters in segment 0 is used in segment 1"
-        r" without passing through a CutPoint, and those segments fall on stages 0 and 1\. Route it through"
-        r" the cut point"
+        r" without passing through a CutPoint, so segments 0 to 1 must stay on one stage: on a later stage it would"
+        r" be zeros\. The model can be split into at most 2 stage\(s\), not pipeline_parallel_size=3\."
     )
     with pytest.raises(PartitionError, match=message):
         make_plan(result, 3)
-    # segments 0 and 1 on one stage: the skip stays inside the stage and the plan is fine
-    result.segment_seconds = [1.0, 1.0, 3.0]
+    with pytest.raises(PartitionError, match=message):
+        check_pipeline_size(result, 3)  # before any rank waits: it needs only the dry run
+    # P=2: segments 0 and 1 share a stage, even where balancing the costs alone would separate them
+    result.segment_seconds = [1.0, 1.0, 1.0]
+    assert balance(result.segment_seconds, 2) == [range(0, 1), range(1, 3)]
     plan = make_plan(result, 2)
     assert [list(s.segments) for s in plan.stages] == [[0, 1], [2]]
 

@@ -89,3 +89,28 @@ def test_metric_states_are_not_shared_with_the_dry_run() -> None:
         metric.update(torch.tensor([100.0]))
     metric.update(torch.tensor([5.0]))
     assert float(metric.compute()) == 3.0 and float(metric.weight) == 3.0
+
+
+class Lazy(nn.Module):
+    """Creates a metric, a buffer and a parameter on its first call, as steps that build what they log lazily do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "accuracy"):
+            self.accuracy = BinaryAccuracy()
+            self.register_buffer("seen", torch.zeros(()), persistent=False)
+            self.scale = nn.Parameter(torch.ones(()))
+        self.accuracy.update(x[:, 0].sigmoid(), (x[:, 1] > 0).long())
+        self.seen += len(x)
+        return x * self.scale
+
+
+def test_submodules_buffers_and_parameters_created_by_the_dry_run_are_gone() -> None:
+    model = Lazy()
+    model.register_buffer("kept", torch.ones(()), persistent=False)
+    with no_trace(model, torch.device("cpu")):
+        model(torch.randn(4, 3))
+    assert not hasattr(model, "accuracy") and not hasattr(model, "seen") and not hasattr(model, "scale")
+    assert dict(model.named_buffers()).keys() == {"kept"} and model._non_persistent_buffers_set == {"kept"}
+    x = torch.tensor([[2.0, 1.0], [-2.0, 1.0]])
+    model(x)  # the first real step creates them afresh: only its own samples count
+    assert float(model.accuracy.compute()) == 0.5 and float(model.seen) == 2

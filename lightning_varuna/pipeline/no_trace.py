@@ -6,10 +6,11 @@ put back, or the first real step starts from another state than the plain run's:
 the module its calls, and the RNGs would be a few draws ahead.
 
 :func:`no_trace` puts back, for every submodule: its attributes (added ones removed, replaced ones restored,
-tensors and builtin containers restored in place, so that references held elsewhere see the old values) and its
-buffers; and the torch (CPU and this device), Python and NumPy random states. Parameters are not copied (a step
-does not change them), and objects that are not tensors or builtin containers (the trainer, a datamodule) are
-restored by reference only: what a step changes inside them stays.
+tensors and builtin containers restored in place, so that references held elsewhere see the old values), its
+buffers, and which submodules, buffers and parameters it has (a metric the step creates on its first call is gone
+again, so the first real step creates it afresh); and the torch (CPU and this device), Python and NumPy random
+states. Parameters are not copied (a step does not change them), and objects that are not tensors or builtin
+containers (the trainer, a datamodule) are restored by reference only: what a step changes inside them stays.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ __all__ = ["no_trace"]
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
 """``nn.Module``'s own bookkeeping (parameters, buffers, submodules, hooks), not state a step would change."""
+_REGISTRIES = ("_modules", "_buffers", "_parameters")
+"""Where ``nn.Module`` registers submodules, buffers and parameters (private: there is no public way to unregister
+one that a step registered)."""
 _MAX_DEPTH = 4
 """How deep nested containers are copied; deeper ones are kept by reference."""
 
@@ -81,6 +85,8 @@ class _ModuleState:
         self.module = module
         self.attributes = {k: _Saved(v) for k, v in vars(module).items() if k not in _MODULE_INTERNALS}
         self.buffers = {name: _Saved(b) for name, b in module.named_buffers(recurse=False)}
+        self.registered = {kind: dict(getattr(module, kind)) for kind in _REGISTRIES}
+        self.non_persistent = set(module._non_persistent_buffers_set)
 
     def restore(self) -> None:
         state = vars(self.module)
@@ -88,6 +94,13 @@ class _ModuleState:
             del state[name]  # set by the step
         for name, saved in self.attributes.items():
             state[name] = saved.restore()
+        for kind, before in self.registered.items():
+            # submodules, buffers and parameters the step registered (a metric created on the first call) go
+            registry = getattr(self.module, kind)
+            registry.clear()
+            registry.update(before)
+        self.module._non_persistent_buffers_set.clear()
+        self.module._non_persistent_buffers_set.update(self.non_persistent)
         for name, saved in self.buffers.items():
             setattr(self.module, name, saved.restore())
 

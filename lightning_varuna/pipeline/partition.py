@@ -7,8 +7,10 @@ The dry run runs the user's whole step on a tiny batch and observes, without gue
 - which parameters each segment uses (a ``TorchFunctionMode`` sees every parameter passed to a torch
   function), so a parameter used on two stages (a tied embedding and head) is found automatically;
 - which module calls start and end inside one segment (those can be replaced by stand-ins on other stages);
-- values that depend on parameters and flow from one segment to a later one without passing through a cut
-  point (a skip connection across a cut), which cannot be split there;
+- values that flow from one segment to a later one without passing through a cut point: a skip connection
+  across a cut cannot be split there, and side inputs made by modules without parameters (rotary position
+  embeddings, masks) are recomputed on the later stage when that gives the same values
+  (:mod:`~lightning_varuna.pipeline.data_flow`), else cannot be split there either;
 - what each segment costs: forward FLOPs and saved-activation bytes (:mod:`~lightning_varuna.pipeline.costs`).
 
 The dry run works on real tensors or on the meta device (a model built there, see
@@ -20,17 +22,17 @@ The result is a :class:`Trace`; :func:`make_plan` groups its segments into stage
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_varuna.pipeline.costs import CostCounter, DeviceRates, SegmentCost, estimated_seconds, fit_costs
 from lightning_varuna.pipeline.cut import CutPoint, CutPointError, forward_handler
+from lightning_varuna.pipeline.data_flow import DataFlow
 
 __all__ = [
     "BALANCED_BY", "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "time_segments", "balance", "make_plan",
@@ -66,6 +68,10 @@ class Trace:
     param_numel: dict[str, int]
     module_segments: dict[str, set[int]]
     crossings: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Pairs of segments that must share a stage: ``(from, to) -> the value that crosses`` (see
+    :mod:`~lightning_varuna.pipeline.data_flow`)."""
+    recomputed: set[str] = field(default_factory=set)
+    """Modules without parameters whose outputs later segments use: every stage runs them (none stands in)."""
     segment_seconds: list[float] = field(default_factory=list)
     """Measured forward time of each segment (empty when not timed, e.g. on the meta device)."""
     costs: list[SegmentCost] = field(default_factory=list)
@@ -95,11 +101,10 @@ class _Tracer:
         self.param_segments: dict[str, set[int]] = {}
         self.module_segments: dict[str, set[int]] = {}
         self.spanning: set[str] = set()
-        self.crossings: dict[tuple[int, int], str] = {}
         self._stack: list[tuple[str, int]] = []
         self.paused = False
         self.returned_nothing = False
-        self._origin = WeakTensorKeyDictionary()
+        self.flow = DataFlow(module, lambda: self.segment)
 
     def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
         if any(seen is cut for seen in self.cut_order):
@@ -116,7 +121,7 @@ class _Tracer:
         finally:
             self.paused = False
         self.segment += 1
-        self._origin[out] = self.segment
+        self.flow.cut_output(out)
         return out
 
     def _name(self, cut: CutPoint) -> str:
@@ -126,6 +131,7 @@ class _Tracer:
         name = self.module_names.get(id(module))
         if name is not None:
             self._stack.append((name, self.segment))
+            self.flow.enter(module)
 
     def post_hook(self, module: nn.Module, args: object, output: object) -> None:
         name = self.module_names.get(id(module))
@@ -136,31 +142,17 @@ class _Tracer:
             self.module_segments.setdefault(name, set()).add(start)
         else:
             self.spanning.add(name)
+        self.flow.exit(module, output)
 
-    def on_torch_function(self, args: tuple, kwargs: dict) -> bool:
-        """Records parameter use and crossings; returns whether the op's result depends on parameters."""
-        depends = False
-        if self.paused:
-            return False
+    def uses_parameters(self, args: tuple, kwargs: dict) -> bool:
+        """Records the parameters a torch function is given; returns whether it is given any."""
+        uses = False
         for value in tree_leaves((args, kwargs)):
-            if not isinstance(value, Tensor):
-                continue
             name = self.param_names.get(id(value)) if isinstance(value, nn.Parameter) else None
             if name is not None:
                 self.param_segments.setdefault(name, set()).add(self.segment)
-                depends = True
-                continue
-            origin = self._origin.get(value)
-            if origin is not None:
-                depends = True
-                if origin != self.segment:
-                    self.crossings.setdefault((origin, self.segment), f"{tuple(value.shape)} {value.dtype}")
-        return depends
-
-    def mark_outputs(self, out: object) -> None:
-        for value in tree_leaves(out):
-            if isinstance(value, Tensor):
-                self._origin[value] = self.segment
+                uses = True
+        return uses
 
 
 class _TraceMode(TorchFunctionMode):
@@ -170,10 +162,13 @@ class _TraceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
         kwargs = kwargs or {}
-        depends = self.tracer.on_torch_function(args, kwargs)
+        tracer = self.tracer
+        if tracer.paused:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        derived = tracer.flow.before(name, args, kwargs, tracer.uses_parameters(args, kwargs))
         out = func(*args, **kwargs)
-        if depends:
-            self.tracer.mark_outputs(out)
+        tracer.flow.after(name, derived, out)
         return out
 
 
@@ -280,13 +275,17 @@ def trace_step(
     seconds = time_segments(timed_step) if timed_step is not None and cuts else []
     params = dict(module.named_parameters())
     numel = {name: p.numel() for name, p in params.items()}
+    module_segments = {k: v for k, v in two.module_segments.items() if k not in two.spanning}
+    two.flow.unclean |= one.flow.unclean
+    recomputed, crossings = two.flow.recomputed(module_segments)
     trace = Trace(
         param_bytes={name: p.numel() * p.element_size() for name, p in params.items()},
         cuts=cuts,
         param_segments=two.param_segments,
         param_numel=numel,
-        module_segments={k: v for k, v in two.module_segments.items() if k not in two.spanning},
-        crossings=two.crossings,
+        module_segments=module_segments,
+        crossings=crossings,
+        recomputed=recomputed,
         segment_seconds=seconds,
         skipped=not cuts and one.returned_nothing,
         costs=fit_costs(one.costs, two.costs, two.param_segments, params, len(cuts) + 1),
@@ -294,7 +293,15 @@ def trace_step(
     return trace, list(one.cut_order)
 
 
-def balance(costs: list[float], num_stages: int) -> list[range]:
+def forbidden_boundaries(together: Iterable[tuple[int, int]]) -> set[int]:
+    """The stage boundaries that would separate a pair of segments that must share a stage.
+
+    Boundary ``b`` falls between segments ``b - 1`` and ``b``.
+    """
+    return {b for source, destination in together for b in range(source + 1, destination + 1)}
+
+
+def balance(costs: list[float], num_stages: int, together: Iterable[tuple[int, int]] = ()) -> list[range]:
     """Splits segments into ``num_stages`` contiguous, non-empty groups minimising the largest group cost.
 
     Ties are broken towards earlier stages taking fewer segments, since they also hold more stashed
@@ -303,13 +310,16 @@ def balance(costs: list[float], num_stages: int) -> list[range]:
     Args:
         costs: Cost of each segment, in order.
         num_stages: Number of groups; at most ``len(costs)``.
+        together: Pairs of segments that must fall in one group (a value crosses between them outside a cut).
 
     Returns:
         One ``range`` of segment indices per stage.
     """
     n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise PartitionError(f"Cannot split {n} segment(s) into {num_stages} stage(s).")
+    forbidden = forbidden_boundaries(together)
+    if not 1 <= num_stages <= n - len(forbidden - {0, n}):
+        kept = f" ({len(forbidden)} boundaries excluded by values that cross them)" if forbidden else ""
+        raise PartitionError(f"Cannot split {n} segment(s) into {num_stages} stage(s){kept}.")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -321,6 +331,8 @@ def balance(costs: list[float], num_stages: int) -> list[range]:
     for k in range(1, num_stages + 1):
         for i in range(n - k, -1, -1):
             for j in range(i + 1, n - k + 2):
+                if j in forbidden and j < n:
+                    continue
                 value = max(prefix[j] - prefix[i], best[k - 1][j])
                 if value < best[k][i] - 1e-12 * max(1.0, value):
                     best[k][i], cut[k][i] = value, j
@@ -382,6 +394,8 @@ class Plan:
         lines.append(f"balanced by {BALANCED_BY[self.balanced_by]}; micro-batch of {self.microbatch}")
         if self.tied:
             lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
+        if self.trace.recomputed and len(self.stages) > 1:
+            lines.append("side inputs recomputed on every stage by: " + ", ".join(sorted(self.trace.recomputed)))
         return "\n".join(lines)
 
 
@@ -404,6 +418,22 @@ def check_pipeline_size(trace: Trace, num_stages: int) -> None:
             f"pipeline_parallel_size={num_stages} but the model has {n} segment(s) ({len(trace.cuts)} cut"
             f" point(s)). Use pipeline_parallel_size <= {n}, or add CutPoint()s / set cut_at."
         )
+    most = n - len(forbidden_boundaries(trace.crossings))
+    if num_stages > most:
+        (src, dst), what = min(trace.crossings.items())
+        raise PartitionError(
+            f"{what} is used in segment {dst} without passing through a CutPoint, so segments {src} to {dst} must"
+            f" stay on one stage: on a later stage it would be zeros. The model can be split into at most {most}"
+            f" stage(s), not pipeline_parallel_size={num_stages}. Route the value through a cut point, or use"
+            f" pipeline_parallel_size <= {most}." + _others(trace.crossings)
+        )
+
+
+def _others(crossings: dict[tuple[int, int], str]) -> str:
+    others = sorted(crossings)[1:]
+    if not others:
+        return ""
+    return " Other values crossing cuts: " + "; ".join(f"{crossings[pair]} (to segment {pair[1]})" for pair in others)
 
 
 def segment_costs(
@@ -453,14 +483,14 @@ def make_plan(
     n = trace.num_segments
     check_pipeline_size(trace, num_stages)
     kind, costs = segment_costs(trace, by, microbatch, num_microbatches, rates)
-    ranges = balance(costs, num_stages)
+    ranges = balance(costs, num_stages, together=trace.crossings)
     stage_of = {seg: s for s, r in enumerate(ranges) for seg in r}
     for (src, dst), what in sorted(trace.crossings.items()):
         if stage_of[src] != stage_of[dst]:
             raise PartitionError(
-                f"A tensor ({what}) computed from parameters in segment {src} is used in segment {dst} without"
-                f" passing through a CutPoint, and those segments fall on stages {stage_of[src]} and"
-                f" {stage_of[dst]}. Route it through the cut point, or remove the cut points between them."
+                f"{what} is used in segment {dst} without passing through a CutPoint, and those segments fall on"
+                f" stages {stage_of[src]} and {stage_of[dst]}. Route it through the cut point, or remove the cut"
+                f" points between them (or use fewer stages): on stage {stage_of[dst]} it would be zeros."
             )
     stage_params: list[list[str]] = [[] for _ in ranges]
     tied = []

@@ -177,7 +177,7 @@ def stage_ranges(profile: Profile, pipeline_size: int, microbatch_size: float, p
         PartitionError: If the grouping separates two segments that must share a stage.
     """
     costs = profile.segment_costs(microbatch_size) if partition == "time" else profile.param_costs()
-    ranges = balance(costs, pipeline_size)
+    ranges = balance(costs, pipeline_size, together=profile.crossings)
     stage_of = {segment: s for s, r in enumerate(ranges) for segment in r}
     for source, destination in profile.crossings:
         if stage_of[source] != stage_of[destination]:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_varuna.pipeline.cut import CutPoint, StageOutputReady, forward_handler
 from lightning_varuna.pipeline.materialize import ParamInitFn, materialize
 from lightning_varuna.pipeline.partition import Trace
-from lightning_varuna.pipeline.stage import StandIn, free_parameter, remove_stand_ins
+from lightning_varuna.pipeline.stage import StandIn, free_parameter, remove_stand_ins, stand_in_candidates
 
 __all__ = ["SegmentTimes", "measure_segments_on_meta"]
 
@@ -75,7 +75,7 @@ def _segment_alone(module: nn.Module, trace: Trace, index: int, device: torch.de
         for name, _ in list(module.named_parameters()):
             if name not in keep:
                 free_parameter(module, name, device)
-        earlier = {name for name, segments in trace.module_segments.items() if name and min(segments) < index}
+        earlier = stand_in_candidates(trace, index)
         stand_ins = []
         for name in sorted(earlier):
             if any(name.startswith(other + ".") for other in earlier):

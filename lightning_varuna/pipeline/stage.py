@@ -6,7 +6,9 @@ Every rank runs the user's whole Python step ("predicated execution"). On a stag
   element of memory), so code such as ``x + self.pos[:, :T]`` keeps working;
 - a module whose calls all start and end inside segments of earlier stages is replaced by a stand-in that
   works out its output shapes on the meta device (cached per input signature) and returns zero-stride
-  tensors of those shapes. User code never sees ``None`` and needs no changes.
+  tensors of those shapes. User code never sees ``None`` and needs no changes. Modules without parameters
+  whose outputs later segments read (rotary position embeddings, masks) run for real instead, when the dry
+  run found that gives the same values (:mod:`~lightning_varuna.pipeline.data_flow`).
 
 At the stage's first cut point the received activation replaces the tensor, and at its last one the forward
 is cut short, so modules of later stages never run.
@@ -23,9 +25,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_varuna.pipeline.cut import zero_like_shape
-from lightning_varuna.pipeline.partition import Plan
+from lightning_varuna.pipeline.partition import Plan, Trace
 
-__all__ = ["StandIn", "apply_plan", "free_parameter"]
+__all__ = ["StandIn", "apply_plan", "free_parameter", "stand_in_candidates"]
 
 
 def free_parameter(root: nn.Module, name: str, device: torch.device | None = None) -> None:
@@ -119,6 +121,18 @@ class StandIn:
         return specs, tree
 
 
+def stand_in_candidates(trace: Trace, first_segment: int) -> set[str]:
+    """Modules a stage whose segments start at ``first_segment`` stands in for (the outermost of them get one).
+
+    Those called in an earlier segment, except the ones recomputed on every stage (they have no parameters and
+    a later segment uses their output, see :mod:`~lightning_varuna.pipeline.data_flow`).
+    """
+    return {
+        name for name, segments in trace.module_segments.items()
+        if name and min(segments) < first_segment and name not in trace.recomputed
+    }
+
+
 def _outermost(names: set[str]) -> list[str]:
     return [n for n in sorted(names) if not any(n.startswith(other + ".") for other in names if other != n)]
 
@@ -143,9 +157,7 @@ def apply_plan(
     for name, _ in list(root.named_parameters()):
         if name not in keep:
             free_parameter(root, name, device)
-    candidates = {
-        name for name, segments in plan.trace.module_segments.items() if name and min(segments) < owned.start
-    }
+    candidates = stand_in_candidates(plan.trace, owned.start)
     stand_ins = []
     for name in _outermost(candidates):
         module = root.get_submodule(name)
