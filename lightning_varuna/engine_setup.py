@@ -27,6 +27,7 @@ from lightning_varuna.gradients import BatchGradients
 from lightning_varuna.hook_logs import OptimizerHookLogs
 from lightning_varuna.log_sync import LogCapture
 from lightning_varuna.patches import InstancePatches, meta_dry_run, selected_ckpt_path
+from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.materialize import has_meta_tensors
@@ -105,7 +106,8 @@ def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: Pipelin
     layout = ModelLayout.of(module)  # before partitioning: the whole model's keys and shapes
 
     def dry_step(batch: Any) -> Any:
-        dry = meta_dry_run(module) if on_meta else contextlib.nullcontext()
+        # a model built on meta dry-runs on a meta batch, or on the real one with placeholder weights
+        dry = meta_dry_run(module) if on_meta and is_meta_batch(batch) else contextlib.nullcontext()
         with capture.capturing(), precision.train_step_context(), dry:
             return step(batch, 0)
 

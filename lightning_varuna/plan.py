@@ -42,15 +42,16 @@ from lightning.pytorch.utilities import move_data_to_device
 from lightning_varuna.engine_setup import boundary_dtype
 from lightning_varuna.patches import meta_dry_run
 from lightning_varuna.pipeline.autoconfig import AutoConfig, plan
+from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
 from lightning_varuna.pipeline.cut import install_cut_at
 from lightning_varuna.pipeline.engine import batch_size_of, default_loss, first_samples, samples
 from lightning_varuna.pipeline.materialize import (
     has_meta_tensors,
     move_real_tensors,
-    on_meta,
     parameters_on_meta,
     to_meta,
+    trace_unmaterialized,
 )
 from lightning_varuna.pipeline.memory import MEMORY_RESERVE, format_bytes, parse_bytes
 from lightning_varuna.pipeline.partition import trace_step
@@ -161,8 +162,8 @@ def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: 
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if has_meta_tensors(model):
                 meta_batch = to_meta(batch)
-                with on_meta(model):
-                    trace, _ = trace_step(model, lambda n: step(first_samples(meta_batch, n)), cut_names=names)
+                trace, _ = trace_unmaterialized(model, lambda n: step(first_samples(meta_batch, n)),
+                                                lambda n: step(first_samples(batch, n)), device, names)
             else:
                 trace, _ = trace_step(model, lambda n: step(first_samples(batch, n)), cut_names=names)
             cluster = Cluster(args.devices, args.devices_per_node or args.devices)
@@ -206,7 +207,8 @@ def _dry_step(model: LightningModule, trainer: Trainer) -> Any:
     def step(batch: Any) -> Any:
         with warnings.catch_warnings():  # self.log without a running trainer warns and does nothing
             warnings.simplefilter("ignore")
-            with precision.train_step_context(), meta_dry_run(model) if built_on_meta else contextlib.nullcontext():
+            dry = meta_dry_run(model) if built_on_meta and is_meta_batch(batch) else contextlib.nullcontext()
+            with precision.train_step_context(), dry:
                 return model.training_step(batch, 0)
 
     return step

@@ -25,8 +25,11 @@ from lightning_varuna.pipeline.materialize import (
     on_meta,
     parameters_on_meta,
     to_meta,
+    trace_unmaterialized,
 )
 from lightning_varuna.pipeline.partition import make_plan, trace_step
+
+CPU = torch.device("cpu")
 
 
 class Rotary(nn.Module):
@@ -287,17 +290,43 @@ def test_the_dry_run_on_real_tensors_frees_its_activations_and_counting_keeps_gr
     assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), reference))
 
 
-def test_a_step_that_reads_values_on_meta_gets_an_error_that_says_why() -> None:
+def test_a_step_that_cannot_run_on_meta_is_dry_run_with_placeholder_weights() -> None:
+    """Reading a value (HF's mask code does with an attention_mask) and a tensor made without a device fail on meta."""
+    with parameters_on_meta():
+        model = nn.Sequential(nn.Linear(4, 1000), CutPoint(), nn.Linear(1000, 1))
+    batch = torch.randn(4, 4)
+
+    strides = []
+
+    def step(x):
+        strides.append(model[0].weight.stride())
+        h = model[0](x) + torch.zeros(1000)  # made on the default device
+        if (x[:, 0] > 100).any().item():  # a branch on a value
+            h = h * 2
+        return model[2](model[1](h)).sum()
+
+    trace, cuts = trace_unmaterialized(model, lambda n: step(to_meta(batch)[:n]), lambda n: step(batch[:n]), CPU)
+    assert trace.dry_run.startswith("placeholders (on meta: RuntimeError: ") and len(cuts) == 1
+    assert trace.cuts[0].shape == (2, 1000) and set(trace.param_segments) == {"0.weight", "0.bias", "2.weight",
+                                                                              "2.bias"}
+    assert trace.costs[0].forward_flops.at(1) > 0
+    assert all(p.is_meta for p in model.parameters()), "the model is given back on meta"
+    assert strides[-1] == (0, 0), "a placeholder costs one element whatever its shape"
+    assert "dry run on placeholders (on meta: RuntimeError" in make_plan(trace, 2).table()
+
+
+def test_a_step_that_fails_on_meta_and_on_placeholders_gets_an_error_that_says_why() -> None:
     with parameters_on_meta():
         model = nn.Sequential(nn.Linear(4, 4), CutPoint(), nn.Linear(4, 1))
 
     def step(batch):
         loss = model(batch).sum()
-        print(f"loss {loss.item():.3f}")
+        if loss.item() == 0:  # on meta .item() raises; with placeholder weights the loss is 0
+            raise ValueError("the loss is zero")
         return loss
 
     engine = PipelineEngine(model, 1)
-    with pytest.raises(PartitionError, match=r"meta device.*\.item\(\)"):
+    with pytest.raises(PartitionError, match=r"meta device.*\.item\(\).*ValueError: the loss is zero"):
         engine.setup(torch.randn(4, 4), step)
 
 

@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_varuna.pipeline.cut import CutPointError
 
-__all__ = ["batch_size_of", "default_loss", "first_samples", "samples", "split_batch"]
+__all__ = ["batch_size_of", "default_loss", "first_samples", "is_meta_batch", "samples", "split_batch"]
 
 
 def batch_size_of(batch: Any) -> int:
@@ -19,6 +19,11 @@ def batch_size_of(batch: Any) -> int:
         if isinstance(leaf, Tensor) and leaf.dim() > 0:
             return leaf.shape[0]
     raise ValueError("The batch holds no tensor with a batch dimension; it cannot be split into micro-batches.")
+
+
+def is_meta_batch(batch: Any) -> bool:
+    """Whether ``batch`` holds a tensor on the meta device (a dry run on meta)."""
+    return any(isinstance(leaf, Tensor) and leaf.is_meta for leaf in tree_flatten(batch)[0])
 
 
 def split_batch(batch: Any, chunks: int) -> list[Any]:

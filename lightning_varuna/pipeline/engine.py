@@ -42,11 +42,10 @@ from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulatio
 from lightning_varuna.pipeline.grad_sync import GradientSync
 from lightning_varuna.pipeline.materialize import (
     ParamInitFn,
-    explained_meta_errors,
     has_meta_tensors,
     materialize,
-    on_meta,
     to_meta,
+    trace_unmaterialized,
 )
 from lightning_varuna.pipeline.no_trace import no_trace
 from lightning_varuna.pipeline.p2p import P2P, HostStaging
@@ -279,9 +278,10 @@ class PipelineEngine:
         with no_trace(self.module, self.device):  # the dry run changes no state of the model, nor the RNGs
             if self.built_on_meta:
                 meta_batch = to_meta(sample_batch)
-                with on_meta(self.module), explained_meta_errors():
-                    trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(meta_batch, n)),
-                                                    cut_names=cut_names)
+                trace, cut_modules = trace_unmaterialized(
+                    self.module, lambda n: step(first_samples(meta_batch, n)),
+                    lambda n: step(first_samples(sample_batch, n)), self.device, cut_names,
+                )
             else:
                 trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
                                                 cut_names=cut_names)

@@ -1,7 +1,8 @@
 """Models built on the meta device: no rank holds a parameter it does not train.
 
 A model can be built with its parameters on ``meta`` (:func:`parameters_on_meta`, or ``torch.device("meta")``):
-they have shapes and dtypes but no memory. The dry run then runs on meta tensors (:func:`on_meta`), and after
+they have shapes and dtypes but no memory. The dry run then runs on meta tensors (:func:`on_meta`), or on the device
+with zero-stride placeholder weights where the step cannot run on meta (:func:`trace_unmaterialized`), and after
 partitioning each rank materializes only its own stage's parameters (:func:`materialize`):
 
 - every parameter the stage holds gets zero-filled memory on the device, then each module owning one of them
@@ -28,13 +29,13 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils._pytree import tree_map
 
-from lightning_varuna.pipeline.cut import CutPointError
-from lightning_varuna.pipeline.partition import PartitionError
+from lightning_varuna.pipeline.cut import CutPoint, CutPointError
+from lightning_varuna.pipeline.partition import PartitionError, Trace, trace_step
 
 __all__ = [
     "explained_meta_errors",
     "ParamInitFn", "has_meta_tensors", "materialize", "module_seed", "move_real_tensors", "on_meta",
-    "parameters_on_meta", "to_meta",
+    "on_placeholders", "parameters_on_meta", "to_meta", "trace_unmaterialized",
 ]
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -111,6 +112,68 @@ def on_meta(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         _replace(module, originals)
+
+
+@contextlib.contextmanager
+def on_placeholders(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Inside the block, every meta parameter of ``module`` is a zero-stride placeholder on ``device``.
+
+    A placeholder costs one element of memory whatever its shape, so a step runs on real tensors (it may read
+    values and make tensors without a device) without the model's memory: a kernel that needs a contiguous
+    weight copies only that one for the duration of the op. Meta buffers get real zeros (a step may write them in
+    place). The values are zeros, which is enough to learn shapes, data flow and costs, not to train.
+    """
+    substitutes: dict[int, Tensor] = {}
+    originals: dict[int, Tensor] = {}
+    for _, _, _, tensor, is_param in _registrations(module):
+        if not tensor.is_meta or id(tensor) in substitutes:
+            continue
+        if is_param:
+            zero = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+            substitutes[id(tensor)] = nn.Parameter(zero, requires_grad=tensor.requires_grad)
+        else:
+            substitutes[id(tensor)] = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+        originals[id(substitutes[id(tensor)])] = tensor
+    _replace(module, substitutes)
+    try:
+        yield
+    finally:
+        _replace(module, originals)
+
+
+def trace_unmaterialized(
+    module: nn.Module, step_on_meta: Callable[[int], object], step_on_device: Callable[[int], object],
+    device: torch.device, cut_names: dict[int, str] | None = None,
+) -> tuple[Trace, list[CutPoint]]:
+    """The dry run of a model built on the meta device: on meta tensors, else with placeholder weights.
+
+    The second runs on the device, each weight a placeholder of :func:`on_placeholders`.
+
+    A step fails on meta tensors when it reads values (``.item()``, a branch on a mask, as Hugging Face's mask code
+    does with an ``attention_mask``) or mixes in tensors made without a device. Then it runs on the real batch,
+    each parameter a zero-stride placeholder: the model's compute for one and two samples, and the memory of the
+    largest weight a kernel copies, not the model's. ``Trace.dry_run`` says which ran.
+
+    Args:
+        module: The model, its parameters (some or all) on meta.
+        step_on_meta: Runs the step on the first ``n`` samples of the batch, as meta tensors.
+        step_on_device: Runs the step on the first ``n`` samples of the batch, on ``device``.
+        device: This rank's device.
+        cut_names: Readable names of cut points that are not submodules of ``module``.
+    """
+    try:
+        with on_meta(module):
+            trace, cuts = trace_step(module, step_on_meta, cut_names=cut_names)
+        trace.dry_run = "meta"
+        return trace, cuts
+    except (CutPointError, PartitionError):
+        raise
+    except Exception as err:  # noqa: BLE001 - user code on meta tensors: any error, then the placeholder run
+        meta_error = err
+    with on_placeholders(module, device), explained_meta_errors(meta_error):
+        trace, cuts = trace_step(module, step_on_device, cut_names=cut_names)
+    trace.dry_run = f"placeholders (on meta: {type(meta_error).__name__}: {str(meta_error).splitlines()[0][:80]})"
+    return trace, cuts
 
 
 def move_real_tensors(module: nn.Module, device: torch.device) -> None:
@@ -208,16 +271,18 @@ def _whole(owner: nn.Module, device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def explained_meta_errors() -> Iterator[None]:
-    """Says why a step fails on meta tensors (the model was built on the meta device) and what to change."""
+def explained_meta_errors(meta_error: BaseException) -> Iterator[None]:
+    """Says why the dry run of a model built on the meta device failed both ways, and what to change."""
     try:
         yield
     except (CutPointError, PartitionError):
         raise
-    except Exception as err:  # noqa: BLE001 - user code on meta tensors: any error, re-raised with the reason
+    except Exception as err:  # noqa: BLE001 - user code on placeholders: any error, re-raised with the reasons
         raise PartitionError(
-            "The model's parameters are on the meta device, so the dry run runs the step on meta tensors (shapes"
-            f" without values), and it failed: {type(err).__name__}: {err}. Create tensors on the device of the"
-            " step's inputs (x.device), and keep reads of values (.item(), printing, branches on values) out of the"
-            " step or behind `if not x.is_meta`."
+            "The model's parameters are on the meta device. The dry run ran the step on meta tensors (shapes"
+            f" without values), which failed with {type(meta_error).__name__}: {meta_error}, then on the batch"
+            " with zero placeholder weights, which failed with"
+            f" {type(err).__name__}: {err}. Keep the step runnable on either: create tensors on the device of the"
+            " step's inputs (x.device), and keep branches on values (.item()) behind `if not x.is_meta`, or build"
+            " the model in __init__."
         ) from err

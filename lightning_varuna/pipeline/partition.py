@@ -80,6 +80,9 @@ class Trace:
     """Bytes of each parameter."""
     skipped: bool = False
     """Whether the step returned None before reaching any cut point (it skipped the dry run's batch)."""
+    dry_run: str = "real"
+    """What the dry run ran on: ``"real"`` tensors, ``"meta"`` tensors, or ``"placeholders (...)"``: the batch with
+    zero-stride weights, where the step could not run on meta (the reason follows)."""
 
     @property
     def num_segments(self) -> int:
@@ -368,6 +371,9 @@ BALANCED_BY = {
 }
 
 
+DRY_RUNS = {"real": "the model's weights", "meta": "meta tensors"}
+
+
 @dataclass(frozen=True)
 class Plan:
     """How the model is split: stages, the parameters of each, and the parameters shared across stages."""
@@ -391,7 +397,8 @@ class Plan:
                          f"{info.forward_flops / 1e9:.3f}", f"{info.saved_bytes / 2**20:.2f}", cost))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-        lines.append(f"balanced by {BALANCED_BY[self.balanced_by]}; micro-batch of {self.microbatch}")
+        lines.append(f"balanced by {BALANCED_BY[self.balanced_by]}; micro-batch of {self.microbatch};"
+                     f" dry run on {DRY_RUNS.get(self.trace.dry_run, self.trace.dry_run)}")
         if self.tied:
             lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
         if self.trace.recomputed and len(self.stages) > 1:
