@@ -39,17 +39,38 @@ class ForwardHandler(Protocol):
 
 
 _handler: ForwardHandler | None = None
+_active = False
+"""Whether a handler is set. Compiled code that reaches a cut point guards on this bool's value (it never reads the
+handler, which changes every micro-batch): a pipeline compiles once more than a plain run, never per micro-batch."""
 
 
 @contextlib.contextmanager
 def forward_handler(handler: ForwardHandler) -> Iterator[ForwardHandler]:
     """Makes ``handler`` receive every cut point call inside the block."""
-    global _handler
-    previous, _handler = _handler, handler
+    global _handler, _active
+    previous, _handler, _active = _handler, handler, True
     try:
         yield handler
     finally:
-        _handler = previous
+        _handler, _active = previous, previous is not None
+
+
+@torch.compiler.disable
+def _report(cut: CutPoint, x: object) -> Tensor:
+    """Hands a cut point's input to the handler.
+
+    Never compiled: in a pipeline a cut point ends a compiled graph (what a stage does there, a receive or the end
+    of its forward, is not computation).
+    """
+    handler = _handler
+    if handler is None:
+        return x  # type: ignore[return-value]
+    if not isinstance(x, Tensor):
+        raise CutPointError(
+            f"A CutPoint was called on a {type(x).__name__}; it takes exactly one tensor. Move the cut point to"
+            " a place where a single activation tensor flows, or pack the values into one tensor."
+        )
+    return handler.on_cut(cut, x)
 
 
 class CutPoint(nn.Module):
@@ -62,15 +83,9 @@ class CutPoint(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Returns ``x``, or what the running pipeline stage puts in its place."""
-        handler = _handler
-        if handler is None:
+        if not _active:
             return x
-        if not isinstance(x, Tensor):
-            raise CutPointError(
-                f"A CutPoint was called on a {type(x).__name__}; it takes exactly one tensor. Move the cut point to"
-                " a place where a single activation tensor flows, or pack the values into one tensor."
-            )
-        return handler.on_cut(self, x)
+        return _report(self, x)
 
 
 class StageForward:

@@ -191,7 +191,8 @@ def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[i
     pre = nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook)
     post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
     try:
-        with forward_handler(tracer), _TraceMode(tracer), tracer.costs:
+        # compiled modules run eagerly: the tracer must see every torch function and module call
+        with forward_handler(tracer), _TraceMode(tracer), tracer.costs, torch.compiler.set_stance("force_eager"):
             # only whether the step returned anything is kept: its result holds the step's autograd graph, whose
             # saved tensors hold the cost counter's pack hook, which holds this tracer (a cycle through C++ that
             # the garbage collector cannot see, so the dry run's activations would outlive it)

@@ -23,7 +23,13 @@ from torch import Tensor, nn
 from lightning_varuna.pipeline.cut import CutPoint, StageOutputReady, forward_handler
 from lightning_varuna.pipeline.materialize import ParamInitFn, materialize
 from lightning_varuna.pipeline.partition import Trace
-from lightning_varuna.pipeline.stage import StandIn, free_parameter, remove_stand_ins, stand_in_candidates
+from lightning_varuna.pipeline.stage import (
+    StandIn,
+    free_parameter,
+    install_stand_in,
+    remove_stand_ins,
+    stand_in_candidates,
+)
 
 __all__ = ["SegmentTimes", "measure_segments_on_meta"]
 
@@ -82,7 +88,7 @@ def _segment_alone(module: nn.Module, trace: Trace, index: int, device: torch.de
                 continue  # inside a module already stood in for
             target = module.get_submodule(name)
             stand_ins.append(StandIn(target, range(index, index + 1), lambda: probe.segment, device))
-            target.forward = stand_ins[-1]  # type: ignore[method-assign]
+            install_stand_in(stand_ins[-1])
         try:
             yield probe
         finally:

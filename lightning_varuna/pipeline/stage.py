@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from lightning_varuna.pipeline.cut import zero_like_shape
 from lightning_varuna.pipeline.partition import Plan, Trace
 
-__all__ = ["StandIn", "apply_plan", "free_parameter", "stand_in_candidates"]
+__all__ = ["StandIn", "apply_plan", "free_parameter", "install_stand_in", "remove_stand_ins", "stand_in_candidates"]
 
 
 def free_parameter(root: nn.Module, name: str, device: torch.device | None = None) -> None:
@@ -73,6 +73,8 @@ class StandIn:
     def __init__(self, module: nn.Module, owned: range, segment: Callable[[], int], device: torch.device):
         self.module = module
         self.forward = module.forward
+        # a compiled module (Module.compile) would compile this stand-in's Python too: it runs uncompiled
+        self.compiled_call = module.__dict__.get("_compiled_call_impl")
         self.owned = owned
         self.segment = segment
         self.device = device
@@ -81,6 +83,7 @@ class StandIn:
         (None for a single tensor)."""
         self._zeros: dict[torch.dtype, Tensor] = {}
 
+    @torch.compiler.disable  # inside a compiled caller: runs as Python (it computes nothing in other segments)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's output: real in an owned segment, zero-stride tensors of the right shapes elsewhere."""
         if self.segment() in self.owned:
@@ -162,9 +165,16 @@ def apply_plan(
     for name in _outermost(candidates):
         module = root.get_submodule(name)
         stand_in = StandIn(module, owned, segment, device)
-        module.forward = stand_in  # type: ignore[method-assign]
+        install_stand_in(stand_in)
         stand_ins.append(stand_in)
     return stand_ins
+
+
+def install_stand_in(stand_in: StandIn) -> None:
+    """Makes ``stand_in`` its module's ``forward``, and the module's calls uncompiled."""
+    stand_in.module.forward = stand_in  # type: ignore[method-assign]
+    if stand_in.compiled_call is not None:
+        stand_in.module._compiled_call_impl = None
 
 
 def remove_stand_ins(stand_ins: list[StandIn]) -> None:
@@ -172,3 +182,5 @@ def remove_stand_ins(stand_ins: list[StandIn]) -> None:
     for stand_in in stand_ins:
         if stand_in.module.__dict__.get("forward") is stand_in:
             del stand_in.module.__dict__["forward"]
+        if stand_in.compiled_call is not None:
+            stand_in.module._compiled_call_impl = stand_in.compiled_call
