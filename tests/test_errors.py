@@ -185,9 +185,30 @@ def test_cut_at_block_returning_a_tuple() -> None:
 
     model = TupleBlocks()
     install_cut_at(model, "blocks")
-    message = r"cut_at: blocks\.0 returned a tuple; cut_at needs blocks that return one tensor\. Place"
+    trace, _ = trace_step(model, lambda n: model(torch.randn(n, 3, 4)))  # the first element crosses the cut
+    assert [(c.name, c.shape) for c in trace.cuts] == [("blocks.0:output", (2, 3, 4))] and not trace.crossings
+
+
+def test_cut_at_block_returning_a_dict() -> None:
+    class DictBlock(nn.Linear):
+        def forward(self, x: Tensor) -> dict:  # type: ignore[override]
+            return {"hidden": super().forward(x)}
+
+    class DictBlocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(DictBlock(4, 4) for _ in range(2))
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x = block(x)["hidden"]
+            return x.mean()
+
+    model = DictBlocks()
+    install_cut_at(model, "blocks")
+    message = r"cut_at: blocks\.0 returned a dict; cut_at needs blocks that return a tensor, or a tuple or list whose"
     with pytest.raises(CutPointError, match=message):
-        trace_step(model, lambda n: model(torch.randn(n, 3, 4)))
+        trace_step(model, lambda n: model(torch.randn(n, 4)))
 
 
 def test_cut_point_called_twice() -> None:

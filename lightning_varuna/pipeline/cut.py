@@ -133,7 +133,8 @@ def install_cut_at(root: nn.Module, path: str) -> tuple[list[CutPoint], list[Rem
     """Puts a cut point after every child but the last of the container at ``path``.
 
     The cut points run as forward hooks, so the model's code and parameter names stay as they are. Each child
-    must return a single tensor.
+    must return a tensor, or a tuple or list whose first element is the tensor passed to the next child (BLOOM,
+    Falcon and LSTM blocks return ``(hidden, extras)``): the cut is on that element.
 
     Args:
         root: The module that owns the container (usually the LightningModule).
@@ -163,12 +164,17 @@ def install_cut_at(root: nn.Module, path: str) -> tuple[list[CutPoint], list[Rem
         cut._varuna_name = f"{path}.{index}:output"  # type: ignore[assignment]
 
         def hook(module: nn.Module, args: object, output: object, cut: CutPoint = cut, name: str = f"{path}.{index}"):
-            if not isinstance(output, Tensor):
-                raise CutPointError(
-                    f"cut_at: {name} returned a {type(output).__name__}; cut_at needs blocks that return one"
-                    " tensor. Place CutPoint() modules in your forward instead."
-                )
-            return cut(output)
+            if isinstance(output, Tensor):
+                return cut(output)
+            if type(output) in (tuple, list) and output and isinstance(output[0], Tensor):  # type: ignore[index]
+                # (hidden states, attention weights, ...): the first element crosses the cut; the data flow check
+                # refuses the others if a later stage reads them
+                return type(output)([cut(output[0]), *output[1:]])  # type: ignore[index]
+            raise CutPointError(
+                f"cut_at: {name} returned a {type(output).__name__}; cut_at needs blocks that return a tensor, or a"
+                " tuple or list whose first element is the tensor that flows to the next block. Place CutPoint()"
+                " modules in your forward instead."
+            )
 
         handles.append(child.register_forward_hook(hook))
         cuts.append(cut)
