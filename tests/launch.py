@@ -54,9 +54,12 @@ def torchrun(
     return _run(command, timeout, env, check)
 
 
-def python(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs ``tests/jobs/<script>`` as a plain process (Lightning may launch more ranks itself)."""
-    return _run([sys.executable, str(JOBS / script), *args], timeout)
+def python(script: str, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs ``tests/jobs/<script>`` as a plain process (Lightning may launch more ranks itself).
+
+    With ``check=False`` a failed job is returned, not raised.
+    """
+    return _run([sys.executable, str(JOBS / script), *args], timeout, check=check)
 
 
 @contextlib.contextmanager

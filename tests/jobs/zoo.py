@@ -1,0 +1,123 @@
+"""Trains model-zoo families (``tests/zoo_models.py``) under one configuration each and records what happened.
+
+    python tests/jobs/zoo.py OUT llama:ref gpt2:ref-bf16 ...               # plain one-process references
+    torchrun --nproc-per-node=2 tests/jobs/zoo.py OUT llama:p2 gpt2:meta-p2 ...
+
+A reference run also writes the family's weights as a Hugging Face folder, ``OUT/weights/FAMILY`` (read by the
+``meta-*`` configurations through ``initial_weights``). Every spec writes ``OUT/FAMILY.CONFIG.rankR.json``:
+losses of every step, every held parameter's gradient at step 1 (by name), the stage and replica of the rank,
+seconds; or ``{"error": ...}``, after which the process ends (a rank that fails leaves the others waiting: the
+launcher starts a new job for the specs not yet run). ``OUT/FAMILY.CONFIG.started`` marks the spec in progress.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from zoo_models import BATCH, FAMILIES, STEPS, ZooModule, dataset, save_weights  # noqa: E402
+
+import lightning_varuna  # noqa: E402
+
+# configuration -> (P, micro-batches, batch per replica, precision, built in)
+CONFIGS = {
+    "p2": (2, 4, BATCH, "32-true", "init"),
+    "p4": (4, 4, BATCH, "32-true", "init"),
+    "p2d2": (2, 2, BATCH // 2, "32-true", "init"),
+    "meta-p2": (2, 4, BATCH, "32-true", "configure_model"),
+    "bf16-p2": (2, 4, BATCH, "bf16-mixed", "init"),
+    "ref": (1, 1, BATCH, "32-true", "init"),
+    "ref-bf16": (1, 1, BATCH, "bf16-mixed", "init"),
+}
+HANG_S = 240  # a spec that takes longer dumps its stacks and ends the process
+
+
+class Recorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grads: dict[str, list[float]] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == 0:
+            self.grads = {n: p.grad.detach().float().flatten().tolist()
+                          for n, p in pl_module.named_parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def run(out: Path, spec: str) -> None:
+    family_name, _, config = spec.partition(":")
+    family = FAMILIES[family_name]
+    stages, microbatches, batch, precision, build_in = CONFIGS[config]
+    reference = config.startswith("ref")
+    weights = out / "weights" / family_name
+    if reference and config == "ref":
+        save_weights(family, weights)
+    data = dataset(family)
+    # Lightning shuffles with DistributedSampler(seed=0) under a distributed strategy; the reference reads the
+    # same permutation in one process, so its batch k is the union of the replicas' k-th
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
+    options = dict(pipeline_parallel_size=stages, num_microbatches=microbatches, cut_at=family.cut_at,
+                   p2p_timeout=60.0)
+    if build_in == "configure_model":
+        options.update(initial_weights=str(weights), initial_weights_prefix="model.")
+    recorder = Recorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1 if reference else int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy="auto" if reference else lightning_varuna.VarunaStrategy(**options),
+        precision=precision,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder],
+        use_distributed_sampler=not reference,
+    )
+    model = ZooModule(family_name, build_in)
+    start = time.monotonic()
+    trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler))
+    result = {"losses": recorder.losses, "grads": recorder.grads, "seconds": time.monotonic() - start}
+    if not reference:
+        topology = trainer.strategy.topology
+        result.update(stage=topology.stage, replica=topology.replica, data_size=topology.data_size)
+    (out / f"{family_name}.{config}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    for spec in sys.argv[2:]:
+        name = spec.replace(":", ".")
+        if rank == 0:
+            (out / f"{name}.started").write_text("")
+        faulthandler.dump_traceback_later(HANG_S, exit=True)
+        try:
+            run(out, spec)
+        except BaseException as err:  # noqa: BLE001 - recorded, then the process ends (others may be waiting)
+            first = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            (out / f"{name}.rank{rank}.json").write_text(json.dumps(
+                {"error": first, "traceback": traceback.format_exc()[-4000:]}))
+            print(f"zoo spec {spec} failed on rank {rank}: {first}", file=sys.stderr, flush=True)
+            os._exit(1)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    main()

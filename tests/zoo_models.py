@@ -1,0 +1,221 @@
+"""Third-party architectures for the model zoo tests: tiny configurations built in code, never downloaded.
+
+Each family is one :class:`Family`: a builder that returns the third-party model (Hugging Face ``transformers``
+or ``litgpt``) with its configuration written here, every dropout 0, its weights from ``torch.manual_seed(SEED)``;
+the dotted ``cut_at`` path of its block list (from the LightningModule, whose ``self.model`` is the third-party
+model); what its batches look like and how its loss is computed. :class:`ZooModule` wraps any of them; the
+model is built in ``__init__`` or, with ``build="configure_model"``, in ``configure_model()`` (parameters on
+meta under ``VarunaStrategy``, weights then loaded per stage from ``initial_weights``).
+
+Attention: Hugging Face models use ``attn_implementation="eager"`` (every family has it, it is deterministic on
+CPU and its meta dry run needs no fused-kernel formula); litgpt uses its own (SDPA).
+
+Labels: the models' own losses with labels for every token (no ``-100``): every micro-batch then has the same
+number of counted tokens, and the engine's weighting of micro-batch means by sample count equals the plain
+run's mean over the batch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+SEED = 0
+DATA_SEED = 1
+VOCAB = 64
+SEQ = 16
+LAYERS = 4  # P=4 puts one block on each stage
+WIDTH = 32
+HEADS = 4
+FFN = 64
+IMAGE = 16
+CLASSES = 10
+LR = 1e-2
+STEPS = 8
+BATCH = 8  # global batch per step; the data set holds STEPS batches
+
+_NO_DROPOUT = {"attention_dropout": 0.0, "hidden_dropout": 0.0}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A third-party architecture: how to build it, where to cut it, what it eats."""
+
+    name: str
+    build: Callable[[], nn.Module]  # the model, weights from the current RNG state
+    cut_at: str  # from the LightningModule (the model is its ``model`` attribute)
+    kind: str  # causal | masked | seq2seq | image | litgpt
+    ties: bool  # the model ties its output head to its input embedding (its default, kept)
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _hf(config_class: str, model_class: str, **config) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, config_class)(**config)
+        cfg._attn_implementation = "eager"
+        return getattr(transformers, model_class)(cfg)
+
+    return build
+
+
+_DECODER = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64,
+                attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _litgpt(**config) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from litgpt import Config
+        from litgpt.model import GPT
+
+        return GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS,
+                          n_embd=WIDTH, **config))
+
+    return build
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("gpt2", _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=VOCAB, n_positions=64, n_embd=WIDTH,
+                       n_layer=LAYERS, n_head=HEADS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                       bos_token_id=1, eos_token_id=2),
+           "model.transformer.h", "causal", ties=True),
+    Family("llama", _hf("LlamaConfig", "LlamaForCausalLM", **_DECODER), "model.model.layers", "causal", ties=False),
+    Family("mistral", _hf("MistralConfig", "MistralForCausalLM", **_DECODER, sliding_window=None),
+           "model.model.layers", "causal", ties=False),
+    Family("qwen2", _hf("Qwen2Config", "Qwen2ForCausalLM", **_DECODER), "model.model.layers", "causal", ties=False),
+    Family("qwen3", _hf("Qwen3Config", "Qwen3ForCausalLM", **_DECODER, head_dim=8), "model.model.layers", "causal",
+           ties=False),
+    Family("gemma", _hf("GemmaConfig", "GemmaForCausalLM", **_DECODER, head_dim=8,
+                        hidden_activation="gelu_pytorch_tanh"), "model.model.layers", "causal", ties=True),
+    Family("gemma2", _hf("Gemma2Config", "Gemma2ForCausalLM", **_DECODER, head_dim=8,
+                         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=8, sliding_window=8),
+           "model.model.layers", "causal", ties=True),
+    Family("phi3", _hf("Phi3Config", "Phi3ForCausalLM", **_DECODER, resid_pdrop=0.0, embd_pdrop=0.0),
+           "model.model.layers", "causal", ties=False),
+    Family("gpt_neox", _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", vocab_size=VOCAB, hidden_size=WIDTH,
+                           intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                           max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0,
+                           bos_token_id=1, eos_token_id=2),
+           "model.gpt_neox.layers", "causal", ties=False),
+    Family("opt", _hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=WIDTH, ffn_dim=FFN,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=64,
+                      word_embed_proj_dim=WIDTH, dropout=0.0, attention_dropout=0.0, layerdrop=0.0,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2),
+           "model.model.decoder.layers", "causal", ties=True),
+    Family("bloom", _hf("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB, hidden_size=WIDTH, n_layer=LAYERS,
+                        n_head=HEADS, **_NO_DROPOUT, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+           "model.transformer.h", "causal", ties=True),
+    Family("falcon", _hf("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB, hidden_size=WIDTH,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=64,
+                         **_NO_DROPOUT, bos_token_id=1, eos_token_id=2),
+           "model.transformer.h", "causal", ties=True),
+    Family("bert", _hf("BertConfig", "BertForMaskedLM", vocab_size=VOCAB, hidden_size=WIDTH,
+                       num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+                       max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       pad_token_id=0),
+           "model.bert.encoder.layer", "masked", ties=True),
+    # two block lists (encoder and decoder); cut_at takes one path: the encoder's is cut, the decoder stays whole
+    # on the last stage, where the encoder's output arrives through the last cut
+    Family("t5", _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=FFN,
+                     num_layers=LAYERS, num_decoder_layers=2, num_heads=HEADS, dropout_rate=0.0,
+                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+           "model.encoder.block", "seq2seq", ties=True, notes="cut_at: encoder blocks only"),
+    Family("vit", _hf("ViTConfig", "ViTForImageClassification", image_size=IMAGE, patch_size=4, num_channels=3,
+                      hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=CLASSES),
+           "model.vit.layers", "image", ties=False),
+    Family("litgpt", _litgpt(bias=True, rotary_percentage=0.25, parallel_residual=True),
+           "model.transformer.h", "litgpt", ties=False),
+    Family("litgpt_llama", _litgpt(n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
+                                   norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=FFN),
+           "model.transformer.h", "litgpt", ties=False),
+]}
+
+
+def build(family: Family) -> nn.Module:
+    """The family's model, always with the same weights (under meta: the same shapes)."""
+    torch.manual_seed(SEED)
+    return family.build()
+
+
+def dataset(family: Family) -> TensorDataset:
+    """STEPS x BATCH samples, the same for every run (fixed seed)."""
+    g = torch.Generator().manual_seed(DATA_SEED)
+    n = STEPS * BATCH
+    if family.kind == "image":
+        return TensorDataset(torch.randn(n, 3, IMAGE, IMAGE, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
+    if family.kind == "seq2seq":
+        return TensorDataset(torch.randint(3, VOCAB, (n, SEQ), generator=g),
+                             torch.randint(3, VOCAB, (n, SEQ // 2), generator=g))
+    if family.kind == "masked":
+        labels = torch.randint(3, VOCAB, (n, SEQ), generator=g)
+        masked = torch.rand(n, SEQ, generator=g) < 0.15
+        return TensorDataset(torch.where(masked, torch.full_like(labels, 2), labels), labels)
+    if family.kind == "litgpt":
+        return TensorDataset(torch.randint(0, VOCAB, (n, SEQ + 1), generator=g))
+    return TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+def save_weights(family: Family, folder: Path) -> None:
+    """The weights ``build`` makes, as a Hugging Face folder (``save_pretrained``; litgpt: ``model.safetensors``)."""
+    model = build(family)
+    if family.kind == "litgpt":
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    else:
+        model.save_pretrained(folder)
+
+
+class ZooModule(pl.LightningModule):
+    """Any family as a LightningModule: ``self.model`` is the third-party model, the loss its own."""
+
+    def __init__(self, family: str, build_in: str = "init") -> None:
+        super().__init__()
+        self.family = FAMILIES[family]
+        self.model: nn.Module | None = build(self.family) if build_in == "init" else None
+
+    def configure_model(self) -> None:
+        if self.model is None:  # under VarunaStrategy: parameters on meta
+            self.model = build(self.family)
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def _loss(self, batch) -> Tensor:
+        kind = self.family.kind
+        if kind == "image":
+            pixels, labels = batch
+            return F.cross_entropy(self.model(pixel_values=pixels).logits, labels)
+        if kind == "litgpt":
+            (tokens,) = batch
+            logits = self.model(tokens[:, :-1])
+            return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if kind in ("seq2seq", "masked"):
+            ids, labels = batch
+            return self.model(input_ids=ids, labels=labels).loss
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+
+def describe() -> str:
+    """The families as JSON (name, cut_at, kind, ties), for the table generator."""
+    return json.dumps({n: {"cut_at": f.cut_at, "kind": f.kind, "ties": f.ties, "notes": f.notes}
+                       for n, f in FAMILIES.items()})

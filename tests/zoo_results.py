@@ -1,0 +1,156 @@
+"""Running the model-zoo jobs and judging their results against the plain runs (used by tests and the table).
+
+Results live in one folder: ``FAMILY.CONFIG.rankR.json`` per rank (``tests/jobs/zoo.py``), and for a spec whose
+job ended without a result on every rank, ``FAMILY.CONFIG.failed.json`` with the error that ended it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# configuration -> processes (the jobs group specs by it), its reference, and the tolerances (loss, gradient);
+# a gradient tolerance of None: losses only
+CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
+    "p2": (2, "ref", 5e-4, 1e-5),
+    "p4": (4, "ref", 5e-4, 1e-5),
+    "p2d2": (4, "ref", 5e-4, 1e-5),
+    "meta-p2": (2, "ref", 5e-4, 1e-5),
+    "bf16-p2": (2, "ref-bf16", 2e-2, None),
+}
+DESCRIPTIONS = {
+    "p2": "P=2, built in `__init__`",
+    "p4": "P=4, built in `__init__`",
+    "p2d2": "P=2 x D=2, built in `__init__`",
+    "meta-p2": "P=2, built on meta in `configure_model`, `initial_weights`",
+    "bf16-p2": "P=2, bf16-mixed",
+}
+CI_CONFIG = "p2"  # the configuration every family runs in CI; the others with VARUNA_ZOO=full or -m zoo
+STEPS = 8
+
+
+@dataclass
+class Verdict:
+    """What a run of one family under one configuration showed, compared with its reference."""
+
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    loss_diff: float | None = None
+    grad_diff: float | None = None
+    worst_param: str | None = None
+    stages: dict[str, int] = field(default_factory=dict)  # parameter -> a stage holding it
+    differing: list[str] = field(default_factory=list)  # parameters whose gradients differ beyond the tolerance
+    zeroed: list[str] = field(default_factory=list)  # parameters with an all-zero gradient where the reference's is not
+
+    def summary(self) -> str:
+        if self.ok:
+            text = f"max loss diff {self.loss_diff:.1e}"
+            return text + (f", max grad diff {self.grad_diff:.1e}" if self.grad_diff is not None else "")
+        return self.problems[0]
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def ranks(out: Path, family: str, config: str) -> list[dict | None]:
+    return [_load(out / f"{family}.{config}.rank{r}.json") for r in range(CONFIGS[config][0])]
+
+
+def error_of(out: Path, family: str, config: str) -> str | None:
+    """The first error a rank recorded for the spec, or the launcher's note of a job that ended without one."""
+    for run in ranks(out, family, config):
+        if run is not None and "error" in run:
+            return run["error"]
+    failed = _load(out / f"{family}.{config}.failed.json")
+    return failed["error"] if failed is not None else None
+
+
+def judge(out: Path, family: str, config: str) -> Verdict:
+    """Compares every rank's losses (all steps) and step-1 gradients (per parameter) with the reference run's."""
+    processes, reference_name, loss_tolerance, grad_tolerance = CONFIGS[config]
+    reference = _load(out / f"{family}.{reference_name}.rank0.json")
+    if reference is None or "error" in reference:
+        return Verdict(False, [f"reference failed: {reference['error'] if reference else 'no result'}"])
+    error = error_of(out, family, config)
+    if error is not None:
+        return Verdict(False, [error])
+    verdict = Verdict(True, loss_diff=0.0, grad_diff=0.0 if grad_tolerance is not None else None)
+    worst_per_param: dict[str, float] = {}
+    for rank, run in enumerate(ranks(out, family, config)):
+        if run is None:
+            verdict.problems.append(f"rank {rank}: no result")
+            continue
+        if len(run["losses"]) != len(reference["losses"]) or len(run["losses"]) != STEPS:
+            verdict.problems.append(f"rank {rank}: {len(run['losses'])} losses, reference {len(reference['losses'])}")
+        for step, (got, want) in enumerate(zip(run["losses"], reference["losses"])):
+            diff = abs(got - want)
+            verdict.loss_diff = max(verdict.loss_diff, diff)
+            if diff > loss_tolerance:
+                verdict.problems.append(f"rank {rank} step {step}: loss {got:.6f} != {want:.6f} (diff {diff:.2e})")
+        for param, grad in run["grads"].items():
+            verdict.stages.setdefault(param, run["stage"])
+            want = reference["grads"].get(param)
+            if want is None or len(want) != len(grad):
+                verdict.problems.append(f"rank {rank}: gradient of {param} not in the reference (or its shape)")
+                continue
+            worst = max(abs(a - b) for a, b in zip(grad, want))
+            if not any(grad) and any(want) and param not in verdict.zeroed:
+                verdict.zeroed.append(param)
+            worst_per_param[param] = max(worst, worst_per_param.get(param, 0.0))
+    missing = sorted(set(reference["grads"]) - set(worst_per_param))
+    if missing:
+        verdict.problems.append(f"{len(missing)} parameters held by no rank, e.g. {missing[:3]}")
+    if grad_tolerance is not None and worst_per_param:
+        verdict.worst_param = max(worst_per_param, key=worst_per_param.get)
+        verdict.grad_diff = worst_per_param[verdict.worst_param]
+        verdict.differing = sorted(p for p, d in worst_per_param.items() if d > grad_tolerance)
+        if verdict.differing:
+            verdict.problems.insert(0, f"{len(verdict.differing)} gradients differ, worst {verdict.worst_param} "
+                                       f"by {verdict.grad_diff:.2e} (stage {verdict.stages[verdict.worst_param]})")
+    verdict.ok = not verdict.problems
+    return verdict
+
+
+def specs_of(out: Path, specs: list[str]) -> list[str]:
+    """The specs without a result or a recorded error on every rank yet."""
+    left = []
+    for spec in specs:
+        family, _, config = spec.partition(":")
+        processes = CONFIGS[config][0] if config in CONFIGS else 1
+        done = (out / f"{family}.{config}.failed.json").exists() or all(
+            (out / f"{family}.{config}.rank{r}.json").exists() for r in range(processes))
+        if not done:
+            left.append(spec)
+    return left
+
+
+def run_specs(out: Path, specs: list[str], launch) -> None:
+    """Runs ``specs`` with ``launch(*specs)`` (a job of ``tests/jobs/zoo.py`` returning its CompletedProcess)
+    until each has a result or an error: a job ends at its first failing spec, so the next job starts after it.
+    """
+    left = specs_of(out, specs)
+    while left:
+        for spec in left:  # markers of an earlier job
+            (out / f"{spec.replace(':', '.')}.started").unlink(missing_ok=True)
+        job: subprocess.CompletedProcess = launch(str(out), *left)
+        started = [s for s in left if (out / f"{s.replace(':', '.')}.started").exists()]
+        now_left = specs_of(out, left)
+        # the job ended in the last spec it started: done if every rank recorded its error, else failed here
+        failing = started[-1] if started else now_left[0] if now_left else None
+        if failing in now_left:
+            family, _, config = failing.partition(":")
+            error = error_of(out, family, config) or _first_error(job.stderr) or f"job exited with {job.returncode}"
+            (out / f"{family}.{config}.failed.json").write_text(json.dumps(
+                {"error": error, "rc": job.returncode, "stderr": job.stderr[-20000:]}))
+        left = specs_of(out, now_left)
+
+
+def _first_error(stderr: str) -> str | None:
+    for line in stderr.splitlines():
+        if re.match(r"^\w*(Error|Exception|Timeout)\w*:", line.strip()) or "Fatal Python error" in line:
+            return line.strip()
+    return None
