@@ -193,7 +193,7 @@ class ZooModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # under D > 1 the mean over the replicas, as the plain run
         return loss
 
     def _loss(self, batch) -> Tensor:

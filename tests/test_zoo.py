@@ -1,0 +1,131 @@
+"""Third-party architectures (``tests/zoo_models.py``) trained pipelined equal their plain single-process runs.
+
+Every family x configuration trains 8 AdamW steps (lr 1e-2) on tiny models built in code (no downloads) and is
+compared with the plain ``Trainer(devices=1)`` run on the same batches: fp32 losses within 5e-4 at every step and
+every parameter's step-1 gradient within 1e-5 (each parameter held by some rank); bf16-mixed losses within 2e-2.
+
+CI runs one configuration per family (``p2``: P=2, built in ``__init__``). The full matrix (P=2, P=4, P=2 x D=2,
+built on meta in ``configure_model`` with ``initial_weights``, bf16-mixed) runs with ``VARUNA_ZOO=full`` or
+``-m zoo``; ``VARUNA_ZOO_OUT=DIR`` keeps the results there for ``python tests/zoo_table.py DIR`` (and with
+``VARUNA_ZOO_REUSE=1`` the results already there are judged again instead of rerun).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from launch import python, torchrun
+from zoo_models import FAMILIES
+from zoo_results import CI_CONFIG, CONFIGS, judge, run_specs
+
+# family x configuration the current engine gets wrong (measured, tests/zoo_table.py): strict, so a fix makes
+# them fail until removed here
+_ROTARY = ("engine defect: the rotary position_embeddings (computed once by the model's rotary_emb before the first"
+           " block) reach later stages as a stand-in's zeros, so their layers' q/k gradients are 0")
+_TUPLE = "engine limitation: cut_at refuses blocks that return a tuple ({})"
+_KEYS = ("engine limitation: initial_weights does not map the keys transformers' save_pretrained writes ({}) to the"
+         " module's names (transformers' checkpoint conversion)")
+EXPECTED_FAILURES: dict[tuple[str, str], str] = {
+    **{(family, config): _ROTARY
+       for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox")
+       for config in ("p2", "p4", "p2d2", "meta-p2")},
+    # in bf16 the loss tolerance (2e-2 over 8 steps) hides the wrong rotary of the other families
+    ("llama", "bf16-p2"): _ROTARY,
+    ("qwen3", "bf16-p2"): _ROTARY,
+    ("gpt_neox", "meta-p2"): _KEYS.format("embed_out.weight for lm_head.weight"),
+    ("vit", "meta-p2"): _KEYS.format("vit.encoder.layer.N.attention.attention.query for vit.layers.N.attention.q_proj"),
+    **{("bloom", config): _TUPLE.format("BloomBlock: hidden states, attention weights") for config in CONFIGS},
+    **{("falcon", config): _TUPLE.format("FalconDecoderLayer: hidden states, attention weights") for config in CONFIGS},
+    **{("t5", config): _TUPLE.format("T5Block: hidden states, self- and cross-attention position bias")
+       for config in CONFIGS},
+}
+
+pytestmark = [pytest.mark.xdist_group("zoo"), pytest.mark.zoo]
+
+
+def _full(config: pytest.Config) -> bool:
+    markexpr = config.option.markexpr or ""
+    return os.environ.get("VARUNA_ZOO") == "full" or re.search(r"(?<!not )\bzoo\b", markexpr) is not None
+
+
+def _params() -> list:
+    params = []
+    for family in FAMILIES:
+        for config in CONFIGS:
+            marks = [pytest.mark.slow]
+            reason = EXPECTED_FAILURES.get((family, config))
+            if reason is not None:
+                marks.append(pytest.mark.xfail(reason=reason, strict=True))
+            params.append(pytest.param(family, config, marks=marks, id=f"{family}-{config}"))
+    return params
+
+
+def _selected(request: pytest.FixtureRequest) -> list[tuple[str, str]]:
+    """The family x configuration pairs of this module's selected tests that will run (not skipped)."""
+    full = _full(request.config)
+    pairs = []
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if item.module is request.module and spec is not None and {"family", "config"} <= set(spec.params):
+            if full or spec.params["config"] == CI_CONFIG:
+                pairs.append((spec.params["family"], spec.params["config"]))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def zoo_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = Path(os.environ["VARUNA_ZOO_OUT"]) if os.environ.get("VARUNA_ZOO_OUT") else tmp_path_factory.mktemp("zoo")
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = _selected(request)
+    # the fp32 reference writes the weights the meta-built runs load: it runs for every family in use
+    references = [f"{f}:ref" for f in dict.fromkeys(f for f, _ in pairs)]
+    references += [f"{f}:{CONFIGS[c][1]}" for f, c in pairs if CONFIGS[c][1] != "ref"]
+    if not os.environ.get("VARUNA_ZOO_REUSE"):  # else the results already in VARUNA_ZOO_OUT are judged again
+        for spec in [*references, *(f"{f}:{c}" for f, c in pairs)]:
+            for stale in out.glob(f"{spec.replace(':', '.')}.*"):
+                stale.unlink()
+    run_specs(out, references, lambda *args: python("zoo.py", *args, timeout=900, check=False))
+    for processes in sorted({CONFIGS[c][0] for _, c in pairs}):
+        specs = [f"{f}:{c}" for f, c in pairs if CONFIGS[c][0] == processes]
+        run_specs(out, specs, lambda *args, n=processes: torchrun("zoo.py", *args, nproc=n, timeout=1800,
+                                                                    check=False))
+    return out
+
+
+@pytest.mark.parametrize(("family", "config"), _params())
+def test_zoo_model_matches_plain_run(request: pytest.FixtureRequest, zoo_results: Path, family: str,
+                                     config: str) -> None:
+    if config != CI_CONFIG and not _full(request.config):
+        pytest.skip("full zoo matrix: VARUNA_ZOO=full or -m zoo")
+    verdict = judge(zoo_results, family, config)
+    detail = "\n".join(verdict.problems[:8])
+    if verdict.zeroed:
+        detail += f"\nall-zero gradients (the reference's are not): {verdict.zeroed}"
+    assert verdict.ok, f"{family} {config}: {detail}"
+
+
+def _write(folder: Path, name: str, runs: list[dict]) -> None:
+    for rank, run in enumerate(runs):
+        (folder / f"{name}.rank{rank}.json").write_text(json.dumps(run))
+
+
+def test_the_comparison_finds_a_zeroed_gradient_and_an_unheld_parameter(tmp_path: Path) -> None:
+    """The judge is not blind: a gradient a stage got as zeros, or a parameter no rank holds, fails the pair."""
+    losses = [1.0] * 8
+    grads = {"a": [0.5, -0.25], "b": [1.0, 2.0], "c": [3.0]}
+    _write(tmp_path, "m.ref", [{"losses": losses, "grads": grads}])
+    _write(tmp_path, "m.p2", [{"losses": losses, "grads": {"a": grads["a"]}, "stage": 0},
+                              {"losses": losses, "grads": {"b": grads["b"], "c": grads["c"]}, "stage": 1}])
+    assert judge(tmp_path, "m", "p2").ok
+    _write(tmp_path, "m.p2", [{"losses": losses, "grads": {"a": grads["a"]}, "stage": 0},
+                              {"losses": losses, "grads": {"b": [0.0, 0.0], "c": grads["c"]}, "stage": 1}])
+    verdict = judge(tmp_path, "m", "p2")
+    assert not verdict.ok and verdict.differing == ["b"] and verdict.zeroed == ["b"]
+    _write(tmp_path, "m.p2", [{"losses": losses, "grads": {"a": grads["a"]}, "stage": 0},
+                              {"losses": [1.0] * 7 + [1.001], "grads": {"b": grads["b"]}, "stage": 1}])
+    problems = judge(tmp_path, "m", "p2").problems
+    assert any("held by no rank" in p for p in problems) and any("step 7" in p for p in problems)
