@@ -68,8 +68,10 @@ def run(out: Path, spec: str) -> None:
     # Lightning shuffles with DistributedSampler(seed=0) under a distributed strategy; the reference reads the
     # same permutation in one process, so its batch k is the union of the replicas' k-th
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
+    # split by parameter counts: the same stages in every run (a split by measured time moves with the machine's
+    # load, and with it which layers a stage-dependent defect reaches)
     options = dict(pipeline_parallel_size=stages, num_microbatches=microbatches, cut_at=family.cut_at,
-                   p2p_timeout=60.0)
+                   partition="params", p2p_timeout=60.0)
     if build_in == "configure_model":
         options.update(initial_weights=str(weights), initial_weights_prefix="model.")
     recorder = Recorder()
