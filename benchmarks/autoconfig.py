@@ -70,9 +70,9 @@ def real_profile(config: dict, largest: int, devices: int):
     import torch
 
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
-    from lightning_varuna.pipeline.partition import trace_step
-    from lightning_varuna.pipeline.planner import Choices, Cluster, search
-    from lightning_varuna.pipeline.profiler import profile_model, profile_sizes
+    from lightning_varuna.pipeline.model.partition import trace_step
+    from lightning_varuna.pipeline.planning.profiler import profile_model, profile_sizes
+    from lightning_varuna.pipeline.planning.search import Choices, Cluster, search
 
     torch.manual_seed(0)
     model = gpt_class()(**config)
@@ -174,13 +174,13 @@ def worker(args) -> int:
     import torch.distributed as dist
 
     from lightning_varuna.pipeline import PipelineEngine
-    from lightning_varuna.pipeline.autoconfig import choose
     from lightning_varuna.pipeline.config import EngineConfig
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
-    from lightning_varuna.pipeline.memory import planning_budget
-    from lightning_varuna.pipeline.partition import trace_step
-    from lightning_varuna.pipeline.planner import Choices, search
-    from lightning_varuna.pipeline.profile import Profile
+    from lightning_varuna.pipeline.model.partition import trace_step
+    from lightning_varuna.pipeline.planning.choice import choose
+    from lightning_varuna.pipeline.planning.memory_model import planning_budget
+    from lightning_varuna.pipeline.planning.profile_data import Profile
+    from lightning_varuna.pipeline.planning.search import Choices, search
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -119,7 +119,7 @@ def render(out: dict) -> str:
 
 def scatter_png(out: dict, path: Path) -> None:
     """Predicted (x) against measured (y) step time, one square per configuration coloured by P, and y = x."""
-    from lightning_varuna.pipeline.png import Canvas
+    from lightning_varuna.pipeline.timelines.png import Canvas
 
     rows = out["rows"]
     values = [v for r in rows for v in (r["predicted_step_s"], r["measured_step_s"])]

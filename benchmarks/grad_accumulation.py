@@ -3,7 +3,7 @@
 One stage's work of a training step, in one process: the example GPT's blocks (``examples/gpt/model.py``), the
 previous step's gradients dropped, then M micro-batches of forward and backward, gradients accumulated into
 ``.grad``. Measured with ``nn.Linear`` weight gradients accumulated in place
-(``lightning_varuna.pipeline.grad_accumulation``, the engine's default) and with autograd's accumulation
+(``lightning_varuna.pipeline.runtime.fused_linear_grad``, the engine's default) and with autograd's accumulation
 (``fuse_grad_accumulation=False``):
 
 - step time: median of the timed steps of a process;
@@ -51,7 +51,7 @@ def worker(shape: str, mode: str, steps: int, threads: int) -> dict:
     sys.path.insert(0, str(ROOT / "examples" / "gpt"))
     from model import Block
 
-    from lightning_varuna.pipeline.grad_accumulation import accumulating_in_place, install_grad_accumulation
+    from lightning_varuna.pipeline.runtime.fused_linear_grad import accumulating_in_place, install_grad_accumulation
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -126,7 +126,7 @@ class Config:
         import torch.distributed as dist
 
         from lightning_varuna.pipeline.engine import PipelineEngine
-        from lightning_varuna.pipeline.events import StageCounters
+        from lightning_varuna.pipeline.runtime.events import StageCounters
 
         world = dist.get_world_size()
         self.compute, self.P, self.D = compute, P, world // P

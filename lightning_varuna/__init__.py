@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  # noqa: E402
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
-from lightning_varuna.checkpoint.convert import load_from_checkpoint  # noqa: E402
+from lightning_varuna.checkpoint.plain_format import load_from_checkpoint  # noqa: E402
 from lightning_varuna.fabric import register_for_fabric  # noqa: E402
 from lightning_varuna.strategy import VarunaStrategy  # noqa: E402
 

@@ -8,15 +8,15 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
    resolves ``ckpt_path="last"`` to a path before any strategy hook runs, and the strategy needs the value the
    user asked for ("last" may fall back to an older checkpoint; an explicit path may not). For ``"last"`` it
    also chooses the newest complete copy of the run's last checkpoint, which Lightning does not see when an
-   interrupted publication left it under a temporary name (:func:`lightning_varuna.resume.choose_last`, from the
-   files alone: every rank chooses alike before the process group exists). It also records, at setup,
-   whether a checkpoint will be restored at all (Lightning records the resolved path only after the strategy's
-   setup; ``initial_weights`` are not loaded when a checkpoint supplies the weights). For any other strategy the
-   wrapper only calls Lightning's own method.
+   interrupted publication left it under a temporary name (:func:`lightning_varuna.recovery.resume.choose_last`, from
+   the files alone: every rank chooses alike before the process group exists). It also records, at setup, whether a
+   checkpoint will be restored at all (Lightning records the resolved path only after the strategy's setup;
+   ``initial_weights`` are not loaded when a checkpoint supplies the weights). For any other strategy the wrapper only
+   calls Lightning's own method.
 2. ``trainer._signal_connector.register_signal_handlers`` (during ``fit``): Lightning's SIGTERM handler runs a
    collective inside the signal handler, which deadlocks a pipeline when one non-zero rank is signalled while
    its peers wait in a p2p receive; its SLURM handler saves a checkpoint inside the handler. The strategy's
-   own handlers only set a flag (:mod:`lightning_varuna.preemption`).
+   own handlers only set a flag (:mod:`lightning_varuna.recovery.preemption`).
 3. ``fit_loop.epoch_loop._broadcast_sigterm_tensor`` (during ``fit``): Lightning broadcasts rank 0's SIGTERM
    flag at every batch; the strategy agrees on every rank's flag instead (an all-reduce in its place, so the
    agreement costs no extra collective).
@@ -25,7 +25,7 @@ and undone in its ``teardown``, so a later trainer in the same process sees stoc
 5. ``LightningModule.log`` of the user's module (while the strategy runs one step): a pipelined step calls
    the user's step once per micro-batch, and only the last stage sees the loss, so its ``self.log`` calls are
    captured, reduced over micro-batches and shared over the pipeline before Lightning sees them
-   (:mod:`lightning_varuna.log_sync`).
+   (:mod:`lightning_varuna.logs.log_sync`).
 6. ``ModelSummary._summary`` of the trainer's model summary callbacks (during ``fit``): Lightning summarizes the
    module at ``on_fit_start``, after the strategy has cut it down to one stage; the callback's ``_summary`` is
    where Lightning itself picks another summary (DeepSpeed's). It returns the whole model's summary, made by

@@ -39,26 +39,26 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import move_data_to_device
 
-from lightning_varuna.engine_setup import boundary_dtype
 from lightning_varuna.patches import meta_dry_run
-from lightning_varuna.pipeline.autoconfig import AutoConfig, plan
 from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
-from lightning_varuna.pipeline.cut import install_cut_at
 from lightning_varuna.pipeline.engine import batch_size_of, default_loss, first_samples, samples
-from lightning_varuna.pipeline.materialize import (
+from lightning_varuna.pipeline.model.cut import install_cut_at
+from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
     move_real_tensors,
     parameters_on_meta,
     to_meta,
     trace_unmaterialized,
 )
-from lightning_varuna.pipeline.memory import MEMORY_RESERVE, format_bytes, parse_bytes
-from lightning_varuna.pipeline.partition import trace_step
-from lightning_varuna.pipeline.planner import Candidate, Cluster, PlanError, format_table
-from lightning_varuna.pipeline.profile import Network, Profile, ProfileError, default_network
-from lightning_varuna.pipeline.timeline import predicted_events, render_png, write_chrome_trace
-from lightning_varuna.planning import optimizer_spec
+from lightning_varuna.pipeline.model.partition import trace_step
+from lightning_varuna.pipeline.planning.choice import AutoConfig, plan
+from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE, format_bytes, parse_bytes
+from lightning_varuna.pipeline.planning.profile_data import Network, Profile, ProfileError, default_network
+from lightning_varuna.pipeline.planning.search import Candidate, Cluster, PlanError, format_table
+from lightning_varuna.pipeline.timelines.timeline import predicted_events, render_png, write_chrome_trace
+from lightning_varuna.pipeline_setup import boundary_dtype
+from lightning_varuna.reports import optimizer_spec
 from lightning_varuna.strategy import VarunaStrategy
 
 __all__ = ["main", "parse_bandwidth", "parse_seconds"]

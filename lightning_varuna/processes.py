@@ -5,8 +5,8 @@ layout (checked before any process starts, and how the sampler splits the data a
 the default process group (started as Lightning's own ``DDPStrategy`` starts it, with the same private helpers of
 ``lightning.fabric``; see the private-API list in ``docs/architecture.md``), and Lightning's barrier, broadcast and
 ``sync_dist`` reduction. Once the pipeline exists each collective goes through
-:func:`~lightning_varuna.pipeline.failures.waiting_on_peers`, so a peer that failed or hung turns into a
-:class:`~lightning_varuna.pipeline.failures.PipelineError` that names it, within the job's timeout.
+:func:`~lightning_varuna.fault.failures.waiting_on_peers`, so a peer that failed or hung turns into a
+:class:`~lightning_varuna.fault.failures.PipelineError` that names it, within the job's timeout.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from lightning_varuna.data import check_global_batch
+from lightning_varuna.fault.failures import PipelineError, waiting_on_peers
+from lightning_varuna.fault.watchdog import current_watchdog
 from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.failures import PipelineError, waiting_on_peers
 from lightning_varuna.pipeline.topology import Topology
-from lightning_varuna.pipeline.watchdog import current_watchdog
 
 __all__ = ["ProcessGroupStrategy", "global_grad_norm", "is_initialized", "stop_watching_peers", "waiting",
            "watch_peers"]

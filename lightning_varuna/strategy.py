@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_varuna.batch_gradients import window_position
 from lightning_varuna.callbacks import (
     FrozenSummary,
     adapt_callbacks,
@@ -36,17 +37,14 @@ from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.lease import DEFAULT_TIMEOUT_S
 from lightning_varuna.checkpoint.pretrained import InitialWeights
 from lightning_varuna.checkpoint.writer import CheckpointWriter
-from lightning_varuna.checkpointing import StrategyCheckpoints, unwrapped
 from lightning_varuna.data import check_global_batch, resumable_training_loader
-from lightning_varuna.engine_setup import Pipeline, boundary_dtype, build_pipeline, new_engine
-from lightning_varuna.gradients import window_position
+from lightning_varuna.fault.failures import report_failure, waiting_on_peers
 from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder, kept_on_meta
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.failures import report_failure, waiting_on_peers
-from lightning_varuna.pipeline.materialize import has_meta_tensors, move_real_tensors, parameters_on_meta
+from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
+from lightning_varuna.pipeline_setup import Pipeline, boundary_dtype, build_pipeline, new_engine
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
-from lightning_varuna.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.processes import (
     ProcessGroupStrategy,
     global_grad_norm,
@@ -54,7 +52,9 @@ from lightning_varuna.processes import (
     stop_watching_peers,
     watch_peers,
 )
-from lightning_varuna.resume import choose_last
+from lightning_varuna.recovery.checkpoint_hooks import StrategyCheckpoints, unwrapped
+from lightning_varuna.recovery.preemption import Preempted, PreemptionGuard, PreemptionNotice
+from lightning_varuna.recovery.resume import choose_last
 
 __all__ = ["VarunaStrategy"]
 
@@ -95,7 +95,7 @@ class VarunaStrategy(ProcessGroupStrategy):
             resumed under another P x D follows the same optimization. Needs Lightning's default distributed
             sampler (``use_distributed_sampler=True`` and a plain ``DataLoader``).
         preemption_notice: A source of advance warning of a preemption, polled during fit (e.g.
-            ``lightning_varuna.preemption.HTTPNotice`` for a cloud metadata endpoint). Whatever the notice,
+            ``lightning_varuna.recovery.preemption.HTTPNotice`` for a cloud metadata endpoint). Whatever the notice,
             ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
             ``last.ckpt`` in the ``ModelCheckpoint``'s directory and exits with status 143.
         memory_limit: Bytes, or a string such as ``"80GiB"``, that a stage may use: the planner chooses only a
@@ -399,7 +399,7 @@ class VarunaStrategy(ProcessGroupStrategy):
         """Steps the optimizer after syncing gradients across replicas and tied copies.
 
         What the module and callbacks log in ``on_before_optimizer_step`` (which runs between the closure and
-        the step) is captured and, after the step, merged over the pipeline (:mod:`lightning_varuna.hook_logs`):
+        the step) is captured and, after the step, merged over the pipeline (:mod:`lightning_varuna.logs.hook_logs`):
         logged gradient norms are the whole model's.
         """
         pipeline = self._pipeline
@@ -427,7 +427,7 @@ class VarunaStrategy(ProcessGroupStrategy):
         assert self.engine is not None and self.topology is not None
         return global_grad_norm(self.engine, self.topology)
 
-    # -- checkpoints (:mod:`lightning_varuna.checkpointing`) ----------------------------------------------
+    # -- checkpoints (:mod:`lightning_varuna.recovery.checkpoint_hooks`) ----------------------------------------------
     @property
     def lightning_restore_optimizer(self) -> bool:
         """Optimizer state is loaded by the strategy itself, by parameter name."""

@@ -2,8 +2,8 @@
 
 Every job runs in the NCCL-rules mode: its engines record each step's p2p ops in a fresh trace directory
 (``LIGHTNING_VARUNA_P2P_TRACE``) and after the job every step that all ranks completed is replayed under NCCL's
-matching rules (:mod:`lightning_varuna.pipeline.p2p_check`); a deadlock or a mismatch fails the test, on CPU, as
-the same order would hang on GPUs. The number of steps checked is in the returned result's ``p2p_steps``.
+matching rules (:mod:`lightning_varuna.pipeline.scheduling.nccl_replay`); a deadlock or a mismatch fails the test, on
+CPU, as the same order would hang on GPUs. The number of steps checked is in the returned result's ``p2p_steps``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lightning_varuna.pipeline.events import P2P_TRACE_ENV
-from lightning_varuna.pipeline.p2p_check import CheckSummary, P2POrderError, check_trace_dir
+from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV
+from lightning_varuna.pipeline.scheduling.nccl_replay import CheckSummary, P2POrderError, check_trace_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"

@@ -9,8 +9,15 @@ import torch
 from torch import nn
 
 from lightning_varuna.pipeline.engine import first_samples
-from lightning_varuna.pipeline.profile import CutProfile, Link, Network, ParamProfile, Profile, SegmentProfile
-from lightning_varuna.pipeline.profiler import profile_sizes
+from lightning_varuna.pipeline.planning.profile_data import (
+    CutProfile,
+    Link,
+    Network,
+    ParamProfile,
+    Profile,
+    SegmentProfile,
+)
+from lightning_varuna.pipeline.planning.profiler import profile_sizes
 
 FAST = Link(1e-5, 1e9)
 
@@ -23,7 +30,7 @@ def synthetic_profile(module: nn.Module, batch: Any, step: Callable[[Any], Any],
     keeps four times its output activation for backward; messages take 10 us + 1 GB/s; the all-reduce's ring step
     is ``allreduce``.
     """
-    from lightning_varuna.pipeline.partition import trace_step
+    from lightning_varuna.pipeline.model.partition import trace_step
 
     with torch.random.fork_rng():
         trace, _ = trace_step(module, lambda n: step(first_samples(batch, n)))

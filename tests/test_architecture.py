@@ -1,5 +1,6 @@
-"""The package's layers: a Lightning-free engine, checkpointing below the Lightning glue, no import cycles, a module
-table in docs/architecture.md that matches the tree, and Lightning left as it was after teardown."""
+"""The package's layers: a Lightning-free engine, checkpointing below the Lightning glue, ``fault/`` below all three, no
+import cycles, unique module names, folders of at most 15 modules, a module table in docs/architecture.md that matches
+the tree, and Lightning left as it was after teardown."""
 
 from __future__ import annotations
 
@@ -38,11 +39,30 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
+def _is_lightning(module: str) -> bool:
+    return module.split(".")[0] == "lightning" or module == "pytorch_lightning"
+
+
+def _outside(module: str, *allowed: str) -> bool:
+    """Whether ``module`` is of the package but in none of the ``allowed`` sub-packages."""
+    return module.startswith("lightning_varuna") and not any(
+        module == f"lightning_varuna.{package}" or module.startswith(f"lightning_varuna.{package}.")
+        for package in allowed)
+
+
+def test_fault_imports_nothing_of_lightning_or_of_the_other_layers() -> None:
+    offending = {}
+    for path in sorted((PACKAGE / "fault").rglob("*.py")):
+        bad = sorted(m for m in _imports(path) if _is_lightning(m) or _outside(m, "fault"))
+        if bad:
+            offending[_module_name(path)] = bad
+    assert offending == {}
+
+
 def test_the_pipeline_engine_imports_nothing_of_lightning_or_of_the_layers_above_it() -> None:
     offending = {}
     for path in sorted((PACKAGE / "pipeline").rglob("*.py")):
-        bad = sorted(m for m in _imports(path) if m.split(".")[0] == "lightning" or m == "pytorch_lightning"
-                     or (m.startswith("lightning_varuna") and not m.startswith("lightning_varuna.pipeline")))
+        bad = sorted(m for m in _imports(path) if _is_lightning(m) or _outside(m, "pipeline", "fault"))
         if bad:
             offending[_module_name(path)] = bad
     assert offending == {}
@@ -52,13 +72,30 @@ def test_checkpointing_imports_nothing_of_the_lightning_glue_and_lightning_only_
     offending = {}
     for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):
         imports = _imports(path)
-        bad = sorted(m for m in imports if m.startswith("lightning_varuna")
-                     and not m.startswith(("lightning_varuna.checkpoint", "lightning_varuna.pipeline")))
-        if path.name != "convert.py":
-            bad += sorted(m for m in imports if m.split(".")[0] == "lightning" or m == "pytorch_lightning")
+        bad = sorted(m for m in imports if _outside(m, "checkpoint", "pipeline", "fault"))
+        if path.name != "plain_format.py":
+            bad += sorted(m for m in imports if _is_lightning(m))
         if bad:
             offending[_module_name(path)] = bad
     assert offending == {}
+
+
+def test_module_file_names_are_unique_across_the_package_and_differ_from_its_folders() -> None:
+    # ``__init__.py`` aside: a module's name alone says which one it is, and no module is named like a folder
+    modules = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    seen: dict[str, list[str]] = {}
+    for path in modules:
+        seen.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+    folders = {p.parent.name for p in PACKAGE.rglob("__init__.py")}
+    assert sorted(folders & set(seen)) == []
+
+
+def test_no_folder_of_the_package_holds_more_than_15_modules() -> None:
+    # ``__init__.py`` not counted
+    counts = {str(folder.relative_to(PACKAGE.parent)): len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+              for folder in [PACKAGE, *(p.parent for p in PACKAGE.rglob("__init__.py"))]}
+    assert {folder: n for folder, n in counts.items() if n > 15} == {}
 
 
 def test_the_module_table_of_the_architecture_doc_lists_every_module_of_the_package() -> None:

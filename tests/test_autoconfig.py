@@ -22,9 +22,9 @@ from profiles import synthetic_profile
 from test_planner import _decode_png
 from torch.utils.data import DataLoader
 
-from lightning_varuna.pipeline.memory import parse_bytes, planning_budget
-from lightning_varuna.pipeline.planner import Candidate, Choices, Cluster, search
-from lightning_varuna.pipeline.profile import Link, Profile
+from lightning_varuna.pipeline.planning.memory_model import parse_bytes, planning_budget
+from lightning_varuna.pipeline.planning.profile_data import Link, Profile
+from lightning_varuna.pipeline.planning.search import Candidate, Choices, Cluster, search
 
 GLOBAL_BATCH = 16
 MEMORY = "1GiB"

@@ -25,7 +25,7 @@ from lightning_varuna.checkpoint import publish
 from lightning_varuna.checkpoint.job import write_single
 from lightning_varuna.checkpoint.load import resolve
 from lightning_varuna.checkpoint.storage import Location, read_meta
-from lightning_varuna.resume import choose_last, last_fallbacks
+from lightning_varuna.recovery.resume import choose_last, last_fallbacks
 
 
 class Stop(Exception):

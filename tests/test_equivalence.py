@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from launch import python, torchrun
 
-from lightning_varuna.pipeline.executor import SUMMARY_SIZE
+from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
 
 # name -> strategy options (and batch per replica); the references train on batch 16 in one process
 CONFIGS = {

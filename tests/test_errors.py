@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy
 from lightning_varuna.pipeline import Topology
-from lightning_varuna.pipeline.cut import install_cut_at
-from lightning_varuna.pipeline.partition import TIMED_RUNS, balance, check_pipeline_size, make_plan, trace_step
+from lightning_varuna.pipeline.model.cut import install_cut_at
+from lightning_varuna.pipeline.model.partition import TIMED_RUNS, balance, check_pipeline_size, make_plan, trace_step
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Linear layers' weight gradients accumulated in place across micro-batches (pipeline/grad_accumulation.py)."""
+"""Linear layers' weight gradients accumulated in place across micro-batches (pipeline/runtime/fused_linear_grad.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
-from lightning_varuna.pipeline.grad_accumulation import (
+from lightning_varuna.pipeline.model.stand_ins import free_parameter
+from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     accumulating_in_place,
     install_grad_accumulation,
     remove_grad_accumulation,
 )
-from lightning_varuna.pipeline.stage import free_parameter
 
 MICROBATCHES = 4
 

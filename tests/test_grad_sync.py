@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_varuna.pipeline import Topology, grad_sync
-from lightning_varuna.pipeline.grad_sync import GradientSync, default_bucket_bytes
+from lightning_varuna.pipeline.comm.grad_sync import GradientSync, default_bucket_bytes
 
 
 class _Done:

@@ -21,7 +21,7 @@ import torch
 from launch import python, torchrun
 from models import TinyGPT
 
-from lightning_varuna.log_sync import LogCapture, reduce_records
+from lightning_varuna.logs.log_sync import LogCapture, reduce_records
 
 REFERENCES = {
     "reference-parity": "kind=parity",

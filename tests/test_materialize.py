@@ -15,9 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from lightning_varuna.pipeline import CutPoint, PartitionError
-from lightning_varuna.pipeline.costs import CostCounter, DeviceRates, Linear, estimated_seconds
 from lightning_varuna.pipeline.engine import PipelineEngine, first_samples
-from lightning_varuna.pipeline.materialize import (
+from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
     materialize,
     module_seed,
@@ -27,7 +26,8 @@ from lightning_varuna.pipeline.materialize import (
     to_meta,
     trace_unmaterialized,
 )
-from lightning_varuna.pipeline.partition import make_plan, trace_step
+from lightning_varuna.pipeline.model.partition import make_plan, trace_step
+from lightning_varuna.pipeline.model.segment_costs import CostCounter, DeviceRates, Linear, estimated_seconds
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
-from lightning_varuna.pipeline.no_trace import no_trace
+from lightning_varuna.pipeline.model.no_trace import no_trace
 
 
 class Stateful(nn.Module):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_varuna.pipeline.p2p_check import (
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan
+from lightning_varuna.pipeline.scheduling.nccl_replay import (
     Op,
     P2POrderError,
     Wait,
@@ -22,8 +23,7 @@ from lightning_varuna.pipeline.p2p_check import (
     plan_trace,
     replay,
 )
-from lightning_varuna.pipeline.p2p_plan import Message, MessageKind, link_messages, rank_plan
-from lightning_varuna.pipeline.schedules import SCHEDULES, Kind, Task, make_schedule
+from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, Kind, Task, make_schedule
 
 OLD_ORDER = Path(__file__).parent / "data" / "p2p_old_order.json"
 

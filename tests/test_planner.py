@@ -13,19 +13,18 @@ from profiles import synthetic_profile
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
-from lightning_varuna.pipeline.autoconfig import AutoConfig, plan
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
-from lightning_varuna.pipeline.memory import (
+from lightning_varuna.pipeline.model.partition import trace_step
+from lightning_varuna.pipeline.planning.choice import AutoConfig, plan
+from lightning_varuna.pipeline.planning.memory_model import (
     MEMORY_RESERVE,
     graphs_in_flight,
     parse_bytes,
     planning_budget,
     stage_memory,
 )
-from lightning_varuna.pipeline.partition import trace_step
-from lightning_varuna.pipeline.planner import Choices, Cluster, PlanError, format_table, predict, search
-from lightning_varuna.pipeline.profile import (
+from lightning_varuna.pipeline.planning.profile_data import (
     CutProfile,
     Link,
     Network,
@@ -37,8 +36,15 @@ from lightning_varuna.pipeline.profile import (
     load_cached,
     store_cached,
 )
-from lightning_varuna.pipeline.schedules import make_schedule
-from lightning_varuna.pipeline.timeline import TimelineEvent, chrome_trace, predicted_events, render_png, step_metrics
+from lightning_varuna.pipeline.planning.search import Choices, Cluster, PlanError, format_table, predict, search
+from lightning_varuna.pipeline.scheduling.schedules import make_schedule
+from lightning_varuna.pipeline.timelines.timeline import (
+    TimelineEvent,
+    chrome_trace,
+    predicted_events,
+    render_png,
+    step_metrics,
+)
 
 SIZES = (1, 2, 4)
 FREE = Link(0.0, 1e30)
@@ -320,9 +326,9 @@ class _Recorded(nn.Module):
 def _profile_blocks(meta: bool, seen: list[set[str]]) -> tuple[Profile, nn.Module, list]:
     """Profiles three recorded blocks with cut points between them, built on meta or for real."""
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
-    from lightning_varuna.pipeline.materialize import on_meta, parameters_on_meta, to_meta
-    from lightning_varuna.pipeline.partition import trace_step
-    from lightning_varuna.pipeline.profiler import profile_model
+    from lightning_varuna.pipeline.model.meta_init import on_meta, parameters_on_meta, to_meta
+    from lightning_varuna.pipeline.model.partition import trace_step
+    from lightning_varuna.pipeline.planning.profiler import profile_model
 
     torch.manual_seed(0)
     holder: list = []  # the model, then True while profiling (the tracer would count the recording's uses)

@@ -12,9 +12,9 @@ from models import TinyGPT
 from safetensors.torch import load_file, save_file
 
 from lightning_varuna.checkpoint import CheckpointError
-from lightning_varuna.checkpoint.convert import main as convert_main
-from lightning_varuna.checkpoint.convert import to_safetensors
 from lightning_varuna.checkpoint.job import write_single
+from lightning_varuna.checkpoint.plain_format import main as convert_main
+from lightning_varuna.checkpoint.plain_format import to_safetensors
 from lightning_varuna.checkpoint.pretrained import InitialWeights, ModelLayout, load_initial_weights, open_weights
 
 
@@ -76,7 +76,7 @@ def test_every_format_loads_the_same_weights_through_the_checks(tmp_path: Path) 
 
 def test_only_the_tensors_a_stage_holds_are_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_varuna.checkpoint import pretrained
-    from lightning_varuna.pipeline.stage import free_parameter
+    from lightning_varuna.pipeline.model.stand_ins import free_parameter
 
     source = _model(seed=1)
     layout = ModelLayout.of(source)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from launch import torchrun
 
-from lightning_varuna.pipeline.schedules import (
+from lightning_varuna.pipeline.scheduling.schedules import (
     SCHEDULES,
     Kind,
     Schedule,
@@ -19,7 +19,7 @@ from lightning_varuna.pipeline.schedules import (
     next_task,
     validate_schedule,
 )
-from lightning_varuna.pipeline.simulator import StageCosts, simulate
+from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
 
 
 def tasks(text: str) -> tuple[Task, ...]:

@@ -4,8 +4,15 @@ import random
 
 import pytest
 
-from lightning_varuna.pipeline.schedules import SCHEDULES, Kind, ScheduleError, Task, make_schedule, validate_schedule
-from lightning_varuna.pipeline.simulator import Jitter, SimResult, StageCosts, ideal_bubble, simulate
+from lightning_varuna.pipeline.scheduling.schedules import (
+    SCHEDULES,
+    Kind,
+    ScheduleError,
+    Task,
+    make_schedule,
+    validate_schedule,
+)
+from lightning_varuna.pipeline.scheduling.simulator import Jitter, SimResult, StageCosts, ideal_bubble, simulate
 
 UNIT = StageCosts(forward=1.0, backward=2.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_varuna.pipeline.stage import StandIn
+from lightning_varuna.pipeline.model.stand_ins import StandIn
 
 
 class Pair(nn.Module):

@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_varuna.pipeline.cut import CutPoint, CutPointError
-from lightning_varuna.pipeline.events import (
+from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.pipeline.comm.transfers import Link, decode_header, encode_skip_header
+from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
+from lightning_varuna.pipeline.runtime.events import (
     Event,
     EventHooks,
     EventKind,
@@ -16,12 +18,10 @@ from lightning_varuna.pipeline.events import (
     PostedOp,
     StageCounters,
 )
-from lightning_varuna.pipeline.executor import SUMMARY_SIZE, StageExecutor
-from lightning_varuna.pipeline.failures import PipelineError
-from lightning_varuna.pipeline.p2p import Link, decode_header, encode_skip_header
-from lightning_varuna.pipeline.p2p_check import check_trace_dir
-from lightning_varuna.pipeline.p2p_plan import Message, MessageKind, link_messages
-from lightning_varuna.pipeline.schedules import Kind, Task, make_schedule
+from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE, StageExecutor
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages
+from lightning_varuna.pipeline.scheduling.nccl_replay import check_trace_dir
+from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, make_schedule
 from lightning_varuna.pipeline.topology import Topology
 
 WIDTH = 4

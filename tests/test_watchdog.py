@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_varuna.pipeline.watchdog import KEEPALIVE_S, Watchdog
+from lightning_varuna.fault.watchdog import KEEPALIVE_S, Watchdog
 
 WAIT = 10.0
 """Seconds a test waits for something that should take milliseconds (a loaded CI machine)."""
@@ -184,7 +184,7 @@ def test_an_uncaught_exception_at_exit_is_a_failure_and_a_clean_exit_is_not(serv
 
 
 def test_ring_connections_probe_for_a_lost_machine() -> None:
-    from lightning_varuna.pipeline.watchdog import _tune
+    from lightning_varuna.fault.watchdog import _tune
 
     with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as client:
         _tune(client)

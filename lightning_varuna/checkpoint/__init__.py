@@ -8,7 +8,7 @@ state and ``record.pt``, the model's parameter names, optimizer groups and check
 Modules: :mod:`~.state` (the name-keyed state), :mod:`~.storage` (locations and files), :mod:`~.publish` (putting
 a checkpoint in place, surviving any interruption), :mod:`~.integrity` (checksums), :mod:`~.lease` (one job per
 folder), :mod:`~.job` (one collective write), :mod:`~.background` (the writer processes), :mod:`~.writer`
-(blocking or background saves), :mod:`~.load` (checks and loading), :mod:`~.convert` (to and from plain
+(blocking or background saves), :mod:`~.load` (checks and loading), :mod:`~.plain_format` (to and from plain
 Lightning checkpoints; needs Lightning, so it is not imported here).
 """
 

@@ -1,14 +1,16 @@
 """The pipeline engine: cut points, partitioning, schedules, the executor, p2p and gradient sync.
 
 Nothing here imports Lightning: :class:`PipelineEngine` trains any ``nn.Module`` with cut points on an initialised
-process group.
+process group. Here: :mod:`~.engine`, :mod:`~.config`, :mod:`~.topology`, :mod:`~.batches`; sub-packages
+:mod:`~.model` (splitting a model), :mod:`~.scheduling`, :mod:`~.runtime` (a stage's step), :mod:`~.comm`
+(between ranks), :mod:`~.planning` (auto-configuration), :mod:`~.timelines`.
 """
 
-from lightning_varuna.pipeline.cut import CutPoint, CutPointError
+from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.engine import PipelineEngine, StepResult
-from lightning_varuna.pipeline.failures import PipelineError
-from lightning_varuna.pipeline.partition import PartitionError, Plan
-from lightning_varuna.pipeline.schedules import SCHEDULES, Kind, Schedule, Task, make_schedule
+from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
+from lightning_varuna.pipeline.model.partition import PartitionError, Plan
+from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, Kind, Schedule, Task, make_schedule
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = [

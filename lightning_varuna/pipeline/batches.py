@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_varuna.pipeline.cut import CutPointError
+from lightning_varuna.pipeline.model.cut import CutPointError
 
 __all__ = ["batch_size_of", "default_loss", "first_samples", "is_meta_batch", "samples", "split_batch"]
 

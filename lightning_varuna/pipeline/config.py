@@ -8,8 +8,8 @@ from typing import Literal
 
 import torch
 
-from lightning_varuna.pipeline.memory import parse_bytes
-from lightning_varuna.pipeline.schedules import SCHEDULES
+from lightning_varuna.pipeline.planning.memory_model import parse_bytes
+from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES
 
 __all__ = ["AUTO", "P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
 
@@ -25,7 +25,7 @@ class EngineConfig:
 
     Any of ``pipeline_parallel_size`` (with ``global_batch_size``), ``microbatch_size``, ``schedule`` and
     ``recompute`` may be ``"auto"``: the engine then profiles the model and chooses them
-    (:mod:`lightning_varuna.pipeline.autoconfig`).
+    (:mod:`lightning_varuna.pipeline.planning.choice`).
 
     Args:
         pipeline_parallel_size: P, the number of stages (D = world size / P). ``"auto"``: chosen by the planner
@@ -47,7 +47,7 @@ class EngineConfig:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a step.
         fuse_grad_accumulation: Whether ``nn.Linear`` layers add each later micro-batch's weight gradient straight
             into ``.grad`` (one multiply-add) instead of making it apart and adding it: no weight-sized temporary
-            (:mod:`~lightning_varuna.pipeline.grad_accumulation`).
+            (:mod:`~lightning_varuna.pipeline.runtime.fused_linear_grad`).
         max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this
             (e.g. the processes per node, so that pipelines stay inside a node).
         global_batch_size: Samples per step over all replicas: each replica's batch is ``global_batch_size / D``,
@@ -55,9 +55,9 @@ class EngineConfig:
         memory_limit: Bytes (or a string such as ``"80GiB"``) a stage may use; configurations predicted above
             90% of it are never chosen (10% kept in reserve). Default: the device's memory (CUDA), or the
             machine's memory shared by the processes of the node (CPU).
-        profile: A profile file (:class:`~lightning_varuna.pipeline.profile.Profile`) to plan from instead of
-            measuring: the same file gives the same choice (and the stages are balanced by its costs, also when
-            every value is fixed).
+        profile: A profile file (:class:`~lightning_varuna.pipeline.planning.profile_data.Profile`) to plan from instead
+            of measuring: the same file gives the same choice (and the stages are balanced by its costs, also when every
+            value is fixed).
         devices_per_node: Processes per node (default: all processes on one node); tells the planner which
             traffic crosses nodes.
         param_init_fn: For a model built on the meta device: initializes the parameters a module owns directly

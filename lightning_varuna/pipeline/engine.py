@@ -30,26 +30,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_varuna.pipeline.autoconfig import AutoConfig, OptimizerSpec, choose
+from lightning_varuna.fault.failures import destroy_process_groups_at_exit
+from lightning_varuna.fault.watchdog import current_watchdog, watch_job
 from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples, split_batch
+from lightning_varuna.pipeline.comm.grad_sync import GradientSync
+from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
+from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
 from lightning_varuna.pipeline.config import EngineConfig
-from lightning_varuna.pipeline.costs import DeviceRates
-from lightning_varuna.pipeline.cut import CutPoint, install_cut_at
-from lightning_varuna.pipeline.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
-from lightning_varuna.pipeline.executor import StageExecutor
-from lightning_varuna.pipeline.failures import destroy_process_groups_at_exit
-from lightning_varuna.pipeline.grad_accumulation import install_grad_accumulation, remove_grad_accumulation
-from lightning_varuna.pipeline.grad_sync import GradientSync
-from lightning_varuna.pipeline.materialize import (
+from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
+from lightning_varuna.pipeline.model.meta_init import (
     ParamInitFn,
     has_meta_tensors,
     materialize,
     to_meta,
     trace_unmaterialized,
 )
-from lightning_varuna.pipeline.no_trace import no_trace
-from lightning_varuna.pipeline.p2p import P2P, HostStaging
-from lightning_varuna.pipeline.partition import (
+from lightning_varuna.pipeline.model.no_trace import no_trace
+from lightning_varuna.pipeline.model.partition import (
     Plan,
     Trace,
     check_pipeline_size,
@@ -57,12 +54,15 @@ from lightning_varuna.pipeline.partition import (
     time_segments,
     trace_step,
 )
-from lightning_varuna.pipeline.replicas import broadcast_initial_state
-from lightning_varuna.pipeline.schedules import Schedule, make_schedule
-from lightning_varuna.pipeline.stage import apply_plan, remove_stand_ins
-from lightning_varuna.pipeline.timeline import TimelineRecorder
+from lightning_varuna.pipeline.model.segment_costs import DeviceRates
+from lightning_varuna.pipeline.model.stand_ins import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.planning.choice import AutoConfig, OptimizerSpec, choose
+from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
+from lightning_varuna.pipeline.runtime.executor import StageExecutor
+from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation, remove_grad_accumulation
+from lightning_varuna.pipeline.scheduling.schedules import Schedule, make_schedule
+from lightning_varuna.pipeline.timelines.timeline import TimelineRecorder
 from lightning_varuna.pipeline.topology import Topology
-from lightning_varuna.pipeline.watchdog import current_watchdog, watch_job
 
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
 
@@ -87,7 +87,7 @@ class PipelineEngine:
     Args:
         module: The model, with ``CutPoint`` modules where it may be split (or see ``cut_at``). Built with real
             tensors, every rank holds the full model until :meth:`setup`, which keeps only this rank's stage;
-            built with its parameters on the meta device (:func:`~lightning_varuna.pipeline.materialize.
+            built with its parameters on the meta device (:func:`~lightning_varuna.pipeline.model.meta_init.
             parameters_on_meta`), each rank materializes and initializes only its stage's parameters.
         pipeline_parallel_size: P, the number of stages, or ``"auto"``. D = world size / P.
         num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
@@ -101,12 +101,12 @@ class PipelineEngine:
         boundary_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype
             (e.g. ``torch.bfloat16`` under bf16 autocast: half the bytes) and are cast back on arrival.
         grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
-            gradient, within 64 KiB-25 MiB; see :func:`~lightning_varuna.pipeline.grad_sync.default_bucket_bytes`).
+            gradient, within 64 KiB-25 MiB; see :func:`~lightning_varuna.pipeline.comm.grad_sync.default_bucket_bytes`).
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
             ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
             ``engine.grad_sync.overlap``.
         fuse_grad_accumulation: Whether ``nn.Linear`` layers add later micro-batches' weight gradients straight
-            into ``.grad`` (no weight-sized temporary; :mod:`~lightning_varuna.pipeline.grad_accumulation`).
+            into ``.grad`` (no weight-sized temporary; :mod:`~lightning_varuna.pipeline.runtime.fused_linear_grad`).
         max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this.
         param_init_fn: Initializes what a module owns directly, for a model built on the meta device (default:
             the module's ``reset_parameters()``).
@@ -120,11 +120,12 @@ class PipelineEngine:
 
     With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
     with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
-    (:mod:`lightning_varuna.pipeline.autoconfig`); :attr:`autoconfig` then holds the choice and the ranking.
+    (:mod:`lightning_varuna.pipeline.planning.choice`); :attr:`autoconfig` then holds the choice and the ranking.
 
     The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
     :meth:`from_config` builds an engine from a config. :attr:`events` is the executor's event hook: recorders
-    added there (:mod:`~lightning_varuna.pipeline.events`) see every task and transfer; there are none by default.
+    added there (:mod:`~lightning_varuna.pipeline.runtime.events`) see every task and transfer; there are none by
+    default.
     """
 
     def __init__(
@@ -170,9 +171,9 @@ class PipelineEngine:
         self.executor: StageExecutor | None = None
         self.grad_sync: GradientSync | None = None
         self.events = EventHooks()
-        """The executor's event hook: add recorders (:mod:`~lightning_varuna.pipeline.events`) before or after setup."""
+        """The executor's event hook: add recorders (:mod:`~.runtime.events`) before or after setup."""
         self.autoconfig: AutoConfig | None = None
-        """The planner's choice and ranking, when it chose (see :mod:`lightning_varuna.pipeline.autoconfig`)."""
+        """The planner's choice and ranking, when it chose (see :mod:`lightning_varuna.pipeline.planning.choice`)."""
         self.recorder: TimelineRecorder | None = None
         """What each training step did when (see :meth:`record_timeline`); None when not recording."""
         self._pipeline_size = pipeline_parallel_size if pipeline_parallel_size != "auto" else None
@@ -206,7 +207,7 @@ class PipelineEngine:
         parameter held by several stages its first holder's (as ``DistributedDataParallel`` broadcasts rank 0's
         state), so the replicas train one model whatever the seeding. Every rank must call it (it is
         collective). Errors in the model are raised on every rank before any rank waits on another; from the
-        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.pipeline.watchdog`). With
+        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.fault.watchdog`). With
         ``"auto"`` values the model is profiled and the configuration chosen (:attr:`autoconfig`) before the process
         grid is made.
 
@@ -326,7 +327,7 @@ class PipelineEngine:
         return P2P(topo, self.config.p2p_timeout, self.events, staging)
 
     def _trace_p2p(self, run: str) -> None:
-        """In the NCCL-rules mode (:data:`~lightning_varuna.pipeline.events.P2P_TRACE_ENV`), records the p2p trace."""
+        """In the NCCL-rules mode (:data:`~.runtime.events.P2P_TRACE_ENV`), records the p2p trace."""
         directory = os.environ.get(P2P_TRACE_ENV)
         topo = self.topology
         if directory and topo is not None and topo.pipeline_size > 1:
@@ -399,10 +400,10 @@ class PipelineEngine:
 
         With ``start_sync`` (on the batch before an optimizer step, when ``.grad`` then holds the whole
         gradient), the gradient reductions start during the step: each data-parallel bucket as soon as this
-        stage's last backward has made it final (see :class:`~lightning_varuna.pipeline.grad_sync.GradientSync`), the
-        rest right after the schedule. :meth:`sync_gradients` then only waits for them. ``accumulated`` holds the
-        gradients of the window's earlier batches if the caller keeps them outside ``.grad``: the reductions add
-        them (:meth:`GradientSync.start <lightning_varuna.pipeline.grad_sync.GradientSync.start>`).
+        stage's last backward has made it final (see :class:`~lightning_varuna.pipeline.comm.grad_sync.GradientSync`),
+        the rest right after the schedule. :meth:`sync_gradients` then only waits for them. ``accumulated`` holds the
+        gradients of the window's earlier batches if the caller keeps them outside ``.grad``: the reductions add them
+        (:meth:`GradientSync.start <lightning_varuna.pipeline.comm.grad_sync.GradientSync.start>`).
 
         The step may return None to skip its micro-batch: before the model's forward (then for every micro-batch
         of the batch, on every stage alike: no activation or gradient is exchanged) or, on the last stage, after the
@@ -519,7 +520,7 @@ class PipelineEngine:
         """Undoes setup's changes to the module (freed parameters stay freed); this rank's work with others is done.
 
         From here on this process may end without its peers taking it for a failure (see
-        :mod:`~lightning_varuna.pipeline.watchdog`).
+        :mod:`~lightning_varuna.fault.watchdog`).
         """
         watchdog = current_watchdog()
         if watchdog is not None:

@@ -118,7 +118,7 @@ def test_nccl_point_to_point_trains_as_the_plain_run(tmp_path: Path) -> None:
 
 
 def test_fused_accumulation_on_cuda_saves_the_largest_weight_and_matches_autograd() -> None:
-    from lightning_varuna.pipeline.grad_accumulation import accumulating_in_place, install_grad_accumulation
+    from lightning_varuna.pipeline.runtime.fused_linear_grad import accumulating_in_place, install_grad_accumulation
 
     def step(fused: bool) -> tuple[int, list[torch.Tensor]]:
         torch.manual_seed(0)

@@ -33,7 +33,7 @@ from models import RandomTokens, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
-from lightning_varuna.pipeline.events import StageCounters  # noqa: E402
+from lightning_varuna.pipeline.runtime.events import StageCounters  # noqa: E402
 
 STEPS = 8
 

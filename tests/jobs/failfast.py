@@ -172,7 +172,7 @@ def _linger() -> None:
 def _save_weights(path: Path, module) -> None:
     import torch
 
-    from lightning_varuna.pipeline.replicas import _is_placeholder
+    from lightning_varuna.pipeline.comm.initial_sync import _is_placeholder
 
     state = {f"param:{n}": p.detach().clone() for n, p in module.named_parameters()}
     state |= {f"buffer:{n}": b.clone() for n, b in module.named_buffers() if not _is_placeholder(b)}

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
-from lightning_varuna.pipeline.materialize import parameters_on_meta
+from lightning_varuna.pipeline.model.meta_init import parameters_on_meta
 
 
 def main() -> None:

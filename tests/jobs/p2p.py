@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_varuna.pipeline import PipelineError, Topology
-from lightning_varuna.pipeline.p2p import P2P, HostStaging
-from lightning_varuna.pipeline.p2p_plan import Message, MessageKind
+from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 
 TIMEOUT = 2.0
 

@@ -1,0 +1,298 @@
+"""Gradient sync once per optimizer step: data-parallel averaging, tied copies summed, global norms.
+
+- Each stage's gradients are averaged over its D replicas in flat buckets (one all-reduce per bucket), never
+  per micro-batch. Buckets hold the parameters in reverse order, the order in which backward finishes them.
+- With ``overlap`` on, a bucket starts its all-reduce during the stage's *last* backward of the step, as soon
+  as every gradient in it is final (post-accumulate-grad hooks, registered for that backward only), so the
+  reductions run while the rest of that backward and the other stages' work go on. Buckets start strictly in
+  bucket order, the same on every replica, so the collectives of a data-parallel group always match.
+- A parameter held by several stages (found by the dry run, e.g. a tied embedding and head) has its copies'
+  gradients summed over every holder of every replica (and divided by D), so the copies stay identical.
+- The global gradient norm counts each parameter once: a tied parameter only on its first holder stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_varuna.fault.failures import PipelineError, peer_error
+from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["GradientSync", "default_bucket_bytes"]
+
+MIN_BUCKET_BYTES = 64 * 2**10
+MAX_BUCKET_BYTES = 25 * 2**20
+BUCKETS_PER_STAGE = 4
+
+
+def default_bucket_bytes(stage_bytes: int) -> int:
+    """The bucket size used when none is given: a quarter of the stage's gradient, within [64 KiB, 25 MiB].
+
+    Only the stage's last backward can hide reductions, and the last bucket to become ready (the stage's first
+    layers) starts when that backward ends, so its reduction is never hidden: about four buckets per stage
+    leave a quarter of the stage's reduction exposed at most, at the cost of four per-call latencies
+    (tens of microseconds each for gloo on a host, more on a network). Below 64 KiB a bucket's transfer time
+    is comparable to that latency; above 25 MiB (the default of ``DistributedDataParallel``) per-call costs are
+    negligible already and smaller buckets only add calls.
+    """
+    return min(MAX_BUCKET_BYTES, max(MIN_BUCKET_BYTES, stage_bytes // BUCKETS_PER_STAGE))
+
+
+class GradientSync:
+    """Synchronises the gradients of one stage's parameters.
+
+    Call :meth:`sync` once per optimizer step, or :meth:`start` then :meth:`finish`. To overlap the data-parallel
+    reductions with the step's last backward, run that backward inside :meth:`overlapping` (the engine does this
+    with ``train_step(..., start_sync=True)``) and call :meth:`start` right after it.
+
+    Args:
+        topology: The process grid.
+        params: This stage's parameters by full-model name.
+        tied: ``(name, stages)`` for each parameter held by more than one stage (same order on every rank).
+        bucket_bytes: Size of a data-parallel all-reduce bucket; ``None``: :func:`default_bucket_bytes` of this
+            stage's gradient. It must come out the same on every replica of a stage (it does when it is the same
+            number, or ``None``).
+        overlap: Whether buckets start reducing during the last backward (see :meth:`overlapping`); when off,
+            every reduction starts in :meth:`start`. Can be changed between steps, identically on every rank.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        params: dict[str, nn.Parameter],
+        tied: Iterable[tuple[str, tuple[int, ...]]],
+        bucket_bytes: int | None = None,
+        overlap: bool = True,
+    ) -> None:
+        self.topology = topology
+        self.params = params
+        self.overlap = overlap
+        tied = list(tied)
+        self.tied_names = {name for name, _ in tied}
+        # every rank creates every group, in the same order, whether or not it belongs to it
+        self.tied_groups: list[tuple[object, list[nn.Parameter]]] = []
+        by_stages: dict[tuple[int, ...], list[str]] = {}
+        for name, stages in tied:
+            by_stages.setdefault(stages, []).append(name)
+        for stages, names in sorted(by_stages.items()):
+            group = topology.stages_group(stages) if topology.world_size > 1 else None
+            if topology.stage in stages:
+                self.tied_groups.append((group, [params[n] for n in names if params[n].requires_grad]))
+        self.not_counted = {
+            name for name, stages in tied if topology.stage in stages and topology.stage != stages[0]
+        }
+        self._plain = [p for n, p in reversed(params.items()) if n not in self.tied_names and p.requires_grad]
+        self.reduced_bytes = 0
+        """Payload bytes this rank has passed to all-reduces (buckets and tied copies), all steps together.
+
+        A ring all-reduce of N bytes among n ranks sends about ``2 (n - 1) / n * N`` bytes per rank.
+        """
+        self.overlapped_buckets = 0
+        """How many buckets started reducing during the last :meth:`overlapping` backward."""
+        self.started_at: float | None = None
+        """When this step's first reduction started (``time.perf_counter``), or None if it had none."""
+        self._started = False
+        self._launched = 0
+        self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter], object]] = []
+        self._flat: dict[int, Tensor] = {}
+        self._accumulated: Mapping[nn.Parameter, Tensor] = {}
+        self.bucket_bytes = bucket_bytes  # type: ignore[assignment] - builds the buckets
+
+    # -- buckets ------------------------------------------------------------------------------------------
+    @property
+    def bucket_bytes(self) -> int:
+        """The bucket size in bytes.
+
+        Setting it (``None``: the default) rebuilds the buckets; do it between steps, the same on every rank.
+        """
+        return self._bucket_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, value: int | None) -> None:
+        if self.started:
+            raise RuntimeError("GradientSync.bucket_bytes cannot change while reductions are in flight.")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"bucket_bytes must be a positive int or None, got {value!r}.")
+        stage_bytes = sum(p.numel() * p.element_size() for p in self._plain)
+        self._bucket_bytes = default_bucket_bytes(stage_bytes) if value is None else value
+        self.buckets = _buckets(self._plain, self._bucket_bytes)
+        self._sizes = [len(b) for b in self.buckets]
+        self._remaining = list(self._sizes)
+        self._hooks: list[tuple[nn.Parameter, Callable[[nn.Parameter], None]]] = [
+            (p, self._ready_hook(i)) for i, bucket in enumerate(self.buckets) for p in bucket
+        ]
+        self._flat = {}
+
+    def _ready_hook(self, bucket: int) -> Callable[[nn.Parameter], None]:
+        def ready(_: nn.Parameter) -> None:
+            self._remaining[bucket] -= 1
+            # strictly in bucket order: every replica issues the same collectives in the same order
+            while self._launched < len(self.buckets) and self._remaining[self._launched] <= 0:
+                self._launch_bucket()
+
+        return ready
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Averages over replicas and sums tied copies; call once per optimizer step, on every rank."""
+        self.start()
+        self.finish()
+
+    @contextlib.contextmanager
+    def overlapping(self, accumulated: Mapping[nn.Parameter, Tensor] | None = None) -> Iterator[None]:
+        """Runs the stage's last backward of the step: each bucket starts reducing once its gradients are final.
+
+        The gradients are complete after this backward: in ``.grad``, plus ``accumulated`` (see :meth:`start`). A
+        bucket with a parameter that got no gradient in this backward waits for :meth:`start`, and so do the buckets
+        after it. Does nothing when ``overlap`` is off or there is no data-parallel replica.
+        """
+        self._accumulated = accumulated or {}
+        if not self.overlap or self.topology.data_size == 1 or not self.buckets or self.started:
+            yield
+            return
+        self._remaining[:] = self._sizes
+        # a parameter frozen since setup never completes its bucket here: that bucket waits for start()
+        handles = [p.register_post_accumulate_grad_hook(hook) for p, hook in self._hooks if p.requires_grad]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.overlapped_buckets = self._launched
+
+    def start(self, accumulated: Mapping[nn.Parameter, Tensor] | None = None) -> None:
+        """Starts every reduction not started yet (asynchronous); :meth:`finish` completes them.
+
+        Args:
+            accumulated: Gradients of earlier batches of an accumulation window that the caller keeps outside
+                ``.grad`` (by parameter): each reduction adds them, so that :meth:`finish` writes the window's
+                total into ``.grad``. Keeping them apart lets the caller drop the batch's own gradient (a skipped
+                batch, with :meth:`discard`) and still have the window's.
+        """
+        if self._started:
+            raise RuntimeError("GradientSync.start() called twice without finish().")
+        self._started = True
+        if accumulated is not None:
+            self._accumulated = accumulated
+        if self.topology.data_size > 1:
+            while self._launched < len(self.buckets):
+                self._launch_bucket()
+        d = self.topology.data_size
+        for j, (group, tied) in enumerate(self.tied_groups):
+            if tied:
+                flat = self._flatten(len(self.buckets) + j, tied)
+                flat.div_(d)
+                self._all_reduce(flat, tied, group)
+
+    def finish(self) -> None:
+        """Waits for the reductions started and writes the results into the gradients."""
+        for flat, params in self._wait():
+            _unflatten(flat, params)
+
+    def discard(self) -> None:
+        """Waits for the reductions started and drops their results (``.grad`` stays as it is)."""
+        self._wait()
+
+    def _wait(self) -> list[tuple[Tensor, list[nn.Parameter]]]:
+        pending, self._pending = self._pending, []
+        self._started, self._launched, self._accumulated = False, 0, {}
+        if not pending:
+            self.started_at = None
+        for work, _, _, group in pending:
+            try:
+                work.wait()
+            except Exception as err:  # noqa: BLE001 - a peer that failed or hung
+                raise self._error("waiting for", group, err) from err
+        return [(flat, params) for _, flat, params, _ in pending]
+
+    @property
+    def started(self) -> bool:
+        """Whether reductions have started this step (and :meth:`finish` is due)."""
+        return self._started or self._launched > 0
+
+    def local_norm_sq(self, norm_type: float = 2.0) -> Tensor:
+        """This stage's share of the squared global norm (a tied parameter counted on its first stage)."""
+        grads = [p.grad for n, p in self.params.items() if p.grad is not None and n not in self.not_counted]
+        device = self.topology.device
+        if not grads:
+            return torch.zeros((), device=device, dtype=torch.float32)
+        norms = torch._foreach_norm(grads, norm_type)
+        return torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _launch_bucket(self) -> None:
+        i = self._launched
+        self._launched += 1
+        flat = self._flatten(i, self.buckets[i])
+        flat.div_(self.topology.data_size)
+        self._all_reduce(flat, self.buckets[i], self.topology.data_group)
+
+    def _all_reduce(self, flat: Tensor, params: list[nn.Parameter], group: object) -> None:
+        if not self._pending:
+            self.started_at = time.perf_counter()
+        try:
+            work = dist.all_reduce(flat, group=group, async_op=True)
+        except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
+            raise self._error("starting", group, err) from err
+        self._pending.append((work, flat, params, group))
+        self.reduced_bytes += flat.numel() * flat.element_size()
+
+    def _error(self, what: str, group: object, err: Exception) -> PipelineError:
+        kind = "averaging gradients over replicas" if group is self.topology.data_group else "summing tied copies"
+        try:
+            ranks = f" (ranks {dist.get_process_group_ranks(group)})"  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - only for the message
+            ranks = ""
+        return peer_error(self.topology, f"{what} the all-reduce {kind}{ranks}", err)
+
+    def _flatten(self, key: int, params: list[nn.Parameter]) -> Tensor:
+        flat = self._flat.get(key)
+        numel = sum(p.numel() for p in params)
+        if flat is None or flat.numel() != numel:
+            flat = self._flat[key] = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            view = flat[offset : offset + n]
+            grad, earlier = p.grad, self._accumulated.get(p)
+            if grad is None and earlier is None:
+                view.zero_()
+            elif earlier is None or grad is None:
+                view.copy_((grad if grad is not None else earlier).reshape(-1))
+            else:
+                torch.add(grad.reshape(-1), earlier.reshape(-1), out=view)
+            offset += n
+        return flat
+
+
+def _grad(p: nn.Parameter) -> Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _unflatten(flat: Tensor, params: list[nn.Parameter]) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        _grad(p).copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0].dtype != p.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets

@@ -1,0 +1,271 @@
+"""The dry run's data flow: which values a later stage would compute wrongly, and which modules it may run itself.
+
+On a stage, a parameter of another stage is a zero placeholder and a module called only in earlier stages'
+segments is a stand-in that returns zeros (:mod:`~lightning_varuna.pipeline.model.stand_ins`). A value computed from
+either is right only on the stage that owns them. While the dry run runs the step, :class:`DataFlow` follows each
+tensor's sources through every torch function:
+
+- parameters and cut point outputs, by segment;
+- outputs of module calls that start and end in one segment, by module name.
+
+A value used in a later segment than the one that made it, other than through a cut point, *crosses*. A crossing
+from parameters cannot be split. A crossing from module outputs (rotary position embeddings computed once before
+the first block and passed to every block, an ALiBi tensor, a mask module) can, when each such module can run on
+the consuming stage itself: it has no parameters, draws no random numbers, writes none of its buffers or
+attributes, and its output depends on no parameter and no output of a module outside it. Such modules are
+*recomputed*: they run on every stage instead of being stood in for. Any other crossing is an error when it
+spans two stages (:func:`~lightning_varuna.pipeline.model.partition.make_plan`), never a silently different computation.
+
+Reading a tensor's shape, dtype or device is not a use of its values: stand-ins have the right shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+__all__ = ["DataFlow", "Crossings"]
+
+RANDOM_OPS = frozenset({
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
+    "multinomial", "normal", "normal_", "uniform_", "random_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "poisson", "rrelu", "rrelu_", "gumbel_softmax",
+})
+"""Functions that always draw random numbers."""
+
+DROPOUTS = frozenset({
+    "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "alpha_dropout_",
+    "feature_alpha_dropout", "feature_alpha_dropout_", "feature_dropout", "feature_dropout_", "native_dropout",
+})
+"""Functions that draw random numbers when training with ``p > 0`` (arguments ``input, p, training``)."""
+
+SHAPE_ONLY = frozenset({
+    "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full",
+})
+"""Functions whose tensor result depends on their input's shape, dtype and device only."""
+
+VALUE_READS = frozenset({
+    "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "equal", "allclose",
+})
+"""Functions that return a Python value read from a tensor's values (others without a tensor result read metadata)."""
+
+Crossings = dict[tuple[int, int], str]
+"""``(from segment, to segment) -> what crosses``, for values that cannot reach the later segment's stage."""
+
+
+def _draws_random_numbers(name: str, args: tuple, kwargs: dict) -> bool:
+    if name in RANDOM_OPS:
+        return True
+    if name == "scaled_dot_product_attention":
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return isinstance(p, float) and p > 0
+    if name in DROPOUTS:
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+        return bool(training) and not (isinstance(p, (int, float)) and p == 0)
+    return False
+
+
+def _describe(value: Tensor) -> str:
+    return f"{tuple(value.shape)} {value.dtype}"
+
+
+@dataclass
+class _Call:
+    name: str
+    segment: int
+    state: dict[str, tuple[int, int]] | None
+    """Of a module without parameters: the identity and version of each buffer and attribute before the call."""
+
+
+def _state(module: nn.Module) -> dict[str, tuple[int, int]]:
+    state = {}
+    for prefix, sub in module.named_modules():
+        for key, value in vars(sub).items():
+            if key not in ("_buffers", "_modules", "_parameters"):
+                state[f"{prefix}.{key}"] = (id(value), 0)
+        for key, buffer in sub._buffers.items():
+            # a tensor's version counter grows with every in-place write (also on the meta device)
+            state[f"{prefix}.{key}"] = (id(buffer), buffer._version if buffer is not None else 0)
+    return state
+
+
+class DataFlow:
+    """Follows each tensor's sources while the dry run runs the step (see the module docstring).
+
+    Args:
+        module: The model; module names in reports are its ``named_modules()`` names.
+        segment: Returns the segment the running forward is in.
+    """
+
+    def __init__(self, module: nn.Module, segment: Callable[[], int]) -> None:
+        self.segment = segment
+        self.names = {id(m): name for name, m in module.named_modules()}
+        self.parameter_free = {id(m) for m in module.modules() if next(m.parameters(), None) is None}
+        self.from_parameters: Crossings = {}
+        """Crossings of values computed from parameters (or from cut point outputs)."""
+        self.from_modules: dict[tuple[int, int, frozenset[str]], str] = {}
+        """Crossings of values computed from module outputs: ``(from, to, modules) -> what crosses``."""
+        self.clean: set[str] = set()
+        """Modules without parameters that were seen to draw no random numbers and write no state."""
+        self.unclean: set[str] = set()
+        self._segment_of = WeakTensorKeyDictionary()
+        self._modules_of = WeakTensorKeyDictionary()
+        self._calls: list[_Call] = []
+
+    # module calls -------------------------------------------------------------------------------------------
+
+    def enter(self, module: nn.Module) -> None:
+        """A module call starts."""
+        name = self.names.get(id(module))
+        if name is not None:
+            state = _state(module) if id(module) in self.parameter_free else None
+            self._calls.append(_Call(name, self.segment(), state))
+
+    def exit(self, module: nn.Module, output: object) -> None:
+        """A module call ends: its output is labelled with the module if the call stayed in one segment."""
+        name = self.names.get(id(module))
+        if name is None or not self._calls:
+            return
+        call = self._calls.pop()
+        segment = self.segment()
+        if call.segment != segment:
+            return
+        leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)]
+        if call.state is not None:
+            pure = call.state == _state(module) and name not in self.unclean
+            pure = pure and not any(leaf in self._segment_of for leaf in leaves)
+            inside = name + "."
+            pure = pure and all(
+                other == name or other.startswith(inside) or not name
+                for leaf in leaves for other in self._modules_of.get(leaf, (0, frozenset()))[1]
+            )
+            (self.clean if pure else self.unclean).add(name)
+            if not pure:
+                self.clean.discard(name)
+        for leaf in leaves:
+            seen = self._modules_of.get(leaf)
+            modules = seen[1] if seen is not None and seen[0] == segment else frozenset()
+            self._modules_of[leaf] = (segment, modules | {name})
+
+    def cut_output(self, value: Tensor) -> None:
+        """A cut point handed ``value`` to the next segment (which is now running)."""
+        self._segment_of[value] = self.segment()
+
+    # torch functions ----------------------------------------------------------------------------------------
+
+    def before(self, name: str, args: tuple, kwargs: dict, uses_parameters: bool) -> tuple[bool, frozenset[str]]:
+        """Inspects a torch function's inputs; returns what its tensor results derive from (for :meth:`after`).
+
+        Crossings are recorded by :meth:`after`, once it is known whether the function read values.
+        """
+        if _draws_random_numbers(name, args, kwargs):
+            self.unclean.update(call.name for call in self._calls)
+        self._pending = []
+        if name in SHAPE_ONLY:
+            return False, frozenset()
+        segment = self.segment()
+        from_parameters = uses_parameters
+        modules: set[str] = set()
+        for value in tree_leaves((args, kwargs)):
+            if not isinstance(value, Tensor):
+                continue
+            origin = self._segment_of.get(value)
+            if origin is not None:
+                from_parameters = True
+                if origin != segment:
+                    self._pending.append(((origin, segment), value, None))
+            labelled = self._modules_of.get(value)
+            if labelled is not None:
+                if labelled[0] == segment:
+                    modules |= labelled[1]
+                else:
+                    self._pending.append(((labelled[0], segment), value, labelled[1]))
+        return from_parameters, frozenset(modules)
+
+    def after(self, name: str, derived: tuple[bool, frozenset[str]], out: object) -> None:
+        """Labels a torch function's tensor results and records the crossings of a function that read values."""
+        leaves = [leaf for leaf in tree_leaves(out) if isinstance(leaf, Tensor)]
+        if self._pending and (leaves or name in VALUE_READS):
+            consumer = self._consumer()
+            for (source, destination), value, modules in self._pending:
+                if modules is None:
+                    self.from_parameters.setdefault(
+                        (source, destination),
+                        f"A tensor ({_describe(value)}) computed from parameters in segment {source}",
+                    )
+                else:
+                    producers = ", ".join(sorted(_outermost(modules)))
+                    self.from_modules.setdefault(
+                        (source, destination, modules),
+                        f"A tensor ({_describe(value)}) computed by {producers} in segment {source} and read by"
+                        f" {consumer}",
+                    )
+        self._pending = []
+        from_parameters, modules = derived
+        segment = self.segment()
+        for leaf in leaves:
+            if from_parameters:
+                self._segment_of[leaf] = segment
+            if modules:
+                seen = self._modules_of.get(leaf)
+                earlier = seen[1] if seen is not None and seen[0] == segment else frozenset()
+                self._modules_of[leaf] = (segment, earlier | modules)
+
+    def _consumer(self) -> str:
+        for call in reversed(self._calls):
+            if call.name:
+                return call.name
+        return "the step's own code"
+
+    # results ------------------------------------------------------------------------------------------------
+
+    def recomputed(self, module_segments: dict[str, set[int]]) -> tuple[set[str], Crossings]:
+        """Which modules must run on every stage, and the crossings no stage layout can split.
+
+        Args:
+            module_segments: The segments of each module whose calls each stay in one segment (the stand-in
+                candidates); a module is stood in for by its outermost such ancestor.
+
+        Returns:
+            The modules to recompute, and every unsplittable crossing (from parameters or from modules that cannot
+            be recomputed).
+        """
+        recomputed: set[str] = set()
+        unsplittable = dict(self.from_parameters)
+        for (source, destination, modules), what in self.from_modules.items():
+            stood_in = {_outermost_ancestor(name, module_segments) for name in modules} - {None}
+            if all(name in self.clean and name not in self.unclean for name in stood_in):
+                recomputed |= stood_in
+            else:
+                blocking = sorted(n for n in stood_in if n in self.unclean or n not in self.clean)
+                unsplittable.setdefault(
+                    (source, destination),
+                    f"{what} ({', '.join(blocking)} cannot run on a later stage itself: "
+                    f"{_why_not(blocking, self.clean)})",
+                )
+        return recomputed, unsplittable
+
+
+def _outermost(names: frozenset[str]) -> list[str]:
+    return [n for n in names if not any(n.startswith(other + ".") for other in names if other and other != n)]
+
+
+def _outermost_ancestor(name: str, candidates: dict[str, set[int]]) -> str | None:
+    """The outermost of ``name`` and its ancestors that a later stage stands in for (None: none is)."""
+    parts = name.split(".")
+    for end in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:end])
+        if prefix in candidates:
+            return prefix
+    return None
+
+
+def _why_not(names: list[str], clean: set[str]) -> str:
+    if any(name in clean for name in names):
+        return "it draws random numbers, writes its state, or its output depends on parameters"
+    return "it has parameters, draws random numbers, writes its state, or its output depends on parameters"

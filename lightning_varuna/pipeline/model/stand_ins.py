@@ -1,0 +1,186 @@
+"""Turning the full model into one stage: other stages' parameters are freed and their modules stood in for.
+
+Every rank runs the user's whole Python step ("predicated execution"). On a stage that does not own them:
+
+- a parameter becomes a non-persistent buffer of the same shape and dtype with all strides zero (one
+  element of memory), so code such as ``x + self.pos[:, :T]`` keeps working;
+- a module whose calls all start and end inside segments of earlier stages is replaced by a stand-in that
+  works out its output shapes on the meta device (cached per input signature) and returns zero-stride
+  tensors of those shapes. User code never sees ``None`` and needs no changes. Modules without parameters
+  whose outputs later segments read (rotary position embeddings, masks) run for real instead, when the dry
+  run found that gives the same values (:mod:`~lightning_varuna.pipeline.model.data_flow`).
+
+At the stage's first cut point the received activation replaces the tensor, and at its last one the forward
+is cut short, so modules of later stages never run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_varuna.pipeline.model.cut import zero_like_shape
+from lightning_varuna.pipeline.model.partition import Plan, Trace
+
+__all__ = ["StandIn", "apply_plan", "free_parameter", "install_stand_in", "remove_stand_ins", "stand_in_candidates"]
+
+
+def free_parameter(root: nn.Module, name: str, device: torch.device | None = None) -> None:
+    """Replaces parameter ``name`` (everywhere it is registered) by a zero-stride, non-persistent buffer.
+
+    The placeholder is on ``device`` (default: the parameter's own, which for a meta parameter is meta).
+    """
+    target = root.get_parameter(name)
+    placeholder = zero_like_shape(target.shape, target.dtype, device or target.device)
+    for module in root.modules():
+        for attr, param in list(module._parameters.items()):
+            if param is target:
+                del module._parameters[attr]
+                module.register_buffer(attr, placeholder, persistent=False)
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple | None:
+    """The cache key of a call: the structure of its arguments, tensors by shape and dtype (None: unhashable)."""
+    if not kwargs and all(isinstance(arg, Tensor) for arg in args):
+        # the usual call, block(x): skip the pytree walk, which costs more than the rest of the stand-in
+        return tuple((arg.shape, arg.dtype) for arg in args)
+    leaves, spec = tree_flatten((args, kwargs))
+    key: list[Any] = [spec]
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            key.append((tuple(leaf.shape), leaf.dtype))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                return None
+            key.append(leaf)
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
+
+
+class StandIn:
+    """Replaces a module's ``forward``: runs it for real in owned segments, by shape only elsewhere."""
+
+    def __init__(self, module: nn.Module, owned: range, segment: Callable[[], int], device: torch.device):
+        self.module = module
+        self.forward = module.forward
+        # a compiled module (Module.compile) would compile this stand-in's Python too: it runs uncompiled
+        self.compiled_call = module.__dict__.get("_compiled_call_impl")
+        self.owned = owned
+        self.segment = segment
+        self.device = device
+        self._cache: dict[tuple, tuple[list, Any]] = {}
+        """Per call signature: the output's leaves as (shape, dtype) or (value, None), and its tree structure
+        (None for a single tensor)."""
+        self._zeros: dict[torch.dtype, Tensor] = {}
+
+    @torch.compiler.disable  # inside a compiled caller: runs as Python (it computes nothing in other segments)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's output: real in an owned segment, zero-stride tensors of the right shapes elsewhere."""
+        if self.segment() in self.owned:
+            return self.forward(*args, **kwargs)
+        key = _signature(args, kwargs)
+        entry = self._cache.get(key) if key is not None else None
+        if entry is None:
+            entry = self._shapes(args, kwargs)
+            if key is not None and len(self._cache) < 64:
+                self._cache[key] = entry
+        specs, tree = entry
+        if tree is None:  # a single tensor
+            shape, dtype = specs[0]
+            return self._zero(dtype).expand(shape)
+        leaves = [self._zero(d).expand(s) if isinstance(s, tuple) else s for s, d in specs]
+        return tree_unflatten(leaves, tree)
+
+    def _zero(self, dtype: torch.dtype) -> Tensor:
+        # one scalar per dtype, expanded to every shape: no allocation per call on the hot path
+        zero = self._zeros.get(dtype)
+        if zero is None:
+            zero = self._zeros[dtype] = torch.zeros((), dtype=dtype, device=self.device)
+        return zero
+
+    def _shapes(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+        def to_meta(value: Any) -> Any:
+            return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
+
+        state = {name: to_meta(t) for name, t in self.module.state_dict(keep_vars=True).items()}
+        state.update({name: to_meta(t) for name, t in self.module.named_buffers()})
+        # call the module's own forward (not __call__): its hooks, cut points included, belong to the real call
+        with _reparametrize_module(self.module, state):
+            out = self.forward(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        if isinstance(out, Tensor):
+            return [(tuple(out.shape), out.dtype)], None
+        leaves, tree = tree_flatten(out)
+        specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
+        return specs, tree
+
+
+def stand_in_candidates(trace: Trace, first_segment: int) -> set[str]:
+    """Modules a stage whose segments start at ``first_segment`` stands in for (the outermost of them get one).
+
+    Those called in an earlier segment, except the ones recomputed on every stage (they have no parameters and
+    a later segment uses their output, see :mod:`~lightning_varuna.pipeline.model.data_flow`).
+    """
+    return {
+        name for name, segments in trace.module_segments.items()
+        if name and min(segments) < first_segment and name not in trace.recomputed
+    }
+
+
+def _outermost(names: set[str]) -> list[str]:
+    return [n for n in sorted(names) if not any(n.startswith(other + ".") for other in names if other != n)]
+
+
+def apply_plan(
+    root: nn.Module, plan: Plan, stage: int, segment: Callable[[], int], device: torch.device
+) -> list[StandIn]:
+    """Makes ``root`` hold only stage ``stage``'s parameters and stand-ins for earlier stages' modules.
+
+    Args:
+        root: The full model (the LightningModule).
+        plan: The partition plan (identical on every rank).
+        stage: This rank's stage.
+        segment: Returns the segment the running forward is in.
+        device: Device of the stand-ins' outputs.
+
+    Returns:
+        The stand-ins installed.
+    """
+    owned = plan.stages[stage].segments
+    keep = set(plan.stages[stage].params)
+    for name, _ in list(root.named_parameters()):
+        if name not in keep:
+            free_parameter(root, name, device)
+    candidates = stand_in_candidates(plan.trace, owned.start)
+    stand_ins = []
+    for name in _outermost(candidates):
+        module = root.get_submodule(name)
+        stand_in = StandIn(module, owned, segment, device)
+        install_stand_in(stand_in)
+        stand_ins.append(stand_in)
+    return stand_ins
+
+
+def install_stand_in(stand_in: StandIn) -> None:
+    """Makes ``stand_in`` its module's ``forward``, and the module's calls uncompiled."""
+    stand_in.module.forward = stand_in  # type: ignore[method-assign]
+    if stand_in.compiled_call is not None:
+        stand_in.module._compiled_call_impl = None
+
+
+def remove_stand_ins(stand_ins: list[StandIn]) -> None:
+    """Gives the modules their own ``forward`` back."""
+    for stand_in in stand_ins:
+        if stand_in.module.__dict__.get("forward") is stand_in:
+            del stand_in.module.__dict__["forward"]
+        if stand_in.compiled_call is not None:
+            stand_in.module._compiled_call_impl = stand_in.compiled_call

@@ -1,0 +1,5 @@
+"""Running a schedule on one stage: the executor, a step's actions, its links, the event hook.
+
+Modules: :mod:`~.executor`, :mod:`~.stage_step`, :mod:`~.links` (inboxes and outboxes), :mod:`~.events`,
+:mod:`~.fused_linear_grad` (linear layers' weight gradients accumulated in place).
+"""

@@ -1,0 +1,128 @@
+"""The runtime executor: runs one stage's part of a schedule, step after step, over the p2p plan's links.
+
+:class:`StageExecutor` keeps what lasts across steps (the cut points of its stage, receive buffers, the lowered p2p
+plan of each schedule, the event hook); each step is a :class:`~lightning_varuna.pipeline.runtime.stage_step.StageStep`.
+A recompute or backward whose gradient is late, or that would leave the next stage without work, lets the next
+forward go first if its input is there (Varuna's opportunistic rule and ours,
+:func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`): forwards keep their order, as do recomputes and
+backwards, so every link's messages keep the plan's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_varuna.pipeline.comm.transfers import P2P
+from lightning_varuna.pipeline.model.cut import CutPoint, StageForward
+from lightning_varuna.pipeline.runtime.events import EventHooks
+from lightning_varuna.pipeline.runtime.links import StageLinks
+from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageStep
+from lightning_varuna.pipeline.scheduling.schedules import Schedule
+from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["SUMMARY_SIZE", "StageExecutor", "StepFunction"]
+
+StepFunction = Callable[[int], Any]
+"""Runs the user's step on micro-batch ``k`` and returns its output (on the last stage: the loss)."""
+
+
+class StageExecutor:
+    """Runs the tasks of one stage, one step at a time.
+
+    Args:
+        topology: Where this rank sits.
+        p2p: The transport.
+        cuts: The cut points in execution order.
+        first_cut: The cut point whose output this stage receives (None on the first stage).
+        last_cut: The cut point where this stage's forward ends (None on the last stage).
+        events: The event hook (the p2p layer's, so that one set of recorders sees tasks and transfers).
+    """
+
+    def __init__(self, topology: Topology, p2p: P2P, cuts: Sequence[CutPoint], first_cut: int | None,
+                 last_cut: int | None, events: EventHooks | None = None) -> None:
+        self.topology = topology
+        self.p2p = p2p
+        self.cuts = cuts
+        self.first_cut = first_cut
+        self.last_cut = last_cut
+        self.events = events if events is not None else p2p.events
+        self.boundary_dtype: torch.dtype | None = None
+        """If set, floating-point activations and their gradients travel in this dtype."""
+        self.input_dtype: torch.dtype | None = None
+        """The dtype the model had at this stage's first cut (received activations are cast back to it)."""
+        self.current: StageForward | None = None
+        self.feed_next_stage = True
+        """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
+        (see :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`); False keeps Varuna's rule alone."""
+        self.summary: Tensor | None = None
+        self._pool: dict[tuple[str, int], Tensor] = {}
+        self._links: dict[tuple[int, bool], tuple[Schedule, StageLinks]] = {}
+
+    # -- state visible to stand-ins -------------------------------------------------------------------------
+    def segment(self) -> int:
+        """The segment the running forward is in (the stage's first segment when none is running)."""
+        if self.current is None:
+            return 0 if self.first_cut is None else self.first_cut + 1
+        return self.current.segment
+
+    # -- what lasts across steps ----------------------------------------------------------------------------
+    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """A receive buffer, reused across steps while its shape stays the same."""
+        buffer = self._pool.get((kind, k))
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype, device=self.topology.device)
+            self._pool[(kind, k)] = buffer
+        return buffer
+
+    def links(self, schedule: Schedule, summary: bool) -> StageLinks:
+        """This stage's part of the p2p plan of ``schedule`` (lowered once per schedule)."""
+        key = (id(schedule), summary)
+        cached = self._links.get(key)
+        if cached is None or cached[0] is not schedule:
+            cached = self._links[key] = (schedule, StageLinks.build(schedule, self.topology, summary))
+        return cached[1]
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def run(
+        self,
+        schedule: Schedule,
+        step: StepFunction,
+        sizes: Sequence[int],
+        batch_dims: tuple[int | None, int | None],
+        train: bool,
+        recompute: bool,
+        loss_of: Callable[[Any, int], Tensor] | None = None,
+        summary: Callable[[list[Any]], Tensor] | None = None,
+        last_backward: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> list[Any]:
+        """Runs this stage's tasks of ``schedule`` and returns, on the last stage, each micro-batch's step output.
+
+        With ``summary`` (training only), the last stage turns the step's outputs into at most
+        :data:`SUMMARY_SIZE` float64 values after its schedule, and they travel back stage by stage behind the
+        last gradient: every stage finds them in :attr:`summary` when ``run`` returns, with no collective.
+
+        Args:
+            schedule: The step's schedule, every stage's task list (the p2p plan is derived from all of them).
+            step: Runs the user's step on micro-batch ``k``.
+            sizes: The batch size of each micro-batch (the same on every stage).
+            batch_dims: Which dimension of the received and of the sent activation scales with the batch.
+            train: Whether backward tasks run.
+            recompute: Whether forwards of a non-last stage run without autograd (train only).
+            loss_of: On the last stage, turns step output ``k`` into the scalar to differentiate (already
+                weighted).
+            summary: On the last stage, turns the outputs into at most :data:`SUMMARY_SIZE` float64 values
+                that every stage receives (training only).
+            last_backward: A context manager factory that this stage's last backward task of the step runs in
+                (the backward and the posting of its input-gradient send), e.g.
+                :meth:`GradientSync.overlapping <lightning_varuna.pipeline.comm.grad_sync.GradientSync.overlapping>`.
+        """
+        summary = summary if train else None
+        links = self.links(schedule, summary is not None)
+        tasks = schedule[self.topology.stage]
+        return StageStep(self, links, tasks, step, sizes, batch_dims, train, recompute, loss_of, summary,
+                         last_backward).run()

@@ -1,0 +1,164 @@
+"""One step's transfers on the links of one stage, in the order of the step's p2p plan.
+
+:class:`StageLinks` is a stage's part of the plan (its neighbours and each link's messages in order). On each
+inbound link an :class:`Inbox` posts receives strictly in the link's order, as soon as each message's shape is
+known, so that the run-time rules can ask whether a message is there; on each outbound link an :class:`Outbox`
+posts sends in the link's order and refuses anything else. A skipped batch drops its activations and gradients
+from both sides' lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.pipeline.comm.transfers import P2P, Transfer
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan
+from lightning_varuna.pipeline.scheduling.schedules import Kind, Schedule
+from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["Inbox", "Outbox", "Spec", "StageLinks"]
+
+Spec = tuple[torch.Size, torch.dtype]
+"""The shape and dtype of a message's buffer."""
+
+
+@dataclass(frozen=True)
+class StageLinks:
+    """One stage's part of a step's p2p plan: its neighbours (global ranks) and each link's messages in order."""
+
+    prev: int | None
+    next: int | None
+    from_prev: tuple[Message, ...]
+    from_next: tuple[Message, ...]
+    to_prev: tuple[Message, ...]
+    to_next: tuple[Message, ...]
+
+    @classmethod
+    def build(cls, schedule: Schedule, topology: Topology, summary: bool) -> StageLinks:
+        """Lowers ``schedule`` (one stage per rank) and keeps what this rank's stage takes part in."""
+        for tasks in schedule:
+            for task in tasks:
+                if task.stage is not None or task.kind not in (Kind.F, Kind.R, Kind.B):
+                    raise PipelineError(
+                        f"The executor runs one stage per rank with F, R and B tasks; {task!r} is for schedules"
+                        " to come (see lightning_varuna.pipeline.scheduling.lowering)."
+                    )
+        stage = topology.stage
+        plan = rank_plan(link_messages(schedule, summary=summary), stage)
+        prev = stage - 1 if stage > 0 else None
+        after = stage + 1 if stage < topology.pipeline_size - 1 else None
+        return cls(
+            prev=topology.rank_of(prev) if prev is not None else None,
+            next=topology.rank_of(after) if after is not None else None,
+            from_prev=plan.inbound.get(prev, ()) if prev is not None else (),
+            from_next=plan.inbound.get(after, ()) if after is not None else (),
+            to_prev=plan.outbound.get(prev, ()) if prev is not None else (),
+            to_next=plan.outbound.get(after, ()) if after is not None else (),
+        )
+
+
+class Inbox:
+    """The receives of one inbound link in one step, posted in the link's order.
+
+    Args:
+        p2p: The transport.
+        src: The sending rank.
+        dst: This rank.
+        messages: The link's messages, in order.
+        spec: The shape and dtype of a message's buffer, or None while not known yet.
+        buffer: A buffer for a message of that shape and dtype.
+        watch: Whether completions can be asked for (the run-time rules ask).
+    """
+
+    def __init__(self, p2p: P2P, src: int, dst: int, messages: tuple[Message, ...],
+                 spec: Callable[[Message], Spec | None], buffer: Callable[[Message, torch.Size, torch.dtype], Tensor],
+                 watch: bool) -> None:
+        self.p2p, self.link, self.messages = p2p, p2p.link(src, dst), messages
+        self.position = {message: index for index, message in enumerate(messages)}
+        self.spec, self.buffer, self.watch = spec, buffer, watch
+        self.transfers: list[Transfer | None] = [None] * len(messages)
+        self.posted = 0
+        self.taken = 0
+
+    def advance(self) -> None:
+        """Posts the receives whose shapes are known, in order, up to the first one that is not."""
+        while self.posted < len(self.messages):
+            message = self.messages[self.posted]
+            spec = self.spec(message)
+            if spec is None:
+                return
+            tensor = self.buffer(message, *spec)
+            self.transfers[self.posted] = self.p2p.irecv(tensor, self.link, message, watch=self.watch)
+            self.posted += 1
+
+    def arrived(self, message: Message) -> bool:
+        """Whether ``message`` is here (or was taken already), without waiting."""
+        self.advance()
+        index = self.position[message]
+        if index >= self.posted:
+            return False
+        transfer = self.transfers[index]
+        return transfer is None or self.p2p.completed(transfer)
+
+    def take(self, message: Message, what: str) -> Tensor:
+        """Waits for ``message`` and returns its buffer."""
+        self.advance()
+        index = self.position[message]
+        transfer = self.transfers[index]
+        if index >= self.posted or transfer is None:
+            raise PipelineError(f"{what}: its receive cannot be posted (its shape is not known) or was taken before.")
+        self.p2p.wait(transfer, what)
+        self.transfers[index] = None
+        self.taken += 1
+        return transfer.tensor
+
+    def drop_unposted(self, kinds: tuple[MessageKind, ...]) -> None:
+        """Removes the messages of ``kinds`` from the link's plan (a skipped batch); none may be posted yet."""
+        if any(m.kind in kinds for m in self.messages[: self.posted]):
+            raise PipelineError(f"A message of a skipped batch from rank {self.link.src} was already posted.")
+        kept = [i for i, m in enumerate(self.messages) if m.kind not in kinds]
+        self.messages = tuple(self.messages[i] for i in kept)
+        self.transfers = [self.transfers[i] for i in kept]
+        self.position = {message: index for index, message in enumerate(self.messages)}
+
+    def check_complete(self, stage: int) -> None:
+        """Raises unless every message of the link was received this step."""
+        if self.taken != len(self.messages):
+            left = [m for i, m in enumerate(self.messages) if i >= self.posted or self.transfers[i] is not None]
+            raise PipelineError(f"Stage {stage} ended its step without receiving {left} from rank {self.link.src}.")
+
+
+class Outbox:
+    """The sends of one outbound link in one step: posted only in the link's order."""
+
+    def __init__(self, p2p: P2P, src: int, dst: int, messages: tuple[Message, ...], sends: list[Transfer]) -> None:
+        self.p2p, self.link, self.messages, self.sends = p2p, p2p.link(src, dst), messages, sends
+        self.sent = 0
+
+    def send(self, message: Message, tensor: Tensor, stage: int) -> None:
+        """Posts ``tensor`` as ``message``, which must be the link's next message."""
+        expected = self.messages[self.sent] if self.sent < len(self.messages) else None
+        if message != expected:
+            raise PipelineError(
+                f"Stage {stage} would send {message!r} to rank {self.link.dst}, but the step's p2p plan has"
+                f" {expected!r} next on that link (messages must keep the plan's order on every link)."
+            )
+        self.sends.append(self.p2p.isend(tensor, self.link, message, watch=True))
+        self.sent += 1
+
+    def drop_unsent(self, kinds: tuple[MessageKind, ...]) -> None:
+        """Removes the messages of ``kinds`` not sent yet from the link's plan (a skipped batch)."""
+        self.messages = self.messages[: self.sent] + tuple(m for m in self.messages[self.sent:] if m.kind not in kinds)
+
+    def check_complete(self, stage: int) -> None:
+        """Raises unless every message of the link was sent this step."""
+        if self.sent != len(self.messages):
+            raise PipelineError(
+                f"Stage {stage} ended its step without sending {list(self.messages[self.sent:])} to rank"
+                f" {self.link.dst}."
+            )

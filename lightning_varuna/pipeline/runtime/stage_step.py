@@ -1,0 +1,480 @@
+"""One step of one stage: its tasks (forward, recompute, backward) and its transfers, posted in plan order.
+
+:class:`StageStep` holds everything a step of a stage owns (received inputs, outputs kept for backward, RNG
+states for recompute, the transfers in flight) and has one method per action: :meth:`~StageStep.forward`,
+:meth:`~StageStep.recompute`, :meth:`~StageStep.backward` and the communication actions
+(:meth:`~StageStep.receive_input`, :meth:`~StageStep.send_output`, :meth:`~StageStep.receive_grad`,
+:meth:`~StageStep.send_input_grad`, :meth:`~StageStep.pass_summary`).
+
+Transfers follow the step's p2p plan (:mod:`~lightning_varuna.pipeline.scheduling.lowering`), posted by the step's
+inboxes and outboxes (:mod:`~lightning_varuna.pipeline.runtime.links`): receives strictly in each link's order as soon
+as each message's shape is known (the header at the step's start; every activation once the header has arrived; a
+gradient once the activation it answers has been sent; the summary behind the last gradient), so that the run-time rules
+can ask whether a message is there; sends only in the link's order. A link carries one direction only, so a receive
+posted early never holds up a send. Every activation is checked against the shape agreed for the step (the header sent
+with the first one) before it is posted.
+
+A step whose batch is skipped before the model's forward (the user's step returned None before reaching a cut
+point, for every micro-batch and on every stage alike) sends a skip header in place of the first activation's
+header; the activations and gradients of the step are then dropped from every link's plan on both sides, and only
+the summary still travels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.pipeline.comm.transfers import (
+    HEADER_SIZE,
+    P2P,
+    Transfer,
+    decode_header,
+    encode_header,
+    encode_skip_header,
+)
+from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError, StageForward, StageOutputReady, forward_handler
+from lightning_varuna.pipeline.runtime.events import Event, EventHooks, EventKind
+from lightning_varuna.pipeline.runtime.fused_linear_grad import accumulating_in_place
+from lightning_varuna.pipeline.runtime.links import Inbox, Outbox, Spec, StageLinks
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
+from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
+from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["SUMMARY_SIZE", "StageContext", "StageStep"]
+
+SUMMARY_SIZE = 64
+"""Float64 slots of the per-step summary the last stage sends back along the pipeline (losses, logs)."""
+
+_DROPPED_WHEN_SKIPPED = (MessageKind.ACTIVATION, MessageKind.GRADIENT)
+
+SKIPPED = object()
+"""What a forward returns whose step returned None before reaching a cut point (a skipped batch)."""
+
+
+class StageContext(Protocol):
+    """What a step uses of its stage (:class:`~lightning_varuna.pipeline.runtime.executor.StageExecutor`)."""
+
+    topology: Topology
+    p2p: P2P
+    events: EventHooks
+    cuts: Sequence[CutPoint]
+    first_cut: int | None
+    last_cut: int | None
+    boundary_dtype: torch.dtype | None
+    input_dtype: torch.dtype | None
+    current: StageForward | None
+    feed_next_stage: bool
+    summary: Tensor | None
+
+    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """A receive buffer, reused across steps."""
+        ...
+
+
+class StageStep:
+    """Runs one stage's task list for one step (see the module docstring).
+
+    Args:
+        executor: The stage's executor (cut points, buffers, dtypes, the event hook).
+        links: This stage's part of the step's p2p plan.
+        tasks: This stage's task list.
+        step: Runs the user's step on micro-batch ``k``.
+        sizes: The batch size of each micro-batch.
+        batch_dims: Which dimension of the received and of the sent activation scales with the batch.
+        train: Whether backward tasks run.
+        recompute: Whether forwards of a non-last stage run without autograd (train only).
+        loss_of: On the last stage, turns step output ``k`` into the scalar to differentiate.
+        summary: On the last stage, turns the outputs into at most :data:`SUMMARY_SIZE` float64 values.
+        last_backward: A context manager factory for this stage's last backward task of the step.
+    """
+
+    def __init__(
+        self, executor: StageContext, links: StageLinks, tasks: Sequence[Task], step: Callable[[int], Any],
+        sizes: Sequence[int], batch_dims: tuple[int | None, int | None], train: bool, recompute: bool,
+        loss_of: Callable[[Any, int], Tensor] | None, summary: Callable[[list[Any]], Tensor] | None,
+        last_backward: Callable[[], AbstractContextManager[Any]] | None,
+    ) -> None:
+        topo = executor.topology
+        self.executor, self.p2p, self.device, self.stage = executor, executor.p2p, topo.device, topo.stage
+        self.tasks, self.step, self.sizes, self.batch_dims = tasks, step, sizes, batch_dims
+        self.train, self.with_recompute, self.loss_of, self.summary = train, recompute, loss_of, summary
+        self.last_backward = last_backward
+        self.prev, self.next = links.prev, links.next
+        self.no_grad_forward = (not train) or (recompute and self.next is not None)
+        self.stashes = train and recompute and self.prev is not None and self.next is not None
+        self.emit = executor.events.emit
+        m = len(sizes)
+        self.inputs: list[Tensor | None] = [None] * m
+        self.outputs: list[Any] = [None] * m
+        self.rng: list[Any] = [None] * m
+        self.results: list[Any] = [None] * m
+        self.input_specs: list[Spec] | None = None
+        """The shapes of this step's received activations, from the header (None until it has arrived)."""
+        self.output_specs: list[Spec] | None = None
+        """The shapes agreed for this step's sent activations (from the header this stage sent)."""
+        self.sent_specs: list[Spec | None] = [None] * m
+        self.sends: list[Transfer] = []
+        self.skipped = [False] * m
+        """Micro-batches whose step returned None before the model's forward."""
+        self.skip_mode: bool | None = None
+        """Whether this step's batch is skipped before the forward (None until the first forward tells)."""
+        self.upstream_skipped = False
+        """Whether the previous stage's header said it skipped the batch."""
+        # only a stage whose forwards stash asks whether a message has arrived (next_task)
+        watch = train and self.no_grad_forward
+        me = topo.rank
+        self.from_prev = Inbox(self.p2p, self.prev, me, links.from_prev, self._spec, self._buffer, watch) \
+            if self.prev is not None else None
+        self.from_next = Inbox(self.p2p, self.next, me, links.from_next, self._spec, self._buffer, watch) \
+            if self.next is not None else None
+        self.to_prev = Outbox(self.p2p, me, self.prev, links.to_prev, self.sends) if self.prev is not None else None
+        self.to_next = Outbox(self.p2p, me, self.next, links.to_next, self.sends) if self.next is not None else None
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def run(self) -> list[Any]:
+        """Runs the tasks (the run-time rules may move forwards ahead), passes the summary on, waits for sends."""
+        emit = self.emit
+        if emit is not None:
+            emit(Event(EventKind.STEP_START, time.perf_counter(), train=self.train, microbatches=len(self.sizes)))
+        for inbox in (self.from_prev, self.from_next):
+            if inbox is not None:
+                inbox.advance()
+        last_b = next((t.microbatch for t in reversed(self.tasks) if t.kind is Kind.B), None) if self.train else None
+        pending = list(self.tasks)
+        completed = False
+        try:
+            while pending:
+                index = next_task(pending, self.arrived, self.no_grad_forward, self.executor.feed_next_stage) \
+                    if self.train else 0
+                task = pending.pop(index)
+                if emit is not None:
+                    emit(Event(EventKind.TASK_START, time.perf_counter(), task=task, moved=index > 0))
+                graphs, stash = self.run_task(task, last_b)
+                if emit is not None:
+                    emit(Event(EventKind.TASK_END, time.perf_counter(), task=task, graphs=graphs, stash_bytes=stash))
+                if self.sends:  # let go of tensors whose send is done, so memory follows the schedule
+                    self.sends[:] = [t for t in self.sends if not self.p2p.finished(t)]
+            if self.summary is not None:
+                self.pass_summary()
+            self.finish()
+            completed = True
+        finally:
+            self.executor.current = None
+            self.p2p.close(join=completed)
+        if emit is not None:
+            emit(Event(EventKind.STEP_END, time.perf_counter()))
+        if self.next is None:
+            return [r.detach() if isinstance(r, Tensor) else r for r in self.results]
+        return self.results
+
+    def run_task(self, task: Task, last_b: int | None) -> tuple[int, int]:
+        """Runs one task; returns the autograd graphs and stashed bytes it left held (+) or released (-)."""
+        k = task.microbatch
+        if task.kind is Kind.F:
+            return self.forward(k)
+        if task.kind is Kind.R:
+            return self.recompute(k)
+        if k == last_b and self.last_backward is not None:
+            with self.last_backward():
+                return self.backward(k)
+        return self.backward(k)
+
+    def arrived(self, task: Task) -> bool:
+        """Whether the message ``task`` waits for is here (asked by the run-time rules)."""
+        k = task.microbatch
+        if self.skip_mode:
+            return True
+        if task.kind is Kind.F:
+            if self.from_prev is None or self.inputs[k] is not None:
+                return True
+            if not self._input_shapes_known(wait=False):
+                return False
+            return self.upstream_skipped or self.from_prev.arrived(self._activation_in(k))
+        return self.from_next is None or self.from_next.arrived(Message(MessageKind.GRADIENT, self.stage + 1, k))
+
+    def finish(self) -> None:
+        """Waits for this step's sends; checks that every message of the plan went and came."""
+        for transfer in self.sends:
+            self.p2p.wait(transfer, f"sending {transfer.message!r}")
+        self.sends.clear()
+        for box in (self.from_prev, self.from_next, self.to_prev, self.to_next):
+            if box is not None:
+                box.check_complete(self.stage)
+
+    # -- tasks ----------------------------------------------------------------------------------------------
+    def forward(self, k: int) -> tuple[int, int]:
+        """``F(k)``: the stage's forward on micro-batch ``k``; sends its output to the next stage."""
+        train = self.train
+        if train and self.with_recompute and self.next is not None:
+            self.rng[k] = _rng_state(self.device)
+        out = self._stage_forward(k, with_grad=not self.no_grad_forward)
+        if out is SKIPPED:  # on every stage alike: no message of this micro-batch, no recompute, no backward
+            self.skipped[k] = True
+            self.rng[k] = None
+            return 0, 0
+        if self.next is not None:
+            if not isinstance(out, Tensor):
+                raise CutPointError("A stage output must be a tensor.")
+            self.send_output(k, out)
+        graphs = stash = 0
+        if train and not self.no_grad_forward:
+            self.outputs[k] = out
+            graphs = 1
+        if self.stashes:
+            stash = _nbytes(self.inputs[k])
+        if self.next is None:
+            self.results[k] = out
+        if not train and self.prev is not None:
+            self.inputs[k] = None
+        return graphs, stash
+
+    def recompute(self, k: int) -> tuple[int, int]:
+        """``R(k)``: the forward again, with autograd and the RNG state of ``F(k)``."""
+        if self.skipped[k]:
+            return 0, 0
+        with torch.random.fork_rng(devices=_rng_devices(self.device)):
+            _set_rng_state(self.device, self.rng[k])
+            self.outputs[k] = self._stage_forward(k, with_grad=True, recomputing=True)
+        self.rng[k] = None
+        return 1, 0
+
+    def backward(self, k: int) -> tuple[int, int]:
+        """``B(k)``: backward of the loss (last stage) or of the output with the received gradient."""
+        if self.skipped[k]:
+            return 0, 0
+        if self.next is None:
+            if self.results[k] is not None:  # else skipped after the loss: a zero gradient goes back
+                with accumulating_in_place():
+                    torch.autograd.backward(self.loss_of(self.results[k], k))  # type: ignore[misc]
+        else:
+            grad = self.receive_grad(k)
+            output = self.outputs[k]
+            with accumulating_in_place():
+                torch.autograd.backward(output, grad if grad.dtype == output.dtype else grad.to(output.dtype))
+        self.outputs[k] = None
+        stash = 0
+        if self.prev is not None:
+            received = self.inputs[k]
+            grad = received.grad if received.grad is not None else torch.zeros_like(received)  # type: ignore[union-attr]
+            received.grad = None  # type: ignore[union-attr]
+            self.send_input_grad(k, grad)
+            if self.stashes:
+                stash = -_nbytes(received)
+            self.inputs[k] = None
+        return -1, stash
+
+    def _stage_forward(self, k: int, with_grad: bool, recomputing: bool = False) -> Any:
+        """The step's output; :data:`SKIPPED` if it returned None before reaching a cut point."""
+        executor = self.executor
+        fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
+        handler = StageForward(executor.cuts, executor.first_cut, executor.last_cut, fetch, k, recomputing)
+        executor.current = handler
+        try:
+            with forward_handler(handler), torch.set_grad_enabled(with_grad):
+                try:
+                    out = self.step(k)
+                except StageOutputReady:
+                    out = handler.output
+                else:
+                    if out is None and handler.segment == 0:
+                        self._skips_before_forward(k, True)
+                        return SKIPPED
+                    if self.next is not None:
+                        raise CutPointError(
+                            f"Stage {self.stage}'s forward finished without reaching cut point"
+                            f" #{executor.last_cut}, where the stage ends. Cut points must run in every forward; a"
+                            " step may return None (to skip its batch) only before the model's forward or after"
+                            " the loss."
+                        )
+        finally:
+            executor.current = None
+        self._skips_before_forward(k, False)
+        return out
+
+    def _forward_input(self, k: int, with_grad: bool) -> Tensor:
+        """The received activation as the stage's forward takes it at its first cut point."""
+        self._skips_before_forward(k, False)  # checked before waiting: a stage that skipped sends nothing
+        received = self.receive_input(k)
+        received.requires_grad_(with_grad)
+        input_dtype = self.executor.input_dtype
+        if input_dtype is not None and received.dtype != input_dtype:
+            received = received.to(input_dtype)
+        return received
+
+    # -- a batch skipped before the forward ---------------------------------------------------------------
+    def _skips_before_forward(self, k: int, skipped: bool) -> None:
+        """Checks that every micro-batch of the step is skipped before the forward, or none is."""
+        if self.prev is None and self.next is None:
+            return  # no neighbour waits for a message
+        if self.skip_mode is None:
+            self.skip_mode = skipped
+            if skipped:
+                self._skip_links()
+        elif self.skip_mode != skipped:
+            raise CutPointError(
+                f"The step returned None before the model's forward for micro-batch {k if skipped else 0} but"
+                f" not for micro-batch {0 if skipped else k} of the same batch. A batch is skipped as a whole:"
+                " decide before the forward from what every micro-batch shares (batch_idx, the trainer's"
+                " state), or return None after the loss."
+            )
+
+    def _skip_links(self) -> None:
+        """The step's batch is skipped: a skip header goes on, and only the summary is left to exchange."""
+        if self.to_next is not None:
+            self.to_next.send(Message(MessageKind.HEADER, self.stage), encode_skip_header(self.device), self.stage)
+            self.to_next.drop_unsent(_DROPPED_WHEN_SKIPPED)
+        if self.to_prev is not None:
+            self.to_prev.drop_unsent(_DROPPED_WHEN_SKIPPED)
+        if self.from_next is not None:
+            self.from_next.drop_unposted(_DROPPED_WHEN_SKIPPED)
+            self.from_next.advance()
+        if self.from_prev is not None:
+            self._input_shapes_known(wait=True)
+            if not self.upstream_skipped:
+                raise CutPointError(
+                    f"Stage {self.stage}'s step returned None before the model's forward, but stage {self.stage - 1}"
+                    " ran its forward on the same batch: every stage must decide alike whether to skip a batch."
+                )
+            self.from_prev.drop_unposted(_DROPPED_WHEN_SKIPPED)
+            self.from_prev.advance()
+    # -- communication --------------------------------------------------------------------------------------
+    def receive_input(self, k: int) -> Tensor:
+        """The activation of micro-batch ``k`` from the previous stage (waits for it the first time)."""
+        received = self.inputs[k]
+        if received is None:
+            self._input_shapes_known(wait=True)
+            if self.upstream_skipped:
+                raise CutPointError(
+                    f"Stage {self.stage - 1} skipped the batch before the model's forward, but stage {self.stage}"
+                    " ran its forward on it: every stage must decide alike whether to skip a batch."
+                )
+            received = self.from_prev.take(self._activation_in(k),  # type: ignore[union-attr]
+                                           f"receiving the activation of micro-batch {k}")
+            self.inputs[k] = received
+        return received
+
+    def send_output(self, k: int, out: Tensor) -> None:
+        """Sends this stage's output of micro-batch ``k`` (the step's header first), checked against the header."""
+        wire = self.executor.boundary_dtype
+        out = out.detach()
+        if wire is not None and out.is_floating_point() and out.dtype != wire:
+            out = out.to(wire)
+        out = out.contiguous()
+        outbox = self.to_next
+        assert outbox is not None
+        if self.output_specs is None:
+            outbox.send(Message(MessageKind.HEADER, self.stage), encode_header(out), self.stage)
+            shapes = [_resize(out.shape, self.batch_dims[1], self.sizes[k], n) for n in self.sizes]
+            self.output_specs = [(shape, out.dtype) for shape in shapes]
+        shape, dtype = self.output_specs[k]
+        if out.shape != shape or out.dtype != dtype:
+            raise PipelineError(
+                f"Stage {self.stage}'s output for micro-batch {k} has shape {tuple(out.shape)} ({out.dtype}), but"
+                f" this step's header agreed {tuple(shape)} ({dtype}) with the next stage: the activation at a cut"
+                " point may differ between the micro-batches of a step in its batch dimension only."
+            )
+        outbox.send(Message(MessageKind.ACTIVATION, self.stage, k), out, self.stage)
+        if self.train:
+            self.sent_specs[k] = (out.shape, out.dtype)
+            self.from_next.advance()  # type: ignore[union-attr] - the gradient's receive can be posted now
+
+    def receive_grad(self, k: int) -> Tensor:
+        """The gradient of this stage's output of micro-batch ``k``, from the next stage."""
+        return self.from_next.take(Message(MessageKind.GRADIENT, self.stage + 1, k),  # type: ignore[union-attr]
+                                   f"receiving the gradient of micro-batch {k}")
+
+    def send_input_grad(self, k: int, grad: Tensor) -> None:
+        """Sends the gradient of this stage's input of micro-batch ``k`` to the previous stage."""
+        received = self.inputs[k]
+        assert received is not None and self.to_prev is not None
+        if grad.shape != received.shape or grad.dtype != received.dtype:
+            raise PipelineError(
+                f"Stage {self.stage}'s input gradient for micro-batch {k} has shape {tuple(grad.shape)}"
+                f" ({grad.dtype}), but the activation it answers had {tuple(received.shape)} ({received.dtype})."
+            )
+        self.to_prev.send(Message(MessageKind.GRADIENT, self.stage, k), grad, self.stage)
+
+    def pass_summary(self) -> None:
+        """Passes the step summary on: made on the last stage, received from the next stage on the others."""
+        if self.from_next is None:
+            values = self.summary(self.results)  # type: ignore[misc]
+            buffer = self.executor.buffer("summary", 0, torch.Size([SUMMARY_SIZE]), torch.float64)
+            buffer.zero_()
+            buffer[: values.numel()].copy_(values)
+        else:
+            buffer = self.from_next.take(Message(MessageKind.SUMMARY, self.stage + 1), "receiving the step summary")
+        if self.to_prev is not None:
+            self.to_prev.send(Message(MessageKind.SUMMARY, self.stage), buffer, self.stage)
+        self.executor.summary = buffer
+
+    # -- shapes and buffers ---------------------------------------------------------------------------------
+    def _activation_in(self, k: int) -> Message:
+        return Message(MessageKind.ACTIVATION, self.stage - 1, k)
+
+    def _input_shapes_known(self, wait: bool) -> bool:
+        """Whether this step's input shapes are known: reads the header once it is here (waits for it if asked)."""
+        if self.input_specs is not None or self.upstream_skipped:
+            return True
+        inbox = self.from_prev
+        assert inbox is not None
+        header = Message(MessageKind.HEADER, self.stage - 1)
+        if not wait and not inbox.arrived(header):
+            return False
+        decoded = decode_header(inbox.take(header, "receiving the activation header"))
+        if decoded is None:
+            self.upstream_skipped = True
+            return True
+        shape, dtype = decoded
+        shapes = [_resize(shape, self.batch_dims[0], self.sizes[0], n) for n in self.sizes]
+        self.input_specs = [(s, dtype) for s in shapes]
+        inbox.advance()  # every activation's receive can be posted now
+        return True
+
+    def _spec(self, message: Message) -> Spec | None:
+        kind = message.kind
+        if kind is MessageKind.ACTIVATION:
+            return self.input_specs[message.microbatch] if self.input_specs is not None else None  # type: ignore[index]
+        if kind is MessageKind.GRADIENT:
+            return self.sent_specs[message.microbatch]  # type: ignore[index]
+        if kind is MessageKind.HEADER:
+            return torch.Size([HEADER_SIZE]), torch.int64
+        return torch.Size([SUMMARY_SIZE]), torch.float64
+
+    def _buffer(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        return self.executor.buffer(message.kind.value, message.microbatch or 0, shape, dtype)
+
+
+def _nbytes(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def _resize(shape: torch.Size, dim: int | None, reference: int, size: int) -> torch.Size:
+    if dim is None or size == reference:
+        return shape
+    if shape[dim] % reference:
+        raise PipelineError(f"Activation shape {tuple(shape)} does not scale with micro-batch size {reference}.")
+    dims = list(shape)
+    dims[dim] = shape[dim] // reference * size
+    return torch.Size(dims)
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

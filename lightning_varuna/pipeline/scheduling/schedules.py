@@ -1,0 +1,484 @@
+"""Pipeline schedules as data: per-stage ordered task lists, produced by pure functions and validated.
+
+A schedule for ``P`` stages and ``m`` micro-batches is a tuple of ``P`` tuples of :class:`Task`. Stage ``s``
+runs its tasks in that order, except where :func:`next_task` lets a forward whose input is there go ahead of a
+recompute or backward whose gradient is late (Varuna's opportunistic rule), or while the next stage has run
+out of work. Forwards keep their order among themselves, as do recomputes and backwards, so every message
+between two stages keeps its order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+__all__ = [
+    "Kind",
+    "Task",
+    "Schedule",
+    "SCHEDULES",
+    "make_schedule",
+    "next_task",
+    "validate_schedule",
+    "ScheduleError",
+    "forward_only_schedule",
+    "gpipe_schedule",
+    "one_f_one_b_schedule",
+    "varuna_schedule",
+]
+
+
+class Kind(str, enum.Enum):
+    """The kind of a task.
+
+    ``F`` forward, ``R`` recompute (the forward again, with autograd), ``B`` backward. A split backward (zero-bubble
+    schedules) has ``I``, the input-gradient part that sends the gradient to the previous stage, and ``W``, the
+    weight-gradient part that communicates nothing; the executor runs ``F``, ``R`` and ``B`` today, and the p2p
+    plan (:mod:`~lightning_varuna.pipeline.scheduling.lowering`) already lowers ``I`` and ``W``.
+    """
+
+    F = "F"
+    R = "R"
+    B = "B"
+    I = "I"  # noqa: E741 - the name zero-bubble schedules use
+    W = "W"
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    """One unit of work of one stage on one micro-batch.
+
+    ``stage`` is None in the schedules of one stage per rank (the rank's own stage); a rank that runs several
+    (virtual, interleaved) stages names the stage of each task.
+    """
+
+    kind: Kind
+    microbatch: int
+    stage: int | None = None
+
+    def __repr__(self) -> str:
+        where = "" if self.stage is None else f"@{self.stage}"
+        return f"{self.kind.value}{self.microbatch}{where}"
+
+
+Schedule = tuple[tuple[Task, ...], ...]
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: a missing task, a wrong order or a dependency that is never met."""
+
+
+SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe")
+
+# Unit costs of Varuna's generating simulation (time ticks).
+_UNIT_COST: dict[Kind, int] = {Kind.F: 1, Kind.R: 1, Kind.B: 2}
+
+
+def next_task(
+    pending: Sequence[Task], arrived: Callable[[Task], bool], forwards_stash: bool, feed_next_stage: bool = True
+) -> int:
+    """Which of a stage's pending tasks to run next: Varuna's opportunistic rule, and ours to feed the next stage.
+
+    The head of ``pending`` runs, unless it is ``R(k)`` or ``B(k)`` and the stage's first pending forward
+    ``F(j)`` has its input there; then ``F(j)`` goes first if
+
+    - the gradient for ``B(k)`` has not arrived (Varuna's rule: this stage would wait for it), or
+    - with ``feed_next_stage``, the gradient for ``B(j-1)`` has arrived: the next stage has finished every
+      micro-batch this stage sent it and waits for ``F(j)``. Varuna's static lists can hold a forward back
+      behind recomputes and backwards whose gradients are on time, starving the stages downstream (stage 2 of
+      ``P=4, m=8`` runs ``R3 B3 R4 B4 R5 B5`` before ``F6``); with unit costs this rule brings the list to the
+      critical stage's bound (39 -> 38 ticks at ``P=4, m=8``).
+
+    For a ``B(k)`` head only when ``forwards_stash`` (the stage's forwards run without autograd and keep
+    only their input, so the stage still holds one autograd graph at most; without it a forward would add a
+    graph).
+
+    Only forwards move, and only ahead of recomputes and backwards: forwards keep their order among
+    themselves, as do recomputes and backwards, so every message between two stages keeps its order, and a
+    move only sends an activation earlier, so a schedule that cannot deadlock in list order cannot deadlock
+    with the moves. (Moving a recompute ahead of a late forward instead delays the pipeline's fill whenever the
+    input is only a little late; it gained nothing in simulation or in the emulated benchmark.)
+
+    Args:
+        pending: The stage's remaining tasks, in schedule order (not empty).
+        arrived: Whether the message a task waits for is there: the activation for ``F(k)`` (always on the
+            first stage), the gradient for ``B(k)`` (always on the last stage, and for a ``B`` that has run).
+            Not asked for ``R`` tasks.
+        forwards_stash: Whether the stage's forwards run without autograd (recompute on a non-last stage).
+        feed_next_stage: Whether a forward also goes first when the next stage has nothing left to do.
+
+    Returns:
+        The index in ``pending`` of the task to run (0 when the head runs, or must be waited for).
+    """
+    head = pending[0]
+    if head.kind is Kind.F or (head.kind is Kind.B and not forwards_stash):
+        return 0
+    forward = next((i for i, task in enumerate(pending) if task.kind is Kind.F), None)
+    if forward is None or not arrived(pending[forward]):
+        return 0
+    if not arrived(Task(Kind.B, head.microbatch)):
+        return forward
+    previous = pending[forward].microbatch - 1
+    if feed_next_stage and previous >= 0 and arrived(Task(Kind.B, previous)):
+        return forward
+    return 0
+
+
+def make_schedule(
+    name: str, num_stages: int, num_microbatches: int, recompute: bool, train: bool = True
+) -> Schedule:
+    """Build and validate the per-stage task lists of a pipeline schedule.
+
+    Every schedule runs forwards and backwards in ascending micro-batch order on every stage, so the
+    messages between two stages are sent and received in the same order. With ``recompute`` each non-last
+    stage runs ``R(k)`` (the forward again, with autograd) somewhere after ``F(k)`` and before ``B(k)``; the
+    last stage never recomputes. With ``train=False`` every stage runs ``F0 .. F(m-1)`` only.
+
+    Args:
+        name: One of :data:`SCHEDULES`: ``"varuna"`` (see :func:`varuna_schedule`), ``"1f1b"`` (see
+            :func:`one_f_one_b_schedule`) or ``"gpipe"`` (see :func:`gpipe_schedule`).
+        num_stages: Number of pipeline stages ``P`` (at least 1).
+        num_microbatches: Number of micro-batches ``m`` per step (at least 1; may be smaller than ``P``).
+        recompute: Whether non-last stages recompute their forward before the backward.
+        train: ``False`` for a forward-only (evaluation) schedule.
+
+    Returns:
+        The validated schedule: one tuple of tasks per stage.
+
+    Raises:
+        ScheduleError: For an unknown name or a size below 1.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
+    if not train:
+        schedule = forward_only_schedule(num_stages, num_microbatches)
+    elif name == "varuna":
+        schedule = varuna_schedule(num_stages, num_microbatches, recompute)
+    elif name == "1f1b":
+        schedule = one_f_one_b_schedule(num_stages, num_microbatches, recompute)
+    else:
+        schedule = gpipe_schedule(num_stages, num_microbatches, recompute)
+    validate_schedule(schedule, num_microbatches, recompute, train=train)
+    return schedule
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    """Raise :class:`ScheduleError` unless both sizes are at least 1."""
+    if num_stages < 1:
+        raise ScheduleError(f"num_stages must be at least 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise ScheduleError(f"num_microbatches must be at least 1, got {num_microbatches}")
+
+
+def _backward_steps(stage: int, num_stages: int, microbatch: int, recompute: bool) -> list[Task]:
+    """``[R(k), B(k)]`` on a recomputing non-last stage, else ``[B(k)]``."""
+    if recompute and stage < num_stages - 1:
+        return [Task(Kind.R, microbatch), Task(Kind.B, microbatch)]
+    return [Task(Kind.B, microbatch)]
+
+
+def forward_only_schedule(num_stages: int, num_microbatches: int) -> Schedule:
+    """Every stage runs ``F0 .. F(m-1)`` (evaluation: no recompute, no backward).
+
+    Args:
+        num_stages: Number of pipeline stages.
+        num_microbatches: Number of micro-batches.
+
+    Returns:
+        The schedule (not validated).
+    """
+    forwards = tuple(Task(Kind.F, k) for k in range(num_microbatches))
+    return tuple(forwards for _ in range(num_stages))
+
+
+def gpipe_schedule(num_stages: int, num_microbatches: int, recompute: bool) -> Schedule:
+    """GPipe: every stage runs all forwards, then its backwards in ascending order.
+
+    Unlike the original GPipe (which runs backwards in reverse), backwards are ascending so gradients are
+    received in the order they are sent. With ``recompute`` each backward of a non-last stage is preceded
+    immediately by its recompute.
+
+    Args:
+        num_stages: Number of pipeline stages.
+        num_microbatches: Number of micro-batches.
+        recompute: Whether non-last stages recompute.
+
+    Returns:
+        The schedule (not validated).
+    """
+    stages = []
+    for stage in range(num_stages):
+        tasks = [Task(Kind.F, k) for k in range(num_microbatches)]
+        for k in range(num_microbatches):
+            tasks += _backward_steps(stage, num_stages, k, recompute)
+        stages.append(tuple(tasks))
+    return tuple(stages)
+
+
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int, recompute: bool) -> Schedule:
+    """1F1B: a warm-up of forwards, then one forward and one backward alternately, then the rest.
+
+    Stage ``s`` runs ``w = min(P-1-s, m)`` warm-up forwards, then ``F(w+i), B(i)`` for
+    ``i = 0 .. m-w-1`` and finally the remaining backwards ``B(m-w) .. B(m-1)``. With ``recompute`` each
+    backward of a non-last stage is preceded immediately by its recompute.
+
+    Args:
+        num_stages: Number of pipeline stages.
+        num_microbatches: Number of micro-batches (any value, also below ``num_stages``).
+        recompute: Whether non-last stages recompute.
+
+    Returns:
+        The schedule (not validated).
+    """
+    stages = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - 1 - stage, num_microbatches)
+        tasks = [Task(Kind.F, k) for k in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            tasks.append(Task(Kind.F, warmup + i))
+            tasks += _backward_steps(stage, num_stages, i, recompute)
+        for k in range(num_microbatches - warmup, num_microbatches):
+            tasks += _backward_steps(stage, num_stages, k, recompute)
+        stages.append(tuple(tasks))
+    return tuple(stages)
+
+
+@dataclass
+class _VarunaStage:
+    """Mutable state of one stage in Varuna's generating simulation."""
+
+    forwards: deque[int] = field(default_factory=deque)
+    recomputes: deque[int] = field(default_factory=deque)
+    backwards: deque[int] = field(default_factory=deque)
+    gradients: set[int] = field(default_factory=set)
+    running: Task | None = None
+    busy_until: int = 0
+    order: list[Task] = field(default_factory=list)
+
+
+def varuna_schedule(num_stages: int, num_microbatches: int, recompute: bool) -> Schedule:
+    """Varuna's schedule, generated by a discrete-time simulation with unit costs F=1, R=1, B=2.
+
+    Each stage keeps three FIFO queues (forward, recompute, backward). The simulation advances in integer
+    ticks ``t = 0, 1, 2, ...``; each tick has two phases:
+
+    1. *Finish*: every task ending at ``t`` takes effect, visible to all stages at ``t``:
+
+       - ``F(k)`` on ``s < P-1`` appends ``k`` to the forward queue of ``s+1``. On the last stage it
+         appends ``k`` to its own backward queue (the last stage never recomputes). Without recompute it
+         also appends ``k`` to the backward queue of ``s`` itself.
+       - ``R(k)`` appends ``k`` to the backward queue of its stage.
+       - ``B(k)`` on ``s > 0`` marks the gradient of ``k`` as arrived at ``s-1``.
+
+    2. *Start*: stages ``0, 1, ..., P-1`` in that order, if idle, start the head of the first queue whose
+       head is ready, by priority backward > recompute > forward. A forward or recompute head is always
+       ready; a backward head ``B(k)`` on ``s < P-1`` is ready once the gradient of ``k`` has arrived.
+       Starting ``B(k)`` on ``s > 0`` with recompute appends ``k`` to the recompute queue of ``s-1``.
+       Because ``s-1`` has already chosen in this tick, it sees that recompute from tick ``t+1`` on: the
+       recompute then runs while ``s`` finishes its backward, and the gradient arrives as it ends.
+
+    For ``P=4, m=8`` with recompute this gives stage 0 ``F0..F7, R0 B0 .. R7 B7``, stage 1
+    ``F0..F5, R0 B0 R1 B1 R2 B2, F6 F7, R3 B3 .. R7 B7``, stage 2 ``F0 F1 F2, R0 B0 R1 B1 R2 B2, F3 F4 F5,
+    R3 B3 R4 B4 R5 B5, F6 F7, R6 B6 R7 B7`` and stage 3 ``F0 B0 F1 B1 .. F7 B7``.
+
+    Args:
+        num_stages: Number of pipeline stages.
+        num_microbatches: Number of micro-batches.
+        recompute: Whether non-last stages recompute.
+
+    Returns:
+        The schedule (not validated).
+
+    Raises:
+        ScheduleError: If the simulation does not finish (a bug, never expected).
+    """
+    _check_sizes(num_stages, num_microbatches)
+    stages = [_VarunaStage() for _ in range(num_stages)]
+    stages[0].forwards.extend(range(num_microbatches))
+    tasks_per_stage = [
+        _stage_task_count(s, num_stages, num_microbatches, recompute) for s in range(num_stages)
+    ]
+    limit = 2 * sum(tasks_per_stage) * max(_UNIT_COST.values()) + 1
+    for tick in range(limit):
+        for stage in range(num_stages):
+            _varuna_finish(stages, stage, tick, recompute)
+        if all(
+            len(st.order) == n and st.running is None for st, n in zip(stages, tasks_per_stage, strict=True)
+        ):
+            return tuple(tuple(st.order) for st in stages)
+        for stage in range(num_stages):
+            _varuna_start(stages, stage, tick, recompute)
+    raise ScheduleError(f"varuna simulation did not finish for P={num_stages}, m={num_microbatches}")
+
+
+def _stage_task_count(stage: int, num_stages: int, num_microbatches: int, recompute: bool) -> int:
+    """Number of tasks of a training stage: F and B per micro-batch, plus R on recomputing stages."""
+    per_microbatch = 3 if recompute and stage < num_stages - 1 else 2
+    return per_microbatch * num_microbatches
+
+
+def _varuna_finish(stages: list[_VarunaStage], stage: int, tick: int, recompute: bool) -> None:
+    """Apply the effects of the task of ``stage`` that ends at ``tick``, if any."""
+    state = stages[stage]
+    task = state.running
+    if task is None or state.busy_until != tick:
+        return
+    state.running = None
+    last = stage == len(stages) - 1
+    k = task.microbatch
+    if task.kind is Kind.F:
+        if last or not recompute:
+            state.backwards.append(k)
+        if not last:
+            stages[stage + 1].forwards.append(k)
+    elif task.kind is Kind.R:
+        state.backwards.append(k)
+    elif stage > 0:
+        stages[stage - 1].gradients.add(k)
+
+
+def _varuna_start(stages: list[_VarunaStage], stage: int, tick: int, recompute: bool) -> None:
+    """Start the highest-priority ready task on ``stage`` if it is idle at ``tick``."""
+    state = stages[stage]
+    if state.running is not None:
+        return
+    last = stage == len(stages) - 1
+    if state.backwards and (last or state.backwards[0] in state.gradients):
+        task = Task(Kind.B, state.backwards.popleft())
+        if recompute and stage > 0:
+            stages[stage - 1].recomputes.append(task.microbatch)
+    elif state.recomputes:
+        task = Task(Kind.R, state.recomputes.popleft())
+    elif state.forwards:
+        task = Task(Kind.F, state.forwards.popleft())
+    else:
+        return
+    state.running = task
+    state.busy_until = tick + _UNIT_COST[task.kind]
+    state.order.append(task)
+
+
+def validate_schedule(schedule: Schedule, num_microbatches: int, recompute: bool, train: bool = True) -> None:
+    """Check that a schedule is complete, correctly ordered and free of deadlock.
+
+    The checks, per stage: every task appears exactly once (``F`` for every micro-batch; with ``train``
+    also ``B``; with ``train`` and ``recompute`` also ``R`` on every non-last stage, and no ``R``
+    anywhere else); ``R(k)`` lies between ``F(k)`` and ``B(k)``; forwards and backwards are each in
+    ascending micro-batch order (the order of messages). Finally the schedule is executed symbolically,
+    each stage running its list in order: ``F(k)`` on ``s > 0`` waits for ``F(k)`` on ``s-1``, ``B(k)`` on
+    ``s < P-1`` waits for ``B(k)`` on ``s+1``, sends never block. If no stage can progress before all are
+    done, the schedule deadlocks.
+
+    Args:
+        schedule: One tuple of tasks per stage.
+        num_microbatches: Number of micro-batches the schedule must cover.
+        recompute: Whether non-last stages must recompute.
+        train: ``False`` for a forward-only schedule.
+
+    Raises:
+        ScheduleError: Naming the stage and task at fault.
+    """
+    if len(schedule) < 1:
+        raise ScheduleError("a schedule needs at least one stage")
+    _check_sizes(len(schedule), num_microbatches)
+    num_stages = len(schedule)
+    for stage, tasks in enumerate(schedule):
+        expected = _expected_tasks(stage, num_stages, num_microbatches, recompute, train)
+        _check_task_set(stage, tasks, expected, recompute, train)
+        _check_order(stage, tasks)
+    _check_deadlock(schedule)
+
+
+def _expected_tasks(
+    stage: int, num_stages: int, num_microbatches: int, recompute: bool, train: bool
+) -> set[Task]:
+    """The set of tasks that stage ``stage`` must run."""
+    kinds = [Kind.F]
+    if train:
+        kinds.append(Kind.B)
+        if recompute and stage < num_stages - 1:
+            kinds.append(Kind.R)
+    return {Task(kind, k) for kind in kinds for k in range(num_microbatches)}
+
+
+def _check_task_set(
+    stage: int, tasks: tuple[Task, ...], expected: set[Task], recompute: bool, train: bool
+) -> None:
+    """Raise unless ``tasks`` holds every task of ``expected`` exactly once and nothing else."""
+    seen: set[Task] = set()
+    for task in tasks:
+        if not isinstance(task, Task):
+            raise ScheduleError(f"stage {stage}: {task!r} is not a Task")
+        if task in seen:
+            raise ScheduleError(f"stage {stage}: task {task!r} appears more than once")
+        if task not in expected:
+            raise ScheduleError(
+                f"stage {stage}: unexpected task {task!r} ({_why_unexpected(task, recompute, train)})"
+            )
+        seen.add(task)
+    missing = sorted(expected - seen, key=lambda t: (t.microbatch, t.kind.value))
+    if missing:
+        raise ScheduleError(f"stage {stage}: missing task {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def _why_unexpected(task: Task, recompute: bool, train: bool) -> str:
+    """A short reason why ``task`` does not belong on a stage."""
+    if task.kind is not Kind.F and not train:
+        return "a forward-only schedule has no recompute or backward"
+    if task.kind is Kind.R:
+        return "recompute is off" if not recompute else "the last stage never recomputes"
+    return "micro-batch out of range"
+
+
+def _check_order(stage: int, tasks: tuple[Task, ...]) -> None:
+    """Raise unless F and B are ascending and each ``R(k)`` lies between ``F(k)`` and ``B(k)``."""
+    position = {task: i for i, task in enumerate(tasks)}
+    for kind, name in ((Kind.F, "forwards"), (Kind.B, "backwards")):
+        microbatches = [t.microbatch for t in tasks if t.kind is kind]
+        for before, after in pairwise(microbatches):
+            if after < before:
+                raise ScheduleError(
+                    f"stage {stage}: {name} must be in ascending micro-batch order, "
+                    f"but {Task(kind, after)!r} comes after {Task(kind, before)!r}"
+                )
+    for task in tasks:
+        k = task.microbatch
+        if task.kind is Kind.R and not position[Task(Kind.F, k)] < position[task]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
+        if task.kind is Kind.R and not position[task] < position[Task(Kind.B, k)]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come before B{k}")
+        if task.kind is Kind.B and not position[Task(Kind.F, k)] < position[task]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    """Run every stage's list in order symbolically; raise naming the blocked tasks if none can progress."""
+    num_stages = len(schedule)
+    done: set[tuple[int, Task]] = set()
+    heads = [0] * num_stages
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, tasks in enumerate(schedule):
+            while heads[stage] < len(tasks) and _dependency_met(stage, tasks[heads[stage]], num_stages, done):
+                done.add((stage, tasks[heads[stage]]))
+                heads[stage] += 1
+                progressed = True
+    blocked = [
+        f"stage {s} at {schedule[s][heads[s]]!r}" for s in range(num_stages) if heads[s] < len(schedule[s])
+    ]
+    if blocked:
+        raise ScheduleError("deadlock: no stage can progress; blocked " + ", ".join(blocked))
+
+
+def _dependency_met(stage: int, task: Task, num_stages: int, done: set[tuple[int, Task]]) -> bool:
+    """Whether the message ``task`` waits for (if any) has been sent."""
+    if task.kind is Kind.F and stage > 0:
+        return (stage - 1, task) in done
+    if task.kind is Kind.B and stage < num_stages - 1:
+        return (stage + 1, task) in done
+    return True

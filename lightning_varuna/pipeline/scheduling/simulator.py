@@ -1,0 +1,267 @@
+"""Timing simulator for pipeline schedules: makespan, busy time and bubble of any :data:`Schedule`.
+
+Each stage executes its task list in order. ``F(k)`` on stage ``s > 0`` waits for the activation sent when
+``F(k)`` finished on ``s-1``; ``B(k)`` on ``s < P-1`` waits for the gradient sent when ``B(k)`` finished on
+``s+1``; ``R(k)`` has no remote dependency. Sends never block; a message takes ``comm`` plus an optional
+jitter. With ``opportunistic=True`` the simulator applies the executor's runtime rule (see :func:`simulate`).
+
+Used to compare schedules, to check the runtime rule, and to choose a pipeline shape from profiled costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_varuna.pipeline.scheduling.schedules import Kind, Schedule, ScheduleError, Task, next_task
+
+__all__ = ["Jitter", "SimResult", "StageCosts", "ideal_bubble", "simulate"]
+
+Jitter = Callable[[int, int, Kind, int], float]
+"""Extra delay of one message: ``jitter(src_stage, dst_stage, kind, microbatch) -> seconds``."""
+
+# (destination stage, kind of the task that waits, micro-batch) -> arrival time of the message.
+_Arrivals = dict[tuple[int, Kind, int], float]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Time one stage spends on one micro-batch, per task kind.
+
+    Attributes:
+        forward: Time of ``F``.
+        backward: Time of ``B``.
+        recompute: Time of ``R``; ``None`` means the same as ``forward``.
+    """
+
+    forward: float
+    backward: float
+    recompute: float | None = None
+
+    def cost(self, kind: Kind) -> float:
+        """The time of a task of the given kind.
+
+        Args:
+            kind: The task kind.
+
+        Returns:
+            The task's duration.
+        """
+        if kind is Kind.F:
+            return self.forward
+        if kind is Kind.B:
+            return self.backward
+        return self.forward if self.recompute is None else self.recompute
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Outcome of :func:`simulate`.
+
+    Attributes:
+        makespan: Time at which the last task ends.
+        busy: Per stage, the total time spent running tasks (recompute counts as busy).
+        idle_fraction: Per stage, ``1 - busy / makespan``.
+        bubble: Overall idle fraction, ``1 - sum(busy) / (P * makespan)``.
+        order: Per stage, the tasks in the order they were executed.
+        start_times: Per stage, the start time of each task of ``order``.
+    """
+
+    makespan: float
+    busy: tuple[float, ...]
+    idle_fraction: tuple[float, ...]
+    bubble: float
+    order: tuple[tuple[Task, ...], ...]
+    start_times: tuple[tuple[float, ...], ...]
+
+
+def ideal_bubble(num_stages: int, num_microbatches: int) -> float:
+    """The idle fraction of GPipe and 1F1B with uniform stages and free communication.
+
+    Args:
+        num_stages: Number of pipeline stages ``P`` (at least 1).
+        num_microbatches: Number of micro-batches ``m`` (at least 1).
+
+    Returns:
+        ``(P - 1) / (m + P - 1)``.
+
+    Raises:
+        ValueError: If a size is below 1.
+    """
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(f"sizes must be at least 1, got P={num_stages}, m={num_microbatches}")
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Sequence[StageCosts],
+    comm: float = 0.0,
+    jitter: Jitter | None = None,
+    opportunistic: bool = False,
+    feed_next_stage: bool = True,
+    transfer: Sequence[float] | None = None,
+) -> SimResult:
+    """Simulate the execution of a schedule in continuous time.
+
+    Every stage, whenever it is idle, starts the next task of its list as soon as the message that task
+    waits for has arrived. A message leaves when its task finishes and arrives
+    ``max(0, comm + jitter(src, dst, kind, k))`` later. With ``transfer``, a message between stages ``b`` and
+    ``b+1`` first occupies that link for ``transfer[b]`` seconds, after the link's previous message in the
+    same direction (a stage's sends to one neighbour are posted in order): it arrives ``comm + jitter`` after
+    its transfer ends.
+
+    With ``opportunistic=True`` the executor's runtime rule applies (Varuna's opportunistic rule,
+    :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`): a stage whose next recompute or backward waits
+    for a late gradient runs its next forward first if that forward's input is there (for a backward, only on a stage
+    with recompute tasks, whose forwards the executor runs without autograd); with ``feed_next_stage`` it does so too
+    while the next stage has nothing left to do. Forwards keep their order, as do recomputes and backwards, so every
+    message between two stages is still sent in the same order.
+
+    Args:
+        schedule: One task list per stage.
+        costs: One :class:`StageCosts` per stage.
+        comm: Base delay of every message.
+        jitter: Optional extra delay per message.
+        opportunistic: Whether to apply Varuna's runtime rule.
+        feed_next_stage: With ``opportunistic``, whether a forward also goes first while the next stage has
+            finished everything this stage sent it (see
+            :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`).
+        transfer: Optional seconds one message occupies each boundary's link (``P - 1`` values).
+
+    Returns:
+        The timing result.
+
+    Raises:
+        ValueError: If ``costs`` does not have one entry per stage.
+        ScheduleError: If the schedule deadlocks.
+    """
+    num_stages = len(schedule)
+    if len(costs) != num_stages:
+        raise ValueError(f"need one StageCosts per stage: {num_stages} stages, {len(costs)} costs")
+    if transfer is not None and len(transfer) != num_stages - 1:
+        raise ValueError(f"need one transfer time per boundary: {num_stages - 1} boundaries, {len(transfer)} given")
+    links = _Links(transfer)
+    pending = [list(tasks) for tasks in schedule]
+    stashes = [any(task.kind is Kind.R for task in tasks) for tasks in schedule]
+    free_at = [0.0] * num_stages
+    arrivals: _Arrivals = {}
+    order: list[list[Task]] = [[] for _ in range(num_stages)]
+    starts: list[list[float]] = [[] for _ in range(num_stages)]
+    now = 0.0
+    while True:
+        started = True
+        while started:
+            started = False
+            for stage in range(num_stages):
+                if free_at[stage] > now or not pending[stage]:
+                    continue
+                index = _pick(
+                    stage, num_stages, pending[stage], arrivals, now, opportunistic, stashes[stage], feed_next_stage
+                )
+                if index is None:
+                    continue
+                task = pending[stage].pop(index)
+                finish = now + costs[stage].cost(task.kind)
+                _send(stage, num_stages, task, finish, arrivals, comm, jitter, links)
+                free_at[stage] = finish
+                order[stage].append(task)
+                starts[stage].append(now)
+                started = True
+        if not any(pending):
+            break
+        now = _next_event(now, free_at, arrivals, pending)
+    return _result(costs, free_at, order, starts)
+
+
+def _ready(stage: int, num_stages: int, task: Task, arrivals: _Arrivals, now: float) -> bool:
+    """Whether the message ``task`` waits for (if any) has arrived at ``stage`` by ``now``."""
+    waits = (task.kind is Kind.F and stage > 0) or (task.kind is Kind.B and stage < num_stages - 1)
+    return not waits or arrivals.get((stage, task.kind, task.microbatch), math.inf) <= now
+
+
+def _pick(
+    stage: int, num_stages: int, tasks: list[Task], arrivals: _Arrivals, now: float, opportunistic: bool,
+    forwards_stash: bool, feed_next_stage: bool,
+) -> int | None:
+    """Index in ``tasks`` of the task to start now, or ``None`` to wait."""
+    index = 0
+    if opportunistic:
+        ready = lambda task: _ready(stage, num_stages, task, arrivals, now)  # noqa: E731
+        index = next_task(tasks, ready, forwards_stash, feed_next_stage)
+    return index if _ready(stage, num_stages, tasks[index], arrivals, now) else None
+
+
+class _Links:
+    """When each boundary's link is free again, per direction (messages over one link go one after another)."""
+
+    def __init__(self, transfer: Sequence[float] | None) -> None:
+        self.transfer = transfer
+        self.free: dict[tuple[int, int], float] = {}
+
+    def send(self, source: int, destination: int, ready: float) -> float:
+        """The time a message ready to leave at ``ready`` has crossed the link."""
+        if self.transfer is None:
+            return ready
+        start = max(ready, self.free.get((source, destination), 0.0))
+        done = start + self.transfer[min(source, destination)]
+        self.free[(source, destination)] = done
+        return done
+
+
+def _send(
+    stage: int,
+    num_stages: int,
+    task: Task,
+    finish: float,
+    arrivals: _Arrivals,
+    comm: float,
+    jitter: Jitter | None,
+    links: _Links,
+) -> None:
+    """Record the arrival time of the message ``task`` sends when it finishes, if it sends one."""
+    if task.kind is Kind.F and stage < num_stages - 1:
+        destination = stage + 1
+    elif task.kind is Kind.B and stage > 0:
+        destination = stage - 1
+    else:
+        return
+    extra = 0.0 if jitter is None else jitter(stage, destination, task.kind, task.microbatch)
+    crossed = links.send(stage, destination, finish)
+    arrivals[(destination, task.kind, task.microbatch)] = crossed + max(0.0, comm + extra)
+
+
+def _next_event(now: float, free_at: list[float], arrivals: _Arrivals, pending: list[list[Task]]) -> float:
+    """The earliest time after ``now`` at which a stage frees up or a message arrives.
+
+    Raises:
+        ScheduleError: If nothing is left to happen but tasks remain (a deadlock).
+    """
+    later = [t for t in free_at if t > now] + [t for t in arrivals.values() if t > now]
+    if not later:
+        blocked = ", ".join(f"stage {s} at {tasks[0]!r}" for s, tasks in enumerate(pending) if tasks)
+        raise ScheduleError(f"deadlock in simulation at time {now}: blocked {blocked}")
+    return min(later)
+
+
+def _result(
+    costs: Sequence[StageCosts], free_at: list[float], order: list[list[Task]], starts: list[list[float]]
+) -> SimResult:
+    """Summarise a finished simulation."""
+    makespan = max(free_at, default=0.0)
+    busy = tuple(float(sum(c.cost(t.kind) for t in tasks)) for c, tasks in zip(costs, order, strict=True))
+    if makespan > 0:
+        idle = tuple(1.0 - b / makespan for b in busy)
+        bubble = 1.0 - sum(busy) / (len(busy) * makespan)
+    else:
+        idle = tuple(0.0 for _ in busy)
+        bubble = 0.0
+    return SimResult(
+        makespan=makespan,
+        busy=busy,
+        idle_fraction=idle,
+        bubble=bubble,
+        order=tuple(tuple(tasks) for tasks in order),
+        start_times=tuple(tuple(times) for times in starts),
+    )
