@@ -18,3 +18,7 @@ from lightning_varuna.strategy import VarunaStrategy  # noqa: E402
 
 VarunaStrategy.register_strategies(StrategyRegistry)
 register_for_fabric(FABRIC_STRATEGIES)
+
+from lightning_varuna import old_paths  # noqa: E402
+
+old_paths.install()  # old module paths (before the sub-packages) import with a FutureWarning naming the new one

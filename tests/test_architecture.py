@@ -1,10 +1,11 @@
 """The package's layers: a Lightning-free engine, checkpointing below the Lightning glue, ``fault/`` below all three, no
-import cycles, unique module names, folders of at most 15 modules, a module table in docs/architecture.md that matches
-the tree, and Lightning left as it was after teardown."""
+import cycles, unique module names, folders of at most 15 modules, old module paths that still import, a module table
+in docs/architecture.md that matches the tree, and Lightning left as it was after teardown."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import signal
 import subprocess
@@ -12,8 +13,11 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_varuna.old_paths import MOVED
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_varuna"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
@@ -106,6 +110,33 @@ def test_the_module_table_of_the_architecture_doc_lists_every_module_of_the_pack
         listed.update(re.findall(r"`([\w/]+\.py)`", row))
     present = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
     assert sorted(present - listed) == [] and sorted(listed - present) == []
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_gives_the_moved_module_with_a_warning_naming_the_new_path(old: str) -> None:
+    new = MOVED[old]
+    assert not _module_file(old).exists() and _module_file(new).exists()
+    parent, _, child = old.rpartition(".")
+    sys.modules.pop(old, None)
+    try:
+        with pytest.warns(FutureWarning, match=re.escape(f"{old} moved to {new}")):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new) and module.__spec__.name == new
+    finally:  # leave no alias behind
+        sys.modules.pop(old, None)
+        vars(sys.modules[parent]).pop(child, None)
+
+
+def test_python_m_with_an_old_module_path_runs_the_moved_module() -> None:
+    result = subprocess.run([sys.executable, "-m", "lightning_varuna.pipeline.p2p_check"], capture_output=True,
+                            text=True, timeout=120, cwd=PACKAGE.parent)
+    assert result.returncode == 2, result.stderr[-3000:]  # the usage line of nccl_replay.main, without arguments
+    assert "moved to lightning_varuna.pipeline.scheduling.nccl_replay" in result.stderr
+    assert "usage: python -m lightning_varuna.pipeline.scheduling.nccl_replay" in result.stderr
+
+
+def _module_file(name: str) -> Path:
+    return PACKAGE.parent.joinpath(*name.split(".")).with_suffix(".py")
 
 
 def test_the_pipeline_engine_trains_without_lightning_loaded() -> None:
