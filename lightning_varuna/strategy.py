@@ -33,7 +33,6 @@ from lightning_varuna.callbacks import (
     refuse_unsupported_callbacks,
     whole_model_summaries,
 )
-from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.lease import DEFAULT_TIMEOUT_S
 from lightning_varuna.checkpoint.pretrained import InitialWeights
 from lightning_varuna.checkpoint.writer import CheckpointWriter
@@ -52,14 +51,14 @@ from lightning_varuna.processes import (
     stop_watching_peers,
     watch_peers,
 )
-from lightning_varuna.recovery.checkpoint_hooks import StrategyCheckpoints, unwrapped
+from lightning_varuna.recovery.checkpoint_hooks import CheckpointHooks, StrategyCheckpoints
 from lightning_varuna.recovery.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.recovery.resume import choose_last
 
 __all__ = ["VarunaStrategy"]
 
 
-class VarunaStrategy(ProcessGroupStrategy):
+class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     """Pipeline-parallel training of any LightningModule, Varuna style, with data parallelism across pipelines.
 
     The model is split at its ``CutPoint`` modules (or between the children of ``cut_at``) into P stages,
@@ -426,65 +425,6 @@ class VarunaStrategy(ProcessGroupStrategy):
         """The L2 norm of the whole model's gradient (all stages, tied parameters once)."""
         assert self.engine is not None and self.topology is not None
         return global_grad_norm(self.engine, self.topology)
-
-    # -- checkpoints (:mod:`lightning_varuna.recovery.checkpoint_hooks`) ----------------------------------------------
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        """Optimizer state is loaded by the strategy itself, by parameter name."""
-        return False
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This stage's weights, keyed by full-model name."""
-        return checkpoint_state.model_state(self.lightning_module)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This stage's optimizer state, keyed by parameter name."""
-        return checkpoint_state.optimizer_state(self.lightning_module, unwrapped([optimizer])[0])
-
-    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Writes a sharded checkpoint directory at ``filepath``, a local path or fsspec URL (collective; atomic).
-
-        With ``async_checkpoint`` it returns once this rank's tensors are copied; the files follow.
-        """
-        if storage_options is not None:
-            raise TypeError("VarunaStrategy.save_checkpoint does not take storage_options.")
-        # async: the ranks compare paths in the background instead (no collective in the training thread)
-        path = str(filepath) if self.async_checkpoint else self.broadcast(str(filepath))
-        names = self.engine.param_names if self.engine is not None else []
-        self._checkpointing.save(checkpoint_dict, path, self.lightning_module, self.optimizers, names,
-                                 self.is_global_zero)
-
-    def wait_for_checkpoint(self) -> None:
-        """Blocks until the checkpoint being written in the background (``async_checkpoint``) is complete.
-
-        Raises:
-            CheckpointError: On every rank, if that write failed.
-        """
-        self._checkpoints.flush()
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Deletes a checkpoint (on rank 0); while a save is in flight, only once that one is complete."""
-        if self.is_global_zero:
-            self._checkpoints.remove(str(filepath))
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Loads this stage's share of a sharded (or plain single-file) checkpoint, whatever P x D wrote it."""
-        assert self.engine is not None
-        self._checkpoints.wait()
-        path = self.broadcast(str(checkpoint_path))
-        return self._checkpointing.load(path, self.lightning_module.trainer, self.optimizers, self.engine.param_names,
-                                        weights_only, self.is_global_zero, self.broadcast)
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Nothing to do: :meth:`load_checkpoint` has loaded the optimizer state."""
-
-    def barrier(self, name: str | None = None) -> None:
-        """Waits for every process."""
-        if name != "Trainer.save_checkpoint":  # a save ends with the ranks' agreement, or goes on in the background
-            super().barrier(name)
 
     # -- the end ------------------------------------------------------------------------------------------
     def on_train_end(self) -> None:

@@ -184,10 +184,10 @@ def test_an_uncaught_exception_at_exit_is_a_failure_and_a_clean_exit_is_not(serv
 
 
 def test_ring_connections_probe_for_a_lost_machine() -> None:
-    from lightning_varuna.fault.watchdog import _tune
+    from lightning_varuna.fault.ring_sockets import tune
 
     with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as client:
-        _tune(client)
+        tune(client)
         assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
             idle = client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)

@@ -56,6 +56,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_varuna.fault.ring_sockets import KEEPALIVE_S, local_address, tune
+
 __all__ = [
     "FAILED_EXIT_CODE", "GRACE_S", "KEEPALIVE_S", "SETTLE_S", "Verdict", "Watchdog", "current_watchdog",
     "watch_job",
@@ -67,10 +69,6 @@ SETTLE_S = 1.0
 """Seconds a symptom (a rank that lost contact with a peer) leaves for a cause to arrive before it ends the job."""
 GRACE_S = 10.0
 """Seconds a rank whose own step failed has to raise and report its error before its watchdog ends it."""
-_KEEPALIVE = (2, 1, 3)
-"""TCP keep-alive: first probe after 2 s of silence, then every 1 s; 3 unanswered probes end the connection."""
-KEEPALIVE_S = _KEEPALIVE[0] + _KEEPALIVE[1] * _KEEPALIVE[2]
-"""Seconds after which a neighbour whose machine vanished (no answer from its kernel) counts as dead."""
 SHUTDOWN_S = 3.0
 """Seconds a rank that failed may spend shutting its interpreter down before it exits with
 :data:`FAILED_EXIT_CODE` (torch's process groups can wait there for seconds on peers that are gone)."""
@@ -137,7 +135,7 @@ class Watchdog:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
-        host, family = _local_address()
+        host, family = local_address()
         self._listener = socket.create_server(("", 0), family=family, backlog=max(8, world_size))
         self._listener.setblocking(False)
         self._selector.register(self._listener, selectors.EVENT_READ)
@@ -278,7 +276,7 @@ class Watchdog:
         self._add_link(sock, None)  # identified by its first message, which must carry this rank's nonce
 
     def _add_link(self, sock: socket.socket, rank: int | None) -> None:
-        _tune(sock)
+        tune(sock)
         link = _Link(sock, rank, active=rank is not None)
         self._links[sock] = link
         self._selector.register(sock, selectors.EVENT_READ)
@@ -426,33 +424,6 @@ class Watchdog:
         for sock in [*self._links, self._listener, self._wake_r, self._wake_w]:
             with contextlib.suppress(OSError):
                 sock.close()
-
-
-def _tune(sock: socket.socket) -> None:
-    """Blocking with a short timeout for sends, no Nagle delay, and keep-alive probes that find a lost machine."""
-    sock.settimeout(2.0)
-    options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1), (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-    idle, interval, count = _KEEPALIVE
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
-                        ("TCP_USER_TIMEOUT", KEEPALIVE_S * 1000)):
-        if hasattr(socket, name):  # Linux; elsewhere the system's keep-alive timing applies
-            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-    for level, option, value in options:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(level, option, value)
-
-
-def _local_address() -> tuple[str, socket.AddressFamily]:
-    """The address peers reach this process at: the one its route to ``MASTER_ADDR`` leaves from."""
-    master = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(master, int(os.environ.get("MASTER_PORT", 1)),
-                                                       type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)  # UDP: picks the route, sends nothing
-            return probe.getsockname()[0], family
-    except OSError:  # no route to it: the host's own name (raises if that does not resolve either)
-        return socket.gethostbyname(socket.gethostname()), socket.AF_INET
 
 
 def _say(message: str) -> None:

@@ -23,7 +23,7 @@ from lightning_varuna.checkpoint.storage import Location
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.recovery.resume import checkpoint_folders, last_fallbacks, requested_name
 
-__all__ = ["StrategyCheckpoints", "unwrapped"]
+__all__ = ["CheckpointHooks", "StrategyCheckpoints", "unwrapped"]
 
 Broadcast = Callable[[Any], Any]
 """Sends rank 0's value to every rank (the strategy's ``broadcast``)."""
@@ -100,3 +100,68 @@ class StrategyCheckpoints:
             if self._leases is not None:
                 self._leases.close()
                 self._leases = None
+
+
+class CheckpointHooks:
+    """The checkpoint hooks of :class:`~lightning_varuna.strategy.VarunaStrategy`, over :class:`StrategyCheckpoints`.
+
+    The strategy inherits them; its ``__init__`` sets the attributes used here.
+    """
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """Optimizer state is loaded by the strategy itself, by parameter name."""
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This stage's weights, keyed by full-model name."""
+        return checkpoint_state.model_state(self.lightning_module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This stage's optimizer state, keyed by parameter name."""
+        return checkpoint_state.optimizer_state(self.lightning_module, unwrapped([optimizer])[0])
+
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Writes a sharded checkpoint directory at ``filepath``, a local path or fsspec URL (collective; atomic).
+
+        With ``async_checkpoint`` it returns once this rank's tensors are copied; the files follow.
+        """
+        if storage_options is not None:
+            raise TypeError("VarunaStrategy.save_checkpoint does not take storage_options.")
+        # async: the ranks compare paths in the background instead (no collective in the training thread)
+        path = str(filepath) if self.async_checkpoint else self.broadcast(str(filepath))
+        names = self.engine.param_names if self.engine is not None else []
+        self._checkpointing.save(checkpoint_dict, path, self.lightning_module, self.optimizers, names,
+                                 self.is_global_zero)
+
+    def wait_for_checkpoint(self) -> None:
+        """Blocks until the checkpoint being written in the background (``async_checkpoint``) is complete.
+
+        Raises:
+            CheckpointError: On every rank, if that write failed.
+        """
+        self._checkpoints.flush()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Deletes a checkpoint (on rank 0); while a save is in flight, only once that one is complete."""
+        if self.is_global_zero:
+            self._checkpoints.remove(str(filepath))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads this stage's share of a sharded (or plain single-file) checkpoint, whatever P x D wrote it."""
+        assert self.engine is not None
+        self._checkpoints.wait()
+        path = self.broadcast(str(checkpoint_path))
+        return self._checkpointing.load(path, self.lightning_module.trainer, self.optimizers, self.engine.param_names,
+                                        weights_only, self.is_global_zero, self.broadcast)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Nothing to do: :meth:`load_checkpoint` has loaded the optimizer state."""
+
+    def barrier(self, name: str | None = None) -> None:
+        """Waits for every process."""
+        if name != "Trainer.save_checkpoint":  # a save ends with the ranks' agreement, or goes on in the background
+            super().barrier(name)

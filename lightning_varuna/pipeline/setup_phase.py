@@ -1,0 +1,202 @@
+"""The pipeline engine's setup: the dry run, P (or the planner's choice), the process grid, the plan, this rank's stage.
+
+:class:`SetupPhase` holds :meth:`~lightning_varuna.pipeline.engine.PipelineEngine.setup` and its parts;
+:class:`~lightning_varuna.pipeline.engine.PipelineEngine` inherits them (its ``__init__`` sets the attributes used
+here).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_varuna.fault.failures import destroy_process_groups_at_exit
+from lightning_varuna.fault.watchdog import watch_job
+from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples
+from lightning_varuna.pipeline.comm.grad_sync import GradientSync
+from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
+from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
+from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
+from lightning_varuna.pipeline.model.meta_init import (
+    has_meta_tensors,
+    materialize,
+    to_meta,
+    trace_unmaterialized,
+)
+from lightning_varuna.pipeline.model.no_trace import no_trace
+from lightning_varuna.pipeline.model.partition import (
+    Plan,
+    Trace,
+    check_pipeline_size,
+    make_plan,
+    time_segments,
+    trace_step,
+)
+from lightning_varuna.pipeline.model.segment_costs import DeviceRates
+from lightning_varuna.pipeline.model.stand_ins import apply_plan
+from lightning_varuna.pipeline.planning.choice import OptimizerSpec, choose
+from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, P2PTraceWriter
+from lightning_varuna.pipeline.runtime.executor import StageExecutor
+from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
+from lightning_varuna.pipeline.topology import Topology
+
+__all__ = ["SetupPhase"]
+
+
+class SetupPhase:
+    """:meth:`setup` of :class:`~lightning_varuna.pipeline.engine.PipelineEngine`, with its parts."""
+
+    # -- setup --------------------------------------------------------------------------------------------
+    def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None,
+              optimizer: OptimizerSpec | None = None) -> Plan:
+        """Dry-runs ``step`` on a slice of ``sample_batch``, partitions, and keeps only this rank's stage.
+
+        Every replica's copy of the stage then takes replica 0's parameters and buffers, and every copy of a
+        parameter held by several stages its first holder's (as ``DistributedDataParallel`` broadcasts rank 0's
+        state), so the replicas train one model whatever the seeding. Every rank must call it (it is
+        collective). Errors in the model are raised on every rank before any rank waits on another; from the
+        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.fault.watchdog`). With
+        ``"auto"`` values the model is profiled and the configuration chosen (:attr:`autoconfig`) before the process
+        grid is made.
+
+        Args:
+            sample_batch: A batch like the training batches (on this rank's device).
+            step: Runs the user's step on a (micro-)batch; the dry run calls it on 1 and 2 samples.
+            topology: The process grid (created from the default process group if not given).
+            optimizer: The optimizer's class and keyword arguments, for the planner's costs (default: AdamW).
+
+        Returns:
+            The plan (identical on every rank).
+        """
+        config = self.config
+        # everything that can be wrong with the model is checked before the first collective call
+        link_backend = config.link_backend(self.device)
+        if config.cut_at is not None:
+            self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
+        self.built_on_meta = has_meta_tensors(self.module)
+        trace, cut_modules = self._dry_run(sample_batch, step, topology, optimizer)
+        for cut, info in zip(cut_modules, trace.cuts, strict=True):
+            cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
+        # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
+        watch_job()
+        self.topology = topology or Topology.create(
+            self.pipeline_size, self.device, timeout=config.p2p_timeout, link_backend=link_backend
+        )
+        destroy_process_groups_at_exit()
+        topo = self.topology
+        seed = config.init_seed if config.init_seed is not None else torch.initial_seed()
+        run = uuid.uuid4().hex[:12]
+        if topo.world_size > 1:
+            # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
+            shared = [trace.segment_seconds, seed, run]
+            dist.broadcast_object_list(shared, src=0)
+            trace.segment_seconds, seed, run = shared
+        size = batch_size_of(sample_batch)
+        m = self.microbatches_for(size)
+        self.plan = make_plan(trace, topo.pipeline_size, by=self.config.partition, microbatch=max(1, size // m),
+                              num_microbatches=m, rates=DeviceRates.nominal(self.device))
+        stage = self.plan.stages[topo.stage]
+        if self.built_on_meta:
+            self._materialize(stage.params, seed)
+        first_cut = stage.segments.start - 1 if topo.stage > 0 else None
+        last_cut = stage.segments.stop - 1 if not topo.is_last else None
+        self._trace_p2p(run)
+        self.executor = StageExecutor(topo, self._p2p(), cut_modules, first_cut, last_cut, self.events)
+        self.executor.boundary_dtype = self.config.boundary_dtype
+        self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
+        self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
+        if self.config.fuse_grad_accumulation:
+            self._accumulating = install_grad_accumulation(self.module)
+        self._batch_dims = (
+            trace.cuts[first_cut].batch_dim if first_cut is not None else None,
+            trace.cuts[last_cut].batch_dim if last_cut is not None else None,
+        )
+        # whatever the user's seeding, every replica of a stage (and every copy of a tied parameter) starts equal
+        broadcast_initial_state(topo, self.module, self.plan.tied)
+        self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.plan.tied,
+                                      bucket_bytes=self.config.grad_bucket_bytes,
+                                      overlap=self.config.overlap_grad_sync)
+        return self.plan
+
+    def _dry_run(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None,
+                 optimizer: OptimizerSpec | None) -> tuple[Trace, list[CutPoint]]:
+        """Traces the step (on meta for a model built there), resolves P or plans ``"auto"``, times the segments."""
+        config = self.config
+        names = {id(m): n for n, m in self.module.named_modules()}
+        cut_names = {id(c): getattr(c, "_varuna_name", names.get(id(c), "")) for c in self._cuts}
+        with no_trace(self.module, self.device):  # the dry run changes no state of the model, nor the RNGs
+            if self.built_on_meta:
+                meta_batch = to_meta(sample_batch)
+                trace, cut_modules = trace_unmaterialized(
+                    self.module, lambda n: step(first_samples(meta_batch, n)),
+                    lambda n: step(first_samples(sample_batch, n)), self.device, cut_names,
+                )
+            else:
+                trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
+                                                cut_names=cut_names)
+            world = topology.world_size if topology is not None else _world_size()
+            if config.searches and topology is None:  # a model on meta is profiled a segment at a time
+                self._autoconfigure(trace, sample_batch, step, optimizer)
+                config = self.config
+            else:
+                self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
+                    world, trace.num_segments
+                )
+            check_pipeline_size(trace, self.pipeline_size)
+            if self.autoconfig is not None:
+                if config.partition == "time":  # the planner's costs, so that its stages are the ones made
+                    trace.segment_seconds = self.autoconfig.segment_costs()
+            elif config.partition == "time" and trace.cuts and not self.built_on_meta:
+                size = batch_size_of(sample_batch)
+                micro = max(1, size // self.microbatches_for(size))
+                trace.segment_seconds = time_segments(lambda: step(first_samples(sample_batch, micro)))
+        return trace, cut_modules
+
+    def _materialize(self, keep: tuple[str, ...], seed: int) -> None:
+        assert self.topology is not None
+        missing = materialize(self.module, keep, self.device, seed, self.config.param_init_fn)
+        if missing and self.topology.replica == 0:
+            warnings.warn(
+                f"Stage {self.topology.stage}: the parameters of {', '.join(sorted(missing))} were materialized as"
+                " zeros: these modules have no reset_parameters() and no param_init_fn was given. Give a"
+                " param_init_fn that initializes a module's own parameters, or load pretrained weights.",
+                stacklevel=3,
+            )
+
+    def _p2p(self) -> P2P:
+        """The transport; on a CUDA device whose links run on gloo, staged through pinned host memory."""
+        topo = self.topology
+        assert topo is not None
+        staging = None
+        if self.device.type == "cuda" and topo.pipeline_size > 1:
+            group = next(iter(topo.links.values()), None)
+            if dist.get_backend(group) == "gloo":
+                staging = HostStaging(pin=True)
+        return P2P(topo, self.config.p2p_timeout, self.events, staging)
+
+    def _trace_p2p(self, run: str) -> None:
+        """In the NCCL-rules mode (:data:`~.runtime.events.P2P_TRACE_ENV`), records the p2p trace."""
+        directory = os.environ.get(P2P_TRACE_ENV)
+        topo = self.topology
+        if directory and topo is not None and topo.pipeline_size > 1:
+            self.events.add(P2PTraceWriter(directory, run, topo.rank, topo.world_size))
+
+    def _autoconfigure(self, trace: Any, sample_batch: Any, step: Callable[[Any], Any],
+                       optimizer: OptimizerSpec | None) -> None:
+        """Lets the planner choose the ``"auto"`` values (collective)."""
+        self.autoconfig = choose(
+            self.config, self.module, trace, lambda n: step(samples(sample_batch, n)), default_loss,
+            batch_size_of(sample_batch), self.device, optimizer,
+        )
+        self.config = self.autoconfig.resolved(self.config)
+        self._pipeline_size = self.config.pipeline_parallel_size  # type: ignore[assignment]
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
