@@ -70,7 +70,7 @@ def real_profile(config: dict, largest: int, devices: int):
     import torch
 
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
-    from lightning_varuna.pipeline.model.partition import trace_step
+    from lightning_varuna.pipeline.model.dry_run import trace_step
     from lightning_varuna.pipeline.planning.profiler import profile_model, profile_sizes
     from lightning_varuna.pipeline.planning.search import Choices, Cluster, search
 
@@ -176,7 +176,7 @@ def worker(args) -> int:
     from lightning_varuna.pipeline import PipelineEngine
     from lightning_varuna.pipeline.config import EngineConfig
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
-    from lightning_varuna.pipeline.model.partition import trace_step
+    from lightning_varuna.pipeline.model.dry_run import trace_step
     from lightning_varuna.pipeline.planning.choice import choose
     from lightning_varuna.pipeline.planning.memory_model import planning_budget
     from lightning_varuna.pipeline.planning.profile_data import Profile

@@ -44,6 +44,7 @@ from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
 from lightning_varuna.pipeline.engine import batch_size_of, default_loss, first_samples, samples
 from lightning_varuna.pipeline.model.cut import install_cut_at
+from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
     move_real_tensors,
@@ -51,7 +52,6 @@ from lightning_varuna.pipeline.model.meta_init import (
     to_meta,
     trace_unmaterialized,
 )
-from lightning_varuna.pipeline.model.partition import trace_step
 from lightning_varuna.pipeline.planning.choice import AutoConfig, plan
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE, format_bytes, parse_bytes
 from lightning_varuna.pipeline.planning.profile_data import Network, Profile, ProfileError, default_network

@@ -30,7 +30,7 @@ def synthetic_profile(module: nn.Module, batch: Any, step: Callable[[Any], Any],
     keeps four times its output activation for backward; messages take 10 us + 1 GB/s; the all-reduce's ring step
     is ``allreduce``.
     """
-    from lightning_varuna.pipeline.model.partition import trace_step
+    from lightning_varuna.pipeline.model.dry_run import trace_step
 
     with torch.random.fork_rng():
         trace, _ = trace_step(module, lambda n: step(first_samples(batch, n)))

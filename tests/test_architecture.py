@@ -113,13 +113,18 @@ def test_the_module_table_of_the_architecture_doc_lists_every_module_of_the_pack
     assert sorted(present - listed) == [] and sorted(listed - present) == []
 
 
-# the one exception: partition.py is split in a later step of issue 26 (it was changing on main meanwhile)
-_OVER_500_LINES = {"pipeline/model/partition.py"}
-
-
 def test_no_module_of_the_package_has_more_than_500_lines() -> None:
     lines = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    assert {path: n for path, n in lines.items() if n > 500 and path not in _OVER_500_LINES} == {}
+    assert {path: n for path, n in lines.items() if n > 500} == {}
+
+
+def test_names_that_moved_from_partition_to_dry_run_still_import_with_a_warning() -> None:
+    from lightning_varuna.pipeline.model import dry_run, partition
+
+    with pytest.warns(FutureWarning, match=r"lightning_varuna\.pipeline\.model\.dry_run\.trace_step"):
+        assert partition.trace_step is dry_run.trace_step
+    with pytest.raises(AttributeError):
+        partition.no_such_name  # noqa: B018
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

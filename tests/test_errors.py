@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.model.cut import install_cut_at
-from lightning_varuna.pipeline.model.partition import TIMED_RUNS, balance, check_pipeline_size, make_plan, trace_step
+from lightning_varuna.pipeline.model.dry_run import TIMED_RUNS, trace_step
+from lightning_varuna.pipeline.model.partition import balance, check_pipeline_size, make_plan
 
 CPU = torch.device("cpu")
 

@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 
 from lightning_varuna.pipeline import CutPoint, PartitionError
 from lightning_varuna.pipeline.engine import PipelineEngine, first_samples
+from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
     materialize,
@@ -26,7 +27,7 @@ from lightning_varuna.pipeline.model.meta_init import (
     to_meta,
     trace_unmaterialized,
 )
-from lightning_varuna.pipeline.model.partition import make_plan, trace_step
+from lightning_varuna.pipeline.model.partition import make_plan
 from lightning_varuna.pipeline.model.segment_costs import CostCounter, DeviceRates, Linear, estimated_seconds
 
 CPU = torch.device("cpu")

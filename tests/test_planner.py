@@ -15,7 +15,7 @@ from torch import nn
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
-from lightning_varuna.pipeline.model.partition import trace_step
+from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.planning.choice import AutoConfig, plan
 from lightning_varuna.pipeline.planning.memory_model import (
     MEMORY_RESERVE,
@@ -326,8 +326,8 @@ class _Recorded(nn.Module):
 def _profile_blocks(meta: bool, seen: list[set[str]]) -> tuple[Profile, nn.Module, list]:
     """Profiles three recorded blocks with cut points between them, built on meta or for real."""
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
+    from lightning_varuna.pipeline.model.dry_run import trace_step
     from lightning_varuna.pipeline.model.meta_init import on_meta, parameters_on_meta, to_meta
-    from lightning_varuna.pipeline.model.partition import trace_step
     from lightning_varuna.pipeline.planning.profiler import profile_model
 
     torch.manual_seed(0)

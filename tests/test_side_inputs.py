@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from lightning_varuna import CutPoint, PartitionError, PipelineEngine
 from lightning_varuna.pipeline import Topology
-from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_plan, trace_step
+from lightning_varuna.pipeline.model.dry_run import trace_step
+from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.stand_ins import apply_plan, remove_stand_ins
 
 WIDTH = 4

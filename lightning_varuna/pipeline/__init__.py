@@ -9,7 +9,8 @@ step), :mod:`~.comm` (between ranks), :mod:`~.planning` (auto-configuration), :m
 from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.engine import PipelineEngine, StepResult
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
-from lightning_varuna.pipeline.model.partition import PartitionError, Plan
+from lightning_varuna.pipeline.model.dry_run import PartitionError
+from lightning_varuna.pipeline.model.partition import Plan
 from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, Kind, Schedule, Task, make_schedule
 from lightning_varuna.pipeline.topology import Topology
 

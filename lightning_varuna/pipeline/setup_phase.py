@@ -23,6 +23,7 @@ from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
 from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
 from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
+from lightning_varuna.pipeline.model.dry_run import Trace, time_segments, trace_step
 from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
     materialize,
@@ -30,14 +31,7 @@ from lightning_varuna.pipeline.model.meta_init import (
     trace_unmaterialized,
 )
 from lightning_varuna.pipeline.model.no_trace import no_trace
-from lightning_varuna.pipeline.model.partition import (
-    Plan,
-    Trace,
-    check_pipeline_size,
-    make_plan,
-    time_segments,
-    trace_step,
-)
+from lightning_varuna.pipeline.model.partition import Plan, check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.segment_costs import DeviceRates
 from lightning_varuna.pipeline.model.stand_ins import apply_plan
 from lightning_varuna.pipeline.planning.choice import OptimizerSpec, choose

@@ -30,7 +30,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.utils._pytree import tree_map
 
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
-from lightning_varuna.pipeline.model.partition import PartitionError, Trace, trace_step
+from lightning_varuna.pipeline.model.dry_run import PartitionError, Trace, trace_step
 
 __all__ = [
     "explained_meta_errors",

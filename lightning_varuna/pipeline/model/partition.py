@@ -1,307 +1,22 @@
-"""Partitioning: a dry run finds the segments between cut points, and segments are grouped into stages.
+"""Partitioning: the dry run's segments (:mod:`~lightning_varuna.pipeline.model.dry_run`) grouped into stages.
 
-The dry run runs the user's whole step on a tiny batch and observes, without guessing:
-
-- the cut points in execution order, and the shape of the tensor at each one (with batch 1 and 2, to learn
-  which dimension scales with the batch);
-- which parameters each segment uses (a ``TorchFunctionMode`` sees every parameter passed to a torch
-  function), so a parameter used on two stages (a tied embedding and head) is found automatically;
-- which module calls start and end inside one segment (those can be replaced by stand-ins on other stages);
-- values that flow from one segment to a later one without passing through a cut point: a skip connection
-  across a cut cannot be split there, and side inputs made by modules without parameters (rotary position
-  embeddings, masks) are recomputed on the later stage when that gives the same values
-  (:mod:`~lightning_varuna.pipeline.model.data_flow`), else cannot be split there either;
-- what each segment costs: forward FLOPs and saved-activation bytes
-  (:mod:`~lightning_varuna.pipeline.model.segment_costs`).
-
-The dry run works on real tensors or on the meta device (a model built there, see
-:mod:`~lightning_varuna.pipeline.model.meta_init`): it reads shapes, never values.
-
-The result is a :class:`Trace`; :func:`make_plan` groups its segments into stages balanced by cost.
+:func:`make_plan` balances the segments' costs (measured times, estimates from counted FLOPs and bytes, or
+parameter counts) over P contiguous stages, keeps segments that a value crosses outside a cut point on one stage,
+and finds the parameters shared across stages (tied weights).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-import torch
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
-
-from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError, forward_handler
-from lightning_varuna.pipeline.model.data_flow import DataFlow
-from lightning_varuna.pipeline.model.segment_costs import (
-    CostCounter,
-    DeviceRates,
-    SegmentCost,
-    estimated_seconds,
-    fit_costs,
-)
+from lightning_varuna.pipeline.model.dry_run import PartitionError, Trace
+from lightning_varuna.pipeline.model.segment_costs import DeviceRates, estimated_seconds
 
 __all__ = [
-    "BALANCED_BY", "Trace", "CutInfo", "Plan", "StageInfo", "trace_step", "time_segments", "balance", "make_plan",
-    "segment_costs", "check_pipeline_size",
-    "PartitionError",
+    "BALANCED_BY", "Plan", "StageInfo", "balance", "check_pipeline_size", "forbidden_boundaries", "make_plan",
+    "segment_costs",
 ]
-
-
-TIMED_RUNS = 3
-"""How many times the dry run times a micro-batch's forward; each segment's fastest run counts."""
-
-
-class PartitionError(ValueError):
-    """The model cannot be split as asked; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class CutInfo:
-    """What flows through one cut point."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    batch_dim: int | None
-
-
-@dataclass
-class Trace:
-    """What the dry run saw. Picklable, so one rank's trace can be shared with all."""
-
-    cuts: list[CutInfo]
-    param_segments: dict[str, set[int]]
-    param_numel: dict[str, int]
-    module_segments: dict[str, set[int]]
-    crossings: dict[tuple[int, int], str] = field(default_factory=dict)
-    """Pairs of segments that must share a stage: ``(from, to) -> the value that crosses`` (see
-    :mod:`~lightning_varuna.pipeline.model.data_flow`)."""
-    recomputed: set[str] = field(default_factory=set)
-    """Modules without parameters whose outputs later segments use: every stage runs them (none stands in)."""
-    segment_seconds: list[float] = field(default_factory=list)
-    """Measured forward time of each segment (empty when not timed, e.g. on the meta device)."""
-    costs: list[SegmentCost] = field(default_factory=list)
-    """Each segment's counted cost (FLOPs, saved activations, parameter bytes)."""
-    param_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes of each parameter."""
-    skipped: bool = False
-    """Whether the step returned None before reaching any cut point (it skipped the dry run's batch)."""
-    dry_run: str = "real"
-    """What the dry run ran on: ``"real"`` tensors, ``"meta"`` tensors, or ``"placeholders (...)"``: the batch with
-    zero-stride weights, where the step could not run on meta (the reason follows)."""
-
-    @property
-    def num_segments(self) -> int:
-        """Number of segments: one more than the number of cut points."""
-        return len(self.cuts) + 1
-
-
-class _Tracer:
-    """Counts cut points during a dry run and records everything :class:`Trace` holds."""
-
-    def __init__(self, module: nn.Module, cut_names: dict[int, str]) -> None:
-        self.cut_names = cut_names
-        self.segment = 0
-        self.costs = CostCounter(lambda: self.segment)
-        self.cut_order: list[CutPoint] = []
-        self.cut_tensors: list[Tensor] = []
-        self.module_names = {id(m): name for name, m in module.named_modules()}
-        self.param_names = {id(p): name for name, p in module.named_parameters()}
-        self.param_segments: dict[str, set[int]] = {}
-        self.module_segments: dict[str, set[int]] = {}
-        self.spanning: set[str] = set()
-        self._stack: list[tuple[str, int]] = []
-        self.paused = False
-        self.returned_nothing = False
-        self.flow = DataFlow(module, lambda: self.segment)
-
-    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
-        if any(seen is cut for seen in self.cut_order):
-            raise CutPointError(
-                f"{self._name(cut)} was called twice in one forward. Each CutPoint marks one place; create one"
-                " CutPoint per place (e.g. an nn.ModuleList of them)."
-            )
-        self.cut_order.append(cut)
-        self.costs.settle()
-        self.paused = True
-        try:
-            self.cut_tensors.append(x.detach())
-            out = x.view_as(x)
-        finally:
-            self.paused = False
-        self.segment += 1
-        self.flow.cut_output(out)
-        return out
-
-    def _name(self, cut: CutPoint) -> str:
-        return getattr(cut, "_varuna_name", None) or self.module_names.get(id(cut), "a CutPoint")
-
-    def pre_hook(self, module: nn.Module, args: object) -> None:
-        name = self.module_names.get(id(module))
-        if name is not None:
-            self._stack.append((name, self.segment))
-            self.flow.enter(module)
-
-    def post_hook(self, module: nn.Module, args: object, output: object) -> None:
-        name = self.module_names.get(id(module))
-        if name is None or not self._stack:
-            return
-        _, start = self._stack.pop()
-        if start == self.segment:
-            self.module_segments.setdefault(name, set()).add(start)
-        else:
-            self.spanning.add(name)
-        self.flow.exit(module, output)
-
-    def uses_parameters(self, args: tuple, kwargs: dict) -> bool:
-        """Records the parameters a torch function is given; returns whether it is given any."""
-        uses = False
-        for value in tree_leaves((args, kwargs)):
-            name = self.param_names.get(id(value)) if isinstance(value, nn.Parameter) else None
-            if name is not None:
-                self.param_segments.setdefault(name, set()).add(self.segment)
-                uses = True
-        return uses
-
-
-class _TraceMode(TorchFunctionMode):
-    def __init__(self, tracer: _Tracer) -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
-        kwargs = kwargs or {}
-        tracer = self.tracer
-        if tracer.paused:
-            return func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        derived = tracer.flow.before(name, args, kwargs, tracer.uses_parameters(args, kwargs))
-        out = func(*args, **kwargs)
-        tracer.flow.after(name, derived, out)
-        return out
-
-
-class _Timer:
-    """Times segments of a forward by the moments cut points are reached."""
-
-    def __init__(self) -> None:
-        self.marks: list[float] = []
-
-    def on_cut(self, cut: CutPoint, x: Tensor) -> Tensor:
-        self.marks.append(time.perf_counter())
-        return x
-
-
-def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[int, str]) -> _Tracer:
-    tracer = _Tracer(module, cut_names)
-    pre = nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook)
-    post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
-    try:
-        # compiled modules run eagerly: the tracer must see every torch function and module call
-        with forward_handler(tracer), _TraceMode(tracer), tracer.costs, torch.compiler.set_stance("force_eager"):
-            # only whether the step returned anything is kept: its result holds the step's autograd graph, whose
-            # saved tensors hold the cost counter's pack hook, which holds this tracer (a cycle through C++ that
-            # the garbage collector cannot see, so the dry run's activations would outlive it)
-            tracer.returned_nothing = step() is None
-    finally:
-        pre.remove()
-        post.remove()
-    return tracer
-
-
-def _batch_dim(small: Tensor, large: Tensor, name: str) -> int | None:
-    if small.dim() != large.dim():
-        raise PartitionError(f"The tensor at {name} changes rank with the batch size; a cut needs a fixed rank.")
-    differing = [d for d in range(small.dim()) if small.shape[d] != large.shape[d]]
-    if not differing:
-        return None
-    if len(differing) > 1 or large.shape[differing[0]] != 2 * small.shape[differing[0]]:
-        raise PartitionError(
-            f"The tensor at {name} has shape {tuple(small.shape)} for batch 1 and {tuple(large.shape)} for batch 2;"
-            " exactly one dimension may scale with the batch."
-        )
-    return differing[0]
-
-
-def time_segments(timed_step: Callable[[], object]) -> list[float]:
-    """Each segment's forward time in seconds: the fastest of :data:`TIMED_RUNS` runs of ``timed_step``.
-
-    The plan is only as good as these times, and one run on a busy machine can be preempted inside any segment:
-    each segment's fastest run counts (the first also pays one-off warm-up costs).
-
-    Args:
-        timed_step: Runs the step on a realistic micro-batch (it is run without autograd).
-    """
-    seconds: list[float] = []
-    for _ in range(TIMED_RUNS):
-        timer = _Timer()
-        with forward_handler(timer), torch.no_grad():
-            start = time.perf_counter()
-            timed_step()
-            end = time.perf_counter()
-        marks = [start, *timer.marks, end]
-        run = [max(b - a, 0.0) for a, b in zip(marks, marks[1:])]
-        seconds = run if not seconds else [min(a, b) for a, b in zip(seconds, run)]
-    return seconds
-
-
-def trace_step(
-    module: nn.Module,
-    step_on: Callable[[int], object],
-    timed_step: Callable[[], object] | None = None,
-    cut_names: dict[int, str] | None = None,
-) -> tuple[Trace, list[CutPoint]]:
-    """Dry-runs a step and records cut points, parameter use, module calls and segment times.
-
-    Args:
-        module: The full model (every parameter present).
-        step_on: Runs the user's step on the first ``n`` samples of a batch, for ``n`` in (1, 2).
-        timed_step: Runs the step on a realistic micro-batch without autograd, to time the segments
-            (:func:`time_segments`). If not given, segment costs are left empty and parameter counts are used
-            to balance.
-        cut_names: Readable names of cut points that are not submodules of ``module``.
-
-    Returns:
-        The trace and the cut point modules in execution order. Raises :class:`CutPointError` or
-        :class:`PartitionError` for models that cannot be cut.
-    """
-    cut_names = cut_names or {}
-    one = _run_traced(module, lambda: step_on(1), cut_names)
-    two = _run_traced(module, lambda: step_on(2), cut_names)
-    if [id(c) for c in one.cut_order] != [id(c) for c in two.cut_order]:
-        first = ", ".join(one._name(c) for c in one.cut_order)
-        second = ", ".join(two._name(c) for c in two.cut_order)
-        raise CutPointError(
-            f"Cut points were reached in a different order in two forwards: [{first}] with a batch of 1, then"
-            f" [{second}] with a batch of 2. Cut points must run in the same order every time; keep"
-            " data-dependent control flow inside a segment."
-        )
-    cuts = []
-    for cut, small, large in zip(one.cut_order, one.cut_tensors, two.cut_tensors):
-        name = one._name(cut)
-        if not small.is_floating_point():
-            raise CutPointError(f"{name} got a {small.dtype} tensor; a cut point needs a floating-point activation.")
-        cuts.append(CutInfo(name, tuple(large.shape), large.dtype, _batch_dim(small, large, name)))
-    seconds = time_segments(timed_step) if timed_step is not None and cuts else []
-    params = dict(module.named_parameters())
-    numel = {name: p.numel() for name, p in params.items()}
-    module_segments = {k: v for k, v in two.module_segments.items() if k not in two.spanning}
-    two.flow.unclean |= one.flow.unclean
-    recomputed, crossings = two.flow.recomputed(module_segments)
-    trace = Trace(
-        param_bytes={name: p.numel() * p.element_size() for name, p in params.items()},
-        cuts=cuts,
-        param_segments=two.param_segments,
-        param_numel=numel,
-        module_segments=module_segments,
-        crossings=crossings,
-        recomputed=recomputed,
-        segment_seconds=seconds,
-        skipped=not cuts and one.returned_nothing,
-        costs=fit_costs(one.costs, two.costs, two.param_segments, params, len(cuts) + 1),
-    )
-    return trace, list(one.cut_order)
 
 
 def forbidden_boundaries(together: Iterable[tuple[int, int]]) -> set[int]:
@@ -531,3 +246,19 @@ def make_plan(
         for s, r in enumerate(ranges)
     )
     return Plan(stages=stages, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch)
+
+
+_MOVED_TO_DRY_RUN = frozenset({"CutInfo", "TIMED_RUNS", "time_segments", "trace_step"})
+
+
+def __getattr__(name: str) -> object:
+    """Names that moved to :mod:`~lightning_varuna.pipeline.model.dry_run` still import from here, with a warning."""
+    if name in _MOVED_TO_DRY_RUN:
+        import warnings
+
+        from lightning_varuna.pipeline.model import dry_run
+
+        warnings.warn(f"{__name__}.{name} moved to lightning_varuna.pipeline.model.dry_run.{name}; import it from"
+                      " there", FutureWarning, stacklevel=2)
+        return getattr(dry_run, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

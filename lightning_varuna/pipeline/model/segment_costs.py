@@ -1,6 +1,6 @@
 """What each segment costs, measured by the dry run without real tensors, and a model of time from it.
 
-The dry run (:func:`~lightning_varuna.pipeline.model.partition.trace_step`) runs the step on 1 and on 2 samples;
+The dry run (:func:`~lightning_varuna.pipeline.model.dry_run.trace_step`) runs the step on 1 and on 2 samples;
 :class:`CostCounter` counts, per segment, the forward FLOPs (``torch.utils.flop_counter.FlopCounterMode``, which
 works on the meta device) and the bytes autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``).
 The two runs give each count as a line in the micro-batch size, ``fixed + per_sample * b``

@@ -25,7 +25,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_varuna.pipeline.model.cut import zero_like_shape
-from lightning_varuna.pipeline.model.partition import Plan, Trace
+from lightning_varuna.pipeline.model.dry_run import Trace
+from lightning_varuna.pipeline.model.partition import Plan
 
 __all__ = ["StandIn", "apply_plan", "free_parameter", "install_stand_in", "remove_stand_ins", "stand_in_candidates"]
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
-from lightning_varuna.pipeline.model.partition import Trace
+from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.planning.memory_model import (
     MEMORY_RESERVE,
     default_memory_limit,

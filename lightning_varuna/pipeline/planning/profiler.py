@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from lightning_varuna.pipeline.comm.transfers import P2P
 from lightning_varuna.pipeline.model.cut import CutPoint, forward_handler
+from lightning_varuna.pipeline.model.dry_run import Trace, time_segments
 from lightning_varuna.pipeline.model.meta_init import ParamInitFn, has_meta_tensors
-from lightning_varuna.pipeline.model.partition import Trace, time_segments
 from lightning_varuna.pipeline.planning.profile_data import (
     CutProfile,
     Link,

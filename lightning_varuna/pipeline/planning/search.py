@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_varuna.pipeline.comm.grad_sync import default_bucket_bytes
-from lightning_varuna.pipeline.model.partition import PartitionError, balance
+from lightning_varuna.pipeline.model.dry_run import PartitionError
+from lightning_varuna.pipeline.model.partition import balance
 from lightning_varuna.pipeline.planning.memory_model import StageMemory, format_bytes, graphs_in_flight, stage_memory
 from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, Kind, make_schedule

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_varuna.pipeline.model.cut import CutPoint, StageOutputReady, forward_handler
+from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.meta_init import ParamInitFn, materialize
-from lightning_varuna.pipeline.model.partition import Trace
 from lightning_varuna.pipeline.model.stand_ins import (
     StandIn,
     free_parameter,
