@@ -172,3 +172,45 @@ def test_convert_writes_safetensors_a_wrapped_model_loads_back(tmp_path: Path) -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert to_safetensors(tmp_path / "run.ckpt", tmp_path / "all.safetensors") == len(state)
+
+
+def _holder(model: torch.nn.Module) -> torch.nn.Module:
+    holder = torch.nn.Module()
+    holder.model = model
+    return holder
+
+
+def test_a_transformers_folder_with_legacy_key_names_loads_as_from_pretrained_loads_it(tmp_path: Path) -> None:
+    """transformers 5 writes ViT's and GPT-NeoX's old key names; they are renamed as transformers renames them."""
+    transformers = pytest.importorskip("transformers")
+    models = {
+        "vit": lambda: transformers.ViTForImageClassification(transformers.ViTConfig(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=8,
+            patch_size=4)),
+        "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)),
+    }
+    for name, build in models.items():
+        torch.manual_seed(0)
+        source = build()
+        source.save_pretrained(tmp_path / name)
+        files = set(open_weights(tmp_path / name).shapes)
+        assert files - set(source.state_dict()), f"{name}: the folder holds names the module does not have"
+        torch.manual_seed(1)
+        target = _holder(build())
+        InitialWeights(str(tmp_path / name), prefix="model.").load(target, ModelLayout.of(target))
+        for key, value in source.state_dict().items():
+            assert torch.equal(target.model.state_dict()[key], value), f"{name}: {key}"
+
+
+def test_a_transformers_conversion_that_merges_tensors_is_refused_naming_the_key(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    source = transformers.MixtralForCausalLM(config)
+    source.save_pretrained(tmp_path / "mixtral")
+    if not any(".experts.0." in key for key in open_weights(tmp_path / "mixtral").shapes):
+        pytest.skip("this transformers version saves Mixtral's experts stacked: nothing to convert")
+    target = _holder(transformers.MixtralForCausalLM(config))
+    with pytest.raises(CheckpointError, match=r"initial_weights: the key model\.layers\.0\..*experts.*is converted"):
+        InitialWeights(str(tmp_path / "mixtral"), prefix="model.").load(target, ModelLayout.of(target))

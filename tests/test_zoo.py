@@ -4,8 +4,9 @@ Every family x configuration trains 8 AdamW steps (lr 1e-2) on tiny models built
 compared with the plain ``Trainer(devices=1)`` run on the same batches: fp32 losses within 5e-4 at every step and
 every parameter's step-1 gradient within 1e-5 (each parameter held by some rank); bf16-mixed losses within 2e-2.
 
-CI runs one configuration per family (``p2``: P=2, built in ``__init__``). The full matrix (P=2, P=4, P=2 x D=2,
-built on meta in ``configure_model`` with ``initial_weights``, bf16-mixed) runs with ``VARUNA_ZOO=full`` or
+CI runs P=2 built in ``__init__`` for every family, and with compiled blocks (``aot_eager``) for GPT-2, Llama and
+litgpt. The full matrix (P=2, P=4, P=2 x D=2, built on meta in ``configure_model`` with ``initial_weights``,
+bf16-mixed, blocks compiled by ``aot_eager`` and by ``inductor`` from a fresh cache) runs with ``VARUNA_ZOO=full`` or
 ``-m zoo``; ``VARUNA_ZOO_OUT=DIR`` keeps the results there for ``python tests/zoo_table.py DIR`` (and with
 ``VARUNA_ZOO_REUSE=1`` the results already there are judged again instead of rerun).
 """
@@ -20,18 +21,14 @@ from pathlib import Path
 import pytest
 from launch import python, torchrun
 from zoo_models import FAMILIES
-from zoo_results import CI_CONFIG, CONFIGS, STEPS, error_of, judge, run_specs, specs_of
+from zoo_results import CI_CONFIGS, CONFIGS, STEPS, applies, error_of, judge, run_specs, specs_of
 
 # family x configuration the current engine cannot train (measured, tests/zoo_table.py): strict, so a fix makes
 # them fail until removed here
 _T5 = ("engine limitation: T5's relative position bias is computed by the first block from its parameters and passed"
        " to every later block (and the encoder's output to every decoder block): values that must be transported"
        " across stages, so cut_at refuses any split of the encoder")
-_KEYS = ("engine limitation: initial_weights does not map the keys transformers' save_pretrained writes ({}) to the"
-         " module's names (transformers' checkpoint conversion)")
 EXPECTED_FAILURES: dict[tuple[str, str], str] = {
-    ("gpt_neox", "meta-p2"): _KEYS.format("embed_out.weight for lm_head.weight"),
-    ("vit", "meta-p2"): _KEYS.format("vit.encoder.layer.N.attention.attention.query for vit.layers.N.attention.q_proj"),
     **{("t5", config): _T5 for config in CONFIGS},
 }
 
@@ -47,7 +44,7 @@ def _full(config: pytest.Config) -> bool:
 def _params() -> list:
     params = []
     for family in FAMILIES:
-        for config in CONFIGS:
+        for config in filter(lambda c, f=family: applies(f, c), CONFIGS):
             marks = [pytest.mark.slow]
             reason = EXPECTED_FAILURES.get((family, config))
             if reason is not None:
@@ -63,7 +60,7 @@ def _selected(request: pytest.FixtureRequest) -> list[tuple[str, str]]:
     for item in request.session.items:
         spec = getattr(item, "callspec", None)
         if item.module is request.module and spec is not None and {"family", "config"} <= set(spec.params):
-            if full or spec.params["config"] == CI_CONFIG:
+            if full or spec.params["config"] in CI_CONFIGS:
                 pairs.append((spec.params["family"], spec.params["config"]))
     return pairs
 
@@ -102,7 +99,7 @@ def zoo_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 @pytest.mark.parametrize(("family", "config"), _params())
 def test_zoo_model_matches_plain_run(request: pytest.FixtureRequest, zoo_results: Path, family: str,
                                      config: str) -> None:
-    if config != CI_CONFIG and not _full(request.config):
+    if config not in CI_CONFIGS and not _full(request.config):
         pytest.skip("full zoo matrix: VARUNA_ZOO=full or -m zoo")
     verdict = judge(zoo_results, family, config)
     detail = "\n".join(verdict.problems[:8])

@@ -20,15 +20,27 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "p2d2": (4, "ref", 5e-4, 1e-5),
     "meta-p2": (2, "ref", 5e-4, 1e-5),
     "bf16-p2": (2, "ref-bf16", 2e-2, None),
+    "compiled-p2": (2, "ref-compiled", 5e-4, 1e-5),
+    "inductor-p2": (2, "ref-inductor", 5e-4, 1e-5),
 }
+COMPILED = ("compiled-p2", "inductor-p2")
+COMPILED_FAMILIES = ("gpt2", "llama", "litgpt", "litgpt_llama")
+"""The families whose blocks are also compiled (``block.compile()`` each, as torchtitan does)."""
 DESCRIPTIONS = {
     "p2": "P=2, built in `__init__`",
     "p4": "P=4, built in `__init__`",
     "p2d2": "P=2 x D=2, built in `__init__`",
     "meta-p2": "P=2, built on meta in `configure_model`, `initial_weights`",
     "bf16-p2": "P=2, bf16-mixed",
+    "compiled-p2": "P=2, blocks compiled (`aot_eager`)",
+    "inductor-p2": "P=2, blocks compiled (`inductor`)",
 }
-CI_CONFIG = "p2"  # the configuration every family runs in CI; the others with VARUNA_ZOO=full or -m zoo
+CI_CONFIGS = ("p2", "compiled-p2")  # what CI runs of each family; the others with VARUNA_ZOO=full or -m zoo
+
+
+def applies(family: str, config: str) -> bool:
+    """Whether the configuration is run for the family (compiled ones for :data:`COMPILED_FAMILIES` only)."""
+    return config not in COMPILED or family in COMPILED_FAMILIES
 STEPS = 8
 
 
@@ -101,6 +113,10 @@ def judge(out: Path, family: str, config: str) -> Verdict:
             if not any(grad) and any(want) and param not in verdict.zeroed:
                 verdict.zeroed.append(param)
             worst_per_param[param] = max(worst, worst_per_param.get(param, 0.0))
+    if config in COMPILED:
+        for rank, run in enumerate(ranks(out, family, config)):
+            if run is not None:
+                verdict.problems += [f"rank {rank}: {problem}" for problem in compile_problems(run.get("compile"))]
     missing = sorted(set(reference["grads"]) - set(worst_per_param))
     if missing:
         verdict.problems.append(f"{len(missing)} parameters held by no rank, e.g. {missing[:3]}")
@@ -154,3 +170,27 @@ def _first_error(stderr: str) -> str | None:
         if re.match(r"^\w*(Error|Exception|Timeout)\w*:", line.strip()) or "Fatal Python error" in line:
             return line.strip()
     return None
+
+
+def compile_problems(stats: dict | None) -> list[str]:
+    """What the compiler counters of a rank with compiled blocks show wrong (``tests/jobs/zoo.py`` records them).
+
+    Every block the rank runs for real went through a compiled graph; graphs break only where a cut point hands
+    its tensor over (the compiler-disabled hand-over), never inside a block; nothing is compiled after the first
+    step (no recompilation per micro-batch or per stage).
+    """
+    if stats is None:
+        return ["no compiler counters recorded"]
+    problems = []
+    if stats["graphs_after_first_step"] < 1 or not stats["owned_blocks"]:
+        problems.append(f"no compiled graph for its blocks ({stats})")
+    if stats["uncompiled_owned_blocks"]:
+        never = stats["uncompiled_owned_blocks"]
+        problems.append(f"blocks it holds that never ran through their compiled call: {never}")
+    if stats["graphs_at_end"] != stats["graphs_after_first_step"]:
+        problems.append(f"recompiled after the first step: {stats['graphs_after_first_step']} graphs, then"
+                        f" {stats['graphs_at_end']}")
+    others = [reason for reason in stats["graph_breaks"] if "_report" not in reason]
+    if others:
+        problems.append(f"graph breaks other than at cut points: {others[:2]}")
+    return problems

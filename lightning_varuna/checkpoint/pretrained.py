@@ -13,7 +13,8 @@ Sources (:func:`open_weights`):
 The file's keys, with a prefix prepended, are matched against the whole model's ``state_dict`` keys and shapes
 (known on every rank), so a mismatch raises the same :class:`CheckpointError` on every rank before any tensor is
 read. A key the file lacks is filled from another key of the same tensor (Hugging Face omits an output head
-tied to the embedding).
+tied to the embedding). The keys of a transformers model are renamed first as transformers renames them when it
+loads (:mod:`~lightning_varuna.checkpoint.key_renames`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_varuna.checkpoint.key_renames import key_renamer
 from lightning_varuna.checkpoint.load import _agree, _few, check_files, single_process_quiet
 from lightning_varuna.checkpoint.state import CheckpointError
 from lightning_varuna.checkpoint.storage import META, Location
@@ -219,6 +221,7 @@ def _safetensors_keys(file: str) -> list[str]:
 
 def check_keys(
     weights: Weights, shapes: Mapping[str, Shape], aliases: Mapping[str, Sequence[str]], prefix: str, strict: bool,
+    rename: Callable[[str], str] | None = None,
 ) -> tuple[str | None, str | None, dict[str, str]]:
     """Matches the file's keys (``prefix`` + key) with the whole model's ``state_dict`` keys.
 
@@ -228,12 +231,14 @@ def check_keys(
         aliases: For each key, the other keys of the same tensor (a tied parameter registered twice).
         prefix: Prepended to the file's keys.
         strict: Whether missing and unexpected keys are an error (else a warning).
+        rename: Renames a file key before the prefix is prepended (transformers' renamings,
+            :func:`~lightning_varuna.checkpoint.key_renames.key_renamer`).
 
     Returns:
         ``(error, warning, source)``: the problem to raise, the one to warn about, and for each model key
         the file key it is loaded from (a key the file lacks from an alias the file has).
     """
-    found = {prefix + key: key for key in weights.shapes}
+    found = {prefix + (rename(key) if rename is not None else key): key for key in weights.shapes}
     source: dict[str, str] = {}
     for name in shapes:
         holder = next((n for n in (name, *aliases.get(name, ())) if n in found), None)
@@ -284,7 +289,7 @@ def load_initial_weights(
     source: dict[str, str] = {}
     try:
         weights = open_weights(path)
-        problem, note, source = check_keys(weights, shapes, aliases, prefix, strict)
+        problem, note, source = check_keys(weights, shapes, aliases, prefix, strict, key_renamer(module, prefix))
     except CheckpointError as err:
         problem = str(err)
     _agree(problem)

@@ -16,12 +16,14 @@ import faulthandler
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,15 +31,19 @@ from zoo_models import BATCH, FAMILIES, STEPS, ZooModule, dataset, save_weights 
 
 import lightning_varuna  # noqa: E402
 
-# configuration -> (P, micro-batches, batch per replica, precision, built in)
+# configuration -> (P, micro-batches, batch per replica, precision, built in, compiler backend of the blocks)
 CONFIGS = {
-    "p2": (2, 4, BATCH, "32-true", "init"),
-    "p4": (4, 4, BATCH, "32-true", "init"),
-    "p2d2": (2, 2, BATCH // 2, "32-true", "init"),
-    "meta-p2": (2, 4, BATCH, "32-true", "configure_model"),
-    "bf16-p2": (2, 4, BATCH, "bf16-mixed", "init"),
-    "ref": (1, 1, BATCH, "32-true", "init"),
-    "ref-bf16": (1, 1, BATCH, "bf16-mixed", "init"),
+    "p2": (2, 4, BATCH, "32-true", "init", None),
+    "p4": (4, 4, BATCH, "32-true", "init", None),
+    "p2d2": (2, 2, BATCH // 2, "32-true", "init", None),
+    "meta-p2": (2, 4, BATCH, "32-true", "configure_model", None),
+    "bf16-p2": (2, 4, BATCH, "bf16-mixed", "init", None),
+    "compiled-p2": (2, 4, BATCH, "32-true", "init", "aot_eager"),
+    "inductor-p2": (2, 4, BATCH, "32-true", "init", "inductor"),
+    "ref": (1, 1, BATCH, "32-true", "init", None),
+    "ref-bf16": (1, 1, BATCH, "bf16-mixed", "init", None),
+    "ref-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
+    "ref-inductor": (1, 1, BATCH, "32-true", "init", "inductor"),
 }
 HANG_S = 240  # a spec that takes longer dumps its stacks and ends the process
 
@@ -46,20 +52,52 @@ class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grads: dict[str, list[float]] = {}
+        self.compiled_calls: list[int] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == 0:
             self.grads = {n: p.grad.detach().float().flatten().tolist()
                           for n, p in pl_module.named_parameters() if p.grad is not None}
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.compiled_calls[:] = [0] * len(self.compiled_calls)  # the dry run's calls (run eagerly) do not count
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if trainer.global_step == 1:
+            self.graphs_after_first_step = counters["stats"]["unique_graphs"]
+
+
+def count_compiled_calls(blocks: list) -> list[int]:
+    """Counts, per block, the calls that go through its compiled call (``Module.compile``'s entry)."""
+    calls = [0] * len(blocks)
+    for i, block in enumerate(blocks):
+        compiled = block._compiled_call_impl
+
+        def counted(*args, i=i, compiled=compiled, **kwargs):
+            calls[i] += 1
+            return compiled(*args, **kwargs)
+
+        block._compiled_call_impl = counted
+    return calls
+
+
+def compile_stats(recorder: Recorder, blocks: list, calls: list[int]) -> dict:
+    """The compiler's counters, and whether each block this rank holds ran through its compiled call."""
+    owned = [i for i, block in enumerate(blocks) if next(block.parameters(), None) is not None]
+    return {
+        "graphs_after_first_step": recorder.graphs_after_first_step,
+        "graphs_at_end": counters["stats"]["unique_graphs"],
+        "graph_breaks": sorted(" ".join(reason.split())[:300] for reason in counters["graph_break"]),
+        "owned_blocks": owned,
+        "uncompiled_owned_blocks": [i for i in owned if calls[i] == 0],
+    }
 
 
 def run(out: Path, spec: str) -> None:
     family_name, _, config = spec.partition(":")
     family = FAMILIES[family_name]
-    stages, microbatches, batch, precision, build_in = CONFIGS[config]
+    stages, microbatches, batch, precision, build_in, backend = CONFIGS[config]
     reference = config.startswith("ref")
     weights = out / "weights" / family_name
     if reference and config == "ref":
@@ -90,9 +128,18 @@ def run(out: Path, spec: str) -> None:
         use_distributed_sampler=not reference,
     )
     model = ZooModule(family_name, build_in)
+    blocks = list(model.get_submodule(family.cut_at)) if backend is not None else []
+    if backend is not None:
+        torch._dynamo.reset()
+        counters.clear()
+        for block in blocks:  # as torchtitan compiles: each block in place
+            block.compile(backend=backend)
+    calls = recorder.compiled_calls = count_compiled_calls(blocks)
     start = time.monotonic()
     trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler))
     result = {"losses": recorder.losses, "grads": recorder.grads, "seconds": time.monotonic() - start}
+    if backend is not None:
+        result["compile"] = compile_stats(recorder, blocks, calls)
     if not reference:
         topology = trainer.strategy.topology
         result.update(stage=topology.stage, replica=topology.replica, data_size=topology.data_size)
@@ -101,6 +148,8 @@ def run(out: Path, spec: str) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    # inductor compiles from scratch: a fresh cache per process
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="varuna-inductor-")
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
