@@ -2,10 +2,11 @@
 
 from lightning_varuna.checkpoint import CheckpointError
 from lightning_varuna.pipeline import CutPoint, CutPointError, PartitionError, PipelineEngine, PipelineError
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = [
     "CheckpointError", "CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError",
-    "VarunaStrategy", "load_from_checkpoint",
+    "VarunaStrategy", "VarunaWarning", "load_from_checkpoint",
 ]
 __version__ = "0.1.0"
 

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_varuna.patches import InstancePatches, hand_over_dataloader
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = ["ElasticBatchSampler", "ResumableDataLoader", "check_global_batch", "make_resumable",
            "resumable_training_loader", "sample_batch"]
@@ -273,7 +274,7 @@ def resumable_training_loader(
                 " custom sampler or batch_sampler) and keep Trainer(use_distributed_sampler=True), or drop"
                 " global_batch_size and set the DataLoader's batch_size to the per-replica batch."
             )
-        rank_zero_warn(_not_resumable(dataloader, num_replicas))
+        rank_zero_warn(_not_resumable(dataloader, num_replicas), category=VarunaWarning)
         return dataloader
     if batch_size is not None and batch_size != dataloader.batch_size:
         rank_zero_info(

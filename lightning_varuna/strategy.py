@@ -42,6 +42,7 @@ from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 from lightning_varuna.pipeline_setup import Pipeline, boundary_dtype, build_pipeline, new_engine
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.processes import (
@@ -368,7 +369,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         if loss is not None:
             return loss
         self._pipeline.engine.discard_gradient_sync()  # the same on every replica: they agreed on the skip
-        rank_zero_warn("`training_step` returned `None`. If this was on purpose, ignore this warning...")
+        rank_zero_warn("`training_step` returned `None`. If this was on purpose, ignore this warning...",
+                       category=VarunaWarning)
         return torch.full((), float("nan"), device=self.root_device)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -76,8 +76,11 @@ def runs(tmp_path_factory) -> Path:
     return out
 
 
-def _ranks(out: Path, name: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}.rank*.json"))]
+def _ranks(out: Path, name: str, count: int) -> list[dict]:
+    """The results of every rank of job ``name``, which ran ``count`` processes (a missing rank fails the test)."""
+    results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}.rank*.json"))]
+    assert len(results) == count, f"{name}: {len(results)} result files, {count} ranks"
+    return results
 
 
 def _assert_close(got: list[float], want: list[float], what: str) -> None:
@@ -91,10 +94,9 @@ def _assert_close(got: list[float], want: list[float], what: str) -> None:
 def test_pretrained_weights_give_the_plain_runs_losses(runs: Path, name: str, ranks: int) -> None:
     """A torch.save'd file (P=2), and a sharded Hugging Face folder without the tied head into the wrapped model
     (P=2 x D=2), loaded per stage into a model built on meta: the losses of the plain run that loaded the file."""
-    reference = _ranks(runs, "reference")[0]
+    reference = _ranks(runs, "reference", 1)[0]
     assert len(reference["losses"]) == 8
-    results = _ranks(runs, name)
-    assert len(results) == ranks
+    results = _ranks(runs, name, ranks)
     held: dict[str, list[float]] = {}
     for rank, run in enumerate(results):
         _assert_close(run["losses"], reference["losses"], f"{name} rank {rank}")
@@ -108,20 +110,20 @@ def test_pretrained_weights_give_the_plain_runs_losses(runs: Path, name: str, ra
 
 @pytest.mark.slow
 def test_strategy_initialization_does_not_depend_on_the_layout(runs: Path) -> None:
-    p2, p4 = _ranks(runs, "init-p2"), _ranks(runs, "init-p4")
+    p2, p4 = _ranks(runs, "init-p2", 2), _ranks(runs, "init-p4", 4)
     _assert_close(p4[0]["losses"], p2[0]["losses"], "P=4 vs P=2")
     merged2 = {k: v for run in p2 for k, v in run["initial"].items()}
     merged4 = {k: v for run in p4 for k, v in run["initial"].items()}
     assert merged2 == merged4, "the same initial weights under P=2 and P=4"
-    reference = _ranks(runs, "reference")[0]
+    reference = _ranks(runs, "reference", 1)[0]
     assert merged2["model.inv_freq"] == reference["initial"]["model.inv_freq"], "the buffer built at construction"
     assert merged2["model.wte.weight"] != reference["initial"]["model.wte.weight"]
 
 
 @pytest.mark.slow
 def test_resuming_a_meta_built_run_under_another_layout_takes_the_checkpoints_weights(runs: Path) -> None:
-    uninterrupted = _ranks(runs, "init-p2")[0]["losses"]
-    for rank, run in enumerate(_ranks(runs, "resume-p4")):
+    uninterrupted = _ranks(runs, "init-p2", 2)[0]["losses"]
+    for rank, run in enumerate(_ranks(runs, "resume-p4", 4)):
         _assert_close(run["losses"], uninterrupted[4:], f"resumed rank {rank}")
 
 
@@ -136,8 +138,7 @@ def test_weights_that_do_not_fit_fail_on_every_rank_with_the_names(runs: Path, j
                                                                     messages: list[str]) -> None:
     import re
 
-    results = _ranks(runs, job)
-    assert len(results) == ranks
+    results = _ranks(runs, job, ranks)
     for rank, run in enumerate(results):
         assert run["error"].startswith("CheckpointError: initial_weights"), f"rank {rank}: {run['error']}"
         for message in messages:

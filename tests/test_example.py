@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import run_checked
+from launch import _env, run_checked
 
 # the CLI reads a number given on the command line as a float: "1" would be 1.0, every validation batch; "2" is
 # 2.0, which Lightning takes as 2 batches
@@ -15,16 +15,19 @@ SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--tra
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    # the example runs clean: any warning of ours is an error, in every rank (Lightning's launcher passes the
+    # environment on)
     command = [sys.executable, "examples/gpt/train.py", *args]
-    result = run_checked(command, timeout)
+    result = run_checked(command, timeout, env={**_env(), "PYTHONWARNINGS": "error::lightning_varuna.VarunaWarning"})
     assert result.returncode == 0, f"{' '.join(command)}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["config.yaml", "config_registered.yaml"])
-def test_example_trains_on_four_processes(config: str) -> None:
-    result = _cli("fit", "--config", f"examples/gpt/{config}", *SHORT)
+def test_example_trains_on_four_processes(config: str, tmp_path) -> None:
+    result = _cli("fit", "--config", f"examples/gpt/{config}", *SHORT,
+                  "--trainer.callbacks.dirpath", str(tmp_path / "checkpoints"))
     output = result.stdout + result.stderr
     assert "VarunaStrategy:" in output and "replica(s)" in output
     assert "`Trainer.fit` stopped: `max_steps=4` reached." in output

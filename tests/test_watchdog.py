@@ -89,11 +89,13 @@ def test_a_dead_rank_ends_every_other_rank_naming_it(server) -> None:
             assert rank.verdict is not None and rank.verdict.origin == 2, rank.verdict
             assert rank.verdict.text.startswith("rank 2 died: its connection to rank ")
             assert rank.cleaned
-    # only the dead rank's neighbours saw it; the others were told by theirs
-    assert {r.verdict.text for r in ranks if r is not ranks[2]} == {
+    # only the dead rank's neighbours saw it (both, or one whose word reached the other first); the others were
+    # told by them: no other connection is named
+    texts = {r.verdict.text for r in ranks if r is not ranks[2]}
+    assert texts and texts <= {
         "rank 2 died: its connection to rank 1 closed while the job was running",
         "rank 2 died: its connection to rank 3 closed while the job was running",
-    } or len({r.verdict.text for r in ranks if r is not ranks[2]}) == 1
+    }, texts
 
 
 def test_a_rank_that_said_goodbye_may_go_and_idle_ranks_stay(server) -> None:

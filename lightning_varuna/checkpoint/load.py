@@ -38,6 +38,7 @@ from lightning_varuna.checkpoint.state import (
 )
 from lightning_varuna.checkpoint.storage import INDEX, META, Location, is_complete, read_meta, single_process_quiet
 from lightning_varuna.fault.failures import raised_on_every_rank
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = ["check_files", "load", "read_everything", "read_items", "resolve"]
 
@@ -89,7 +90,7 @@ def load(
         except CheckpointError as err:
             failures.append(str(err))
             if i + 1 < len(candidates):  # every rank says so: a rank's log may be the only one read
-                warnings.warn(f"{err} Falling back to {candidates[i + 1]}.", stacklevel=2)
+                warnings.warn(f"{err} Falling back to {candidates[i + 1]}.", VarunaWarning, stacklevel=2)
     if len(candidates) == 1:
         raise raised_on_every_rank(CheckpointError(failures[0]))
     tried = " ".join(f"({n}) {failure}" for n, failure in enumerate(failures[1:], 2))
@@ -133,7 +134,7 @@ def _load_one(
 ) -> dict[str, Any]:
     loc, note = resolve(Location.of(path))
     if note is not None:
-        warnings.warn(note, stacklevel=3)
+        warnings.warn(note, VarunaWarning, stacklevel=3)
     if loc.exists() and not loc.isdir():
         return _load_plain(loc, module, optimizers, full_names, weights_only)
     problem, meta, index = _check_directory(loc, weights_only, verify)

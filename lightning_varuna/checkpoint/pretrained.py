@@ -36,6 +36,7 @@ from lightning_varuna.checkpoint.key_renames import key_renamer
 from lightning_varuna.checkpoint.load import _agree, _few, check_files, single_process_quiet
 from lightning_varuna.checkpoint.state import CheckpointError
 from lightning_varuna.checkpoint.storage import META, Location
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = ["InitialWeights", "ModelLayout", "Weights", "check_keys", "load_initial_weights", "open_weights"]
 
@@ -295,7 +296,7 @@ def load_initial_weights(
     _agree(problem)
     assert weights is not None
     if note is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        warnings.warn(note, stacklevel=2)
+        warnings.warn(note, VarunaWarning, stacklevel=2)
     targets: dict[str, list[Tensor]] = {}
     seen: set[int] = set()
     for name, tensor in module.state_dict(keep_vars=True).items():

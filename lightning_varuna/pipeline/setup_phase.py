@@ -39,6 +39,7 @@ from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, P2PTraceWrit
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = ["SetupPhase"]
 
@@ -160,6 +161,7 @@ class SetupPhase:
                 f"Stage {self.topology.stage}: the parameters of {', '.join(sorted(missing))} were materialized as"
                 " zeros: these modules have no reset_parameters() and no param_init_fn was given. Give a"
                 " param_init_fn that initializes a module's own parameters, or load pretrained weights.",
+                VarunaWarning,
                 stacklevel=3,
             )
 

@@ -32,6 +32,7 @@ from lightning_varuna.fault.failures import check_job, waiting_on_peers
 from lightning_varuna.fault.watchdog import current_watchdog
 from lightning_varuna.patches import InstancePatches, take_over_sigterm
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -190,7 +191,8 @@ class PreemptionWatch:
             for signum in self.kinds:
                 self._previous.setdefault(signum, signal.signal(signum, self._on_signal))
         else:
-            rank_zero_warn("VarunaStrategy: not in the main thread, so preemption signals are not handled.")
+            rank_zero_warn("VarunaStrategy: not in the main thread, so preemption signals are not handled.",
+                           category=VarunaWarning)
         if self.notice is not None and self._thread is None:
             self._stopping = threading.Event()  # one per thread: a thread still in a request sees its own
             self._thread = threading.Thread(
@@ -274,7 +276,8 @@ class PreemptionGuard:
             rank_zero_warn(
                 f"VarunaStrategy: no ModelCheckpoint callback, so a preemption writes its checkpoint to"
                 f" {self.checkpoint_path()}, where `ckpt_path='last'` does not look. Add"
-                " `ModelCheckpoint(dirpath=...)` to resume with `ckpt_path='last'`."
+                " `ModelCheckpoint(dirpath=...)` to resume with `ckpt_path='last'`.",
+                category=VarunaWarning,
             )
         self.watch.start()
 
