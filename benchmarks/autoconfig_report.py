@@ -119,39 +119,23 @@ def render(out: dict) -> str:
 
 def scatter_png(out: dict, path: Path) -> None:
     """Predicted (x) against measured (y) step time, one square per configuration coloured by P, and y = x."""
-    from lightning_varuna.pipeline.timelines.png import Canvas
+    from matplotlib.figure import Figure
 
     rows = out["rows"]
-    values = [v for r in rows for v in (r["predicted_step_s"], r["measured_step_s"])]
+    values = [v * 1e3 for r in rows for v in (r["predicted_step_s"], r["measured_step_s"])]
     low, high = min(values) * 0.95, max(values) * 1.03
-    size, margin = 600, 70
-    canvas = Canvas(size + 2 * margin, size + 2 * margin)
-
-    def scaled(seconds: float) -> float:
-        return (seconds - low) / (high - low) * size
-
-    def xy(predicted: float, measured: float) -> tuple[float, float]:
-        return margin + scaled(predicted), margin + size - scaled(measured)
-
-    for k in range(size):  # the diagonal y = x
-        canvas.rect(margin + k, margin + size - k - 1, margin + k + 1, margin + size - k, (200, 200, 200))
-    canvas.rect(margin, margin + size, margin + size, margin + size + 1, (0, 0, 0))
-    canvas.rect(margin - 1, margin, margin, margin + size, (0, 0, 0))
-    for i in range(5):
-        seconds = low + (high - low) * i / 4
-        label = f"{seconds * 1e3:.0f}"
-        canvas.text(margin + scaled(seconds) - canvas.text_width(label) / 2, margin + size + 6, label)
-        canvas.text(margin - canvas.text_width(label) - 6, margin + size - scaled(seconds) - 3, label)
-    colors = {1: (52, 168, 83), 2: (66, 133, 244), 4: (234, 67, 53)}
+    figure = Figure(figsize=(7, 7), dpi=100, layout="constrained")
+    ax = figure.subplots()
+    ax.plot([low, high], [low, high], color="0.8", zorder=0)
+    colors = {1: "tab:green", 2: "tab:blue", 4: "tab:red"}
     for r in rows:
-        x, y = xy(r["predicted_step_s"], r["measured_step_s"])
-        color = colors.get(r["P"], (0, 0, 0))
-        canvas.rect(x - 3, y - 3, x + 4, y + 4, color if r["predicted_fits"] else (180, 180, 180))
+        ax.scatter(r["predicted_step_s"] * 1e3, r["measured_step_s"] * 1e3, marker="s", s=30,
+                   color=colors.get(r["P"], "black") if r["predicted_fits"] else "0.7")
     chosen = next(r for r in rows if r["predicted_fits"])
-    x, y = xy(chosen["predicted_step_s"], chosen["measured_step_s"])
-    canvas.rect(x - 6, y - 6, x + 7, y - 5, (0, 0, 0))
-    canvas.rect(x - 6, y + 6, x + 7, y + 7, (0, 0, 0))
-    canvas.text(margin, 10, f"step time, ms: predicted (x) against measured (y); kendall tau "
-                            f"{out['summary']['kendall_tau']:.2f}")
-    canvas.text(margin, 24, "P=1 green, P=2 blue, P=4 red; grey: predicted over the memory limit; bars: chosen")
-    canvas.save(path)
+    ax.scatter(chosen["predicted_step_s"] * 1e3, chosen["measured_step_s"] * 1e3, marker="s", s=160,
+               facecolors="none", edgecolors="black", label="chosen")
+    ax.set(xlim=(low, high), ylim=(low, high), xlabel="predicted step time, ms", ylabel="measured step time, ms",
+           title=f"kendall tau {out['summary']['kendall_tau']:.2f}\nP=1 green, P=2 blue, P=4 red;"
+                 " grey: predicted over the memory limit")
+    ax.legend(loc="upper left")
+    figure.savefig(path)

@@ -17,7 +17,7 @@ import sys
 import warnings
 from types import CodeType, ModuleType
 
-__all__ = ["MOVED", "OldPaths", "install"]
+__all__ = ["MOVED", "REMOVED", "OldPaths", "install"]
 
 MOVED = {
     "lightning_varuna.pipeline.cut": "lightning_varuna.pipeline.model.cut",
@@ -45,7 +45,6 @@ MOVED = {
     "lightning_varuna.pipeline.profiler": "lightning_varuna.pipeline.planning.profiler",
     "lightning_varuna.pipeline.segment_profiler": "lightning_varuna.pipeline.planning.segment_profiler",
     "lightning_varuna.pipeline.timeline": "lightning_varuna.pipeline.timelines.timeline",
-    "lightning_varuna.pipeline.png": "lightning_varuna.pipeline.timelines.png",
     "lightning_varuna.pipeline.failures": "lightning_varuna.fault.failures",
     "lightning_varuna.pipeline.watchdog": "lightning_varuna.fault.watchdog",
     "lightning_varuna.checkpoint.convert": "lightning_varuna.checkpoint.plain_format",
@@ -61,6 +60,12 @@ MOVED = {
 }
 """Old module path -> new module path."""
 
+REMOVED = {
+    "lightning_varuna.pipeline.png": "timeline pictures are drawn with matplotlib: use"
+                                     " lightning_varuna.pipeline.timelines.picture.render_png",
+}
+"""Old module path -> what replaced it (importing it raises ``ImportError`` saying so)."""
+
 
 class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old paths of :data:`MOVED`; loading one warns and gives the module at its new path."""
@@ -71,6 +76,8 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname: str, path: object = None,
                   target: object = None) -> importlib.machinery.ModuleSpec | None:
         """A spec of this loader for an old path; None for any other module."""
+        if fullname in REMOVED:
+            raise ImportError(f"{fullname} was removed: {REMOVED[fullname]}.", name=fullname)
         if fullname not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)

@@ -56,7 +56,8 @@ from lightning_varuna.pipeline.planning.choice import AutoConfig, plan
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE, format_bytes, parse_bytes
 from lightning_varuna.pipeline.planning.profile_data import Network, Profile, ProfileError, default_network
 from lightning_varuna.pipeline.planning.search import Candidate, Cluster, PlanError, format_table
-from lightning_varuna.pipeline.timelines.timeline import predicted_events, render_png, write_chrome_trace
+from lightning_varuna.pipeline.timelines.picture import render_png
+from lightning_varuna.pipeline.timelines.timeline import predicted_events, write_chrome_trace
 from lightning_varuna.pipeline_setup import boundary_dtype
 from lightning_varuna.reports import optimizer_spec
 from lightning_varuna.strategy import VarunaStrategy

@@ -23,11 +23,11 @@ from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.planning.choice import AutoConfig, OptimizerSpec
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE
 from lightning_varuna.pipeline.planning.search import format_table
+from lightning_varuna.pipeline.timelines.picture import has_matplotlib, render_png
 from lightning_varuna.pipeline.timelines.timeline import (
     TimelineEvent,
     pipeline_metrics,
     predicted_events,
-    render_png,
     write_chrome_trace,
 )
 
@@ -147,5 +147,9 @@ class TimelineOutput:
             predicted = predicted_events(autoconfig.prediction())
             write_chrome_trace(self.directory / "timeline_predicted.json", predicted, "predicted")
             panels.insert(0, (f"predicted: {autoconfig.chosen.describe()}", predicted))
-        render_png(self.directory / "timeline.png", panels)
-        rank_zero_info(f"VarunaStrategy: timeline written to {self.directory}")
+        picture = ""
+        if has_matplotlib():
+            render_png(self.directory / "timeline.png", panels)
+        else:
+            picture = " (no timeline.png: pictures need matplotlib, pip install 'lightning-varuna[viz]')"
+        rank_zero_info(f"VarunaStrategy: timeline written to {self.directory}{picture}")

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_varuna.old_paths import MOVED
+from lightning_varuna.old_paths import MOVED, REMOVED
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_varuna"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
@@ -269,3 +269,9 @@ def test_patches_are_undone_at_teardown_and_a_later_trainer_is_stock_lightning(t
     handlers = getattr(handler, "signal_handlers", [handler])
     assert any(getattr(h, "__self__", None).__class__ is _SignalConnector for h in handlers), handler
     assert not hasattr(plain._checkpoint_connector, "_varuna_requested_ckpt_path")
+
+
+@pytest.mark.parametrize("old", sorted(REMOVED))
+def test_a_removed_module_path_says_what_replaced_it(old: str) -> None:
+    with pytest.raises(ImportError, match=f"{old} was removed: .*use lightning_varuna"):
+        importlib.import_module(old)

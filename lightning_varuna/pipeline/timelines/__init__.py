@@ -1,4 +1,5 @@
-"""Timelines of pipeline steps, predicted or recorded: Chrome traces, metrics, PNGs.
+"""Timelines of pipeline steps, predicted or recorded: Chrome traces, metrics, pictures.
 
-Modules: :mod:`~.timeline`, :mod:`~.png` (PNGs drawn with the standard library).
+Modules: :mod:`~.timeline` (events, Chrome traces, metrics), :mod:`~.picture` (PNGs drawn with matplotlib, the
+optional ``viz`` extra).
 """

@@ -1,12 +1,12 @@
-"""Timelines of pipeline steps: what each stage did when, as a Chrome trace, a PNG, and per-step metrics.
+"""Timelines of pipeline steps: what each stage did when, as a Chrome trace, and per-step metrics.
 
 A timeline is a list of :class:`TimelineEvent` (a stage's task, a wait for a message, a send, the gradient sync,
 the optimizer step), predicted by the planner (:func:`predicted_events`) or recorded while training
 (:class:`TimelineRecorder`, a recorder of the executor's event hook, :mod:`~lightning_varuna.pipeline.runtime.events`).
 :func:`chrome_trace` gives the JSON that ``chrome://tracing`` and Perfetto (ui.perfetto.dev) open, one process per
 replica and a track per stage (sends and gradient sync on tracks of their own, since they overlap the tasks);
-:func:`render_png` draws stages as rows, several timelines one above the other on one time scale (predicted
-and executed); :func:`step_metrics` gives the bubble fraction and each stage's busy time.
+:func:`~lightning_varuna.pipeline.timelines.picture.render_png` draws them (matplotlib); :func:`step_metrics` gives
+the bubble fraction and each stage's busy time.
 
 The bubble fraction of a step is ``1 - sum(busy) / (P * span)``: busy is a stage's time in forward, recompute and
 backward tasks less the waits for messages inside them, and span runs from the first task's start to the last
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import os
 import time
 from collections import deque
@@ -29,16 +28,16 @@ from typing import Any
 
 from lightning_varuna.pipeline.planning.search import Prediction
 from lightning_varuna.pipeline.runtime.events import Event, EventKind, PostedOp
-from lightning_varuna.pipeline.timelines.png import GLYPH_HEIGHT, Canvas, Color
 
 __all__ = ["COLORS", "KINDS", "StepSpan", "TimelineEvent", "TimelineRecorder", "chrome_trace", "pipeline_metrics",
-           "predicted_events", "render_png", "step_metrics", "step_span", "write_chrome_trace"]
+           "predicted_events", "step_metrics", "step_span", "write_chrome_trace"]
 
 KINDS: tuple[str, ...] = ("F", "R", "B", "wait", "send", "sync", "optimizer")
 """Forward, recompute and backward of a micro-batch; a wait for a message; a send; the gradient sync; the
 optimizer step."""
 TASKS = frozenset({"F", "R", "B"})
 _TRACKS = {"send": 1000, "sync": 2000}  # Chrome trace thread offsets of the kinds that overlap tasks
+Color = tuple[int, int, int]
 COLORS: dict[str, Color] = {
     "F": (66, 133, 244), "R": (251, 188, 5), "B": (52, 168, 83), "wait": (225, 225, 225),
     "send": (156, 39, 176), "sync": (234, 67, 53), "optimizer": (110, 110, 110),
@@ -264,79 +263,3 @@ class TimelineRecorder:
             self._current = []
 
 
-# -- PNG ------------------------------------------------------------------------------------------------------
-_ROW, _GAP, _LEFT, _RIGHT, _TITLE, _AXIS = 16, 3, 90, 20, 18, 22
-
-
-def render_png(path: str | os.PathLike, panels: Sequence[tuple[str, Sequence[TimelineEvent]]],
-               width: int = 1200) -> None:
-    """Draws timelines one above the other, each stage a row, on one time scale; writes a PNG.
-
-    Args:
-        path: The PNG file to write.
-        panels: ``(title, events)`` per timeline, e.g. ``[("predicted", ...), ("executed", ...)]``; each panel's
-            time starts at its earliest event.
-        width: Pixels across.
-    """
-    spans = [_extent(events) for _, events in panels]
-    scale_s = max((end - start for start, end in spans), default=0.0) or 1.0
-    rows = [sorted({(e.replica, e.stage) for e in events}) for _, events in panels]
-    height = 2 * _TITLE + sum(_TITLE + len(r) * (_ROW + _GAP) + _AXIS for r in rows)
-    canvas = Canvas(width, max(height, 40))
-    _legend(canvas)
-    plot = width - _LEFT - _RIGHT
-    y = 2 * _TITLE
-    for (title, events), (origin, _), lanes in zip(panels, spans, rows, strict=True):
-        canvas.text(4, y + 4, title)
-        y += _TITLE
-        lane_y = {lane: y + i * (_ROW + _GAP) for i, lane in enumerate(lanes)}
-        replicas = {replica for replica, _ in lanes}
-        for (replica, stage), top in lane_y.items():
-            label = f"stage {stage}" if len(replicas) == 1 else f"d{replica} stage {stage}"
-            canvas.text(4, top + (_ROW - GLYPH_HEIGHT) / 2, label)
-            canvas.rect(_LEFT, top, _LEFT + plot, top + _ROW, (245, 245, 245))
-        for e in sorted(events, key=lambda e: e.kind not in TASKS):  # waits and sends inset, on top of tasks
-            top = lane_y[(e.replica, e.stage)]
-            x0 = _LEFT + (e.start - origin) / scale_s * plot
-            x1 = max(x0 + 1, _LEFT + (e.end - origin) / scale_s * plot)
-            inset = 0 if e.kind in TASKS else 3
-            canvas.rect(x0, top + inset, x1, top + _ROW - inset, COLORS.get(e.kind, (0, 0, 0)))
-            label = str(e.microbatch) if e.kind in TASKS and e.microbatch is not None else ""
-            if label and x1 - x0 >= canvas.text_width(label) + 2:
-                canvas.text(x0 + 2, top + (_ROW - GLYPH_HEIGHT) / 2, label, (255, 255, 255))
-        y += len(lanes) * (_ROW + _GAP)
-        _axis(canvas, y, plot, scale_s)
-        y += _AXIS
-    canvas.save(path)
-
-
-def _extent(events: Sequence[TimelineEvent]) -> tuple[float, float]:
-    if not events:
-        return 0.0, 0.0
-    return min(e.start for e in events), max(e.end for e in events)
-
-
-def _legend(canvas: Canvas) -> None:
-    x = 4
-    for kind in KINDS:
-        canvas.rect(x, 6, x + 10, 16, COLORS[kind])
-        x = canvas.text(x + 14, 8, kind) + 14
-
-
-def _axis(canvas: Canvas, y: int, plot: int, scale_s: float) -> None:
-    canvas.rect(_LEFT, y + 1, _LEFT + plot, y + 2, (0, 0, 0))
-    tick = _tick(scale_s)
-    value = 0.0
-    while value <= scale_s + 1e-12:
-        x = _LEFT + value / scale_s * plot
-        canvas.rect(x, y + 1, x + 1, y + 6, (0, 0, 0))
-        canvas.text(x - 6, y + 9, f"{round(value * 1e3, 6):g} ms")
-        value += tick
-    canvas.rect(0, y + 20, canvas.width, y + 21, (200, 200, 200))
-
-
-def _tick(span_s: float) -> float:
-    """A round tick spacing (1, 2 or 5 times a power of ten) giving at most 8 ticks over ``span_s``."""
-    raw = span_s / 8
-    magnitude = 10 ** math.floor(math.log10(raw))
-    return next(f * magnitude for f in (1, 2, 5, 10) if f * magnitude >= raw)
