@@ -179,13 +179,42 @@ def save_weights(family: Family, folder: Path) -> None:
         model.save_pretrained(folder)
 
 
+LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
+"""The modules LoRA adapts, per family that runs with adapters."""
+
+
+def with_variant(model: nn.Module, family: str, variant: str | None) -> nn.Module:
+    """The model as a variant runs it: ``"lora"`` (peft adapters, base frozen), ``"checkpointing"`` (Hugging Face's
+    own ``gradient_checkpointing_enable()``), or as built."""
+    if variant == "checkpointing":
+        model.gradient_checkpointing_enable()
+    elif variant == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS[family]))
+        generator = torch.Generator().manual_seed(SEED + 1)
+        for name, param in model.named_parameters():  # peft starts B at zero: A would get no gradient at step 1
+            if "lora_B" in name:
+                with torch.no_grad():
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def variant_cut_at(cut_at: str, variant: str | None) -> str:
+    """The block list's path once the variant wrapped the model (peft puts it under ``base_model.model``)."""
+    return cut_at.replace("model.", "model.base_model.model.", 1) if variant == "lora" else cut_at
+
+
 class ZooModule(pl.LightningModule):
     """Any family as a LightningModule: ``self.model`` is the third-party model, the loss its own."""
 
-    def __init__(self, family: str, build_in: str = "init") -> None:
+    def __init__(self, family: str, build_in: str = "init", variant: str | None = None) -> None:
         super().__init__()
         self.family = FAMILIES[family]
-        self.model: nn.Module | None = build(self.family) if build_in == "init" else None
+        self.model: nn.Module | None = None
+        if build_in == "init":
+            self.model = with_variant(build(self.family), family, variant)
 
     def configure_model(self) -> None:
         if self.model is None:  # under VarunaStrategy: parameters on meta
@@ -212,7 +241,7 @@ class ZooModule(pl.LightningModule):
         return self.model(input_ids=ids, labels=ids).loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=LR)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR)
 
 
 def describe() -> str:

@@ -22,10 +22,14 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "bf16-p2": (2, "ref-bf16", 2e-2, None),
     "compiled-p2": (2, "ref-compiled", 5e-4, 1e-5),
     "inductor-p2": (2, "ref-inductor", 5e-4, 1e-5),
+    "lora-p2": (2, "ref-lora", 5e-4, 1e-5),
+    "checkpointing-p2": (2, "ref-checkpointing", 5e-4, 1e-5),
 }
+ONLY = {"compiled-p2": ("gpt2", "llama", "litgpt", "litgpt_llama"),
+        "inductor-p2": ("gpt2", "llama", "litgpt", "litgpt_llama"),
+        "lora-p2": ("gpt2", "llama"), "checkpointing-p2": ("gpt2", "llama")}
+"""Configurations run for some families only."""
 COMPILED = ("compiled-p2", "inductor-p2")
-COMPILED_FAMILIES = ("gpt2", "llama", "litgpt", "litgpt_llama")
-"""The families whose blocks are also compiled (``block.compile()`` each, as torchtitan does)."""
 DESCRIPTIONS = {
     "p2": "P=2, built in `__init__`",
     "p4": "P=4, built in `__init__`",
@@ -34,13 +38,15 @@ DESCRIPTIONS = {
     "bf16-p2": "P=2, bf16-mixed",
     "compiled-p2": "P=2, blocks compiled (`aot_eager`)",
     "inductor-p2": "P=2, blocks compiled (`inductor`)",
+    "lora-p2": "P=2, peft LoRA adapters, base frozen",
+    "checkpointing-p2": "P=2, `gradient_checkpointing_enable()`",
 }
 CI_CONFIGS = ("p2", "compiled-p2")  # what CI runs of each family; the others with VARUNA_ZOO=full or -m zoo
 
 
 def applies(family: str, config: str) -> bool:
-    """Whether the configuration is run for the family (compiled ones for :data:`COMPILED_FAMILIES` only)."""
-    return config not in COMPILED or family in COMPILED_FAMILIES
+    """Whether the configuration is run for the family (see :data:`ONLY`)."""
+    return family in ONLY.get(config, (family,))
 STEPS = 8
 
 

@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo_models import BATCH, FAMILIES, STEPS, ZooModule, dataset, save_weights  # noqa: E402
+from zoo_models import BATCH, FAMILIES, STEPS, ZooModule, dataset, save_weights, variant_cut_at  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 
@@ -44,7 +44,14 @@ CONFIGS = {
     "ref-bf16": (1, 1, BATCH, "bf16-mixed", "init", None),
     "ref-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
     "ref-inductor": (1, 1, BATCH, "32-true", "init", "inductor"),
+    "lora-p2": (2, 4, BATCH, "32-true", "init", None),
+    "checkpointing-p2": (2, 4, BATCH, "32-true", "init", None),
+    "ref-lora": (1, 1, BATCH, "32-true", "init", None),
+    "ref-checkpointing": (1, 1, BATCH, "32-true", "init", None),
 }
+VARIANTS = {"lora-p2": "lora", "ref-lora": "lora", "checkpointing-p2": "checkpointing",
+            "ref-checkpointing": "checkpointing"}
+"""Configurations whose model is wrapped (peft LoRA) or set up (HF gradient checkpointing) as users do."""
 HANG_S = 240  # a spec that takes longer dumps its stacks and ends the process
 
 
@@ -108,7 +115,9 @@ def run(out: Path, spec: str) -> None:
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
     # split by parameter counts: the same stages in every run (a split by measured time moves with the machine's
     # load, and with it which layers a stage-dependent defect reaches)
-    options = dict(pipeline_parallel_size=stages, num_microbatches=microbatches, cut_at=family.cut_at,
+    variant = VARIANTS.get(config)
+    options = dict(pipeline_parallel_size=stages, num_microbatches=microbatches,
+                   cut_at=variant_cut_at(family.cut_at, variant),
                    partition="params", p2p_timeout=60.0)
     if build_in == "configure_model":
         options.update(initial_weights=str(weights), initial_weights_prefix="model.")
@@ -127,7 +136,7 @@ def run(out: Path, spec: str) -> None:
         callbacks=[recorder],
         use_distributed_sampler=not reference,
     )
-    model = ZooModule(family_name, build_in)
+    model = ZooModule(family_name, build_in, variant)
     blocks = list(model.get_submodule(family.cut_at)) if backend is not None else []
     if backend is not None:
         torch._dynamo.reset()
