@@ -225,6 +225,18 @@ class ZooModule(pl.LightningModule):
         self.log("train_loss", loss, sync_dist=True)  # under D > 1 the mean over the replicas, as the plain run
         return loss
 
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx: int) -> Tensor:
+        """The logits (for a token model, of every position)."""
+        kind = self.family.kind
+        if kind == "image":
+            return self.model(pixel_values=batch[0]).logits
+        if kind == "litgpt":
+            return self.model(batch[0][:, :-1])
+        return self.model(input_ids=batch[0]).logits
+
     def _loss(self, batch) -> Tensor:
         kind = self.family.kind
         if kind == "image":

@@ -24,10 +24,12 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "inductor-p2": (2, "ref-inductor", 5e-4, 1e-5),
     "lora-p2": (2, "ref-lora", 5e-4, 1e-5),
     "checkpointing-p2": (2, "ref-checkpointing", 5e-4, 1e-5),
+    "eval-p2": (2, "ref", 5e-4, 1e-5),
 }
 ONLY = {"compiled-p2": ("gpt2", "llama", "litgpt", "litgpt_llama"),
         "inductor-p2": ("gpt2", "llama", "litgpt", "litgpt_llama"),
-        "lora-p2": ("gpt2", "llama"), "checkpointing-p2": ("gpt2", "llama")}
+        "lora-p2": ("gpt2", "llama"), "checkpointing-p2": ("gpt2", "llama"),
+        "eval-p2": ("gpt2", "llama", "bert", "vit", "litgpt")}
 """Configurations run for some families only."""
 COMPILED = ("compiled-p2", "inductor-p2")
 DESCRIPTIONS = {
@@ -40,6 +42,7 @@ DESCRIPTIONS = {
     "inductor-p2": "P=2, blocks compiled (`inductor`)",
     "lora-p2": "P=2, peft LoRA adapters, base frozen",
     "checkpointing-p2": "P=2, `gradient_checkpointing_enable()`",
+    "eval-p2": "P=2, then `validate` and `predict`",
 }
 CI_CONFIGS = ("p2", "compiled-p2")  # what CI runs of each family; the others with VARUNA_ZOO=full or -m zoo
 
@@ -119,6 +122,8 @@ def judge(out: Path, family: str, config: str) -> Verdict:
             if not any(grad) and any(want) and param not in verdict.zeroed:
                 verdict.zeroed.append(param)
             worst_per_param[param] = max(worst, worst_per_param.get(param, 0.0))
+    if config == "eval-p2":
+        verdict.problems += evaluation_problems(reference, ranks(out, family, config), loss_tolerance)
     if config in COMPILED:
         for rank, run in enumerate(ranks(out, family, config)):
             if run is not None:
@@ -199,4 +204,24 @@ def compile_problems(stats: dict | None) -> list[str]:
     others = [reason for reason in stats["graph_breaks"] if "_report" not in reason]
     if others:
         problems.append(f"graph breaks other than at cut points: {others[:2]}")
+    return problems
+
+
+PREDICTION_TOLERANCE = 1e-4
+"""Logits after 8 steps: the trained weights differ from the plain run's by fp32 rounding only."""
+
+
+def evaluation_problems(reference: dict, runs: list[dict | None], loss_tolerance: float) -> list[str]:
+    """``trainer.validate`` and ``trainer.predict`` on the split model give the plain run's loss and logits."""
+    problems = []
+    for rank, run in enumerate(runs):
+        if run is None or "val_loss" not in run:
+            problems.append(f"rank {rank}: no validation or prediction recorded")
+            continue
+        if abs(run["val_loss"] - reference["val_loss"]) > loss_tolerance:
+            problems.append(f"rank {rank}: val_loss {run['val_loss']:.6f} != {reference['val_loss']:.6f}")
+        got, want = run["predictions"], reference["predictions"]
+        worst = max((abs(a - b) for a, b in zip(got, want)), default=float("inf"))
+        if len(got) != len(want) or worst > PREDICTION_TOLERANCE:
+            problems.append(f"rank {rank}: predictions differ by {worst:.2e} ({len(got)} values, {len(want)} wanted)")
     return problems

@@ -48,7 +48,10 @@ CONFIGS = {
     "checkpointing-p2": (2, 4, BATCH, "32-true", "init", None),
     "ref-lora": (1, 1, BATCH, "32-true", "init", None),
     "ref-checkpointing": (1, 1, BATCH, "32-true", "init", None),
+    "eval-p2": (2, 4, BATCH, "32-true", "init", None),
 }
+EVALUATED = ("eval-p2", "ref")
+"""Configurations that also validate and predict after fit (the reference always does, for them to compare)."""
 VARIANTS = {"lora-p2": "lora", "ref-lora": "lora", "checkpointing-p2": "checkpointing",
             "ref-checkpointing": "checkpointing"}
 """Configurations whose model is wrapped (peft LoRA) or set up (HF gradient checkpointing) as users do."""
@@ -149,6 +152,11 @@ def run(out: Path, spec: str) -> None:
     result = {"losses": recorder.losses, "grads": recorder.grads, "seconds": time.monotonic() - start}
     if backend is not None:
         result["compile"] = compile_stats(recorder, blocks, calls)
+    if config in EVALUATED and family.kind != "seq2seq":
+        # the trained model, split: a validation loss, and the logits of the first batch (every stage has them)
+        loader = DataLoader(data, batch_size=batch)  # in order (Lightning's evaluation sampler does not shuffle)
+        result["val_loss"] = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+        result["predictions"] = trainer.predict(model, loader)[0].float().flatten().tolist()
     if not reference:
         topology = trainer.strategy.topology
         result.update(stage=topology.stage, replica=topology.replica, data_size=topology.data_size)
