@@ -99,19 +99,14 @@ def on_meta(module: nn.Module) -> Iterator[None]:
     Real tensors are replaced by meta ones of the same shape and dtype (parameters by parameters, so that
     uses are still recognised by name), and put back afterwards.
     """
-    originals: dict[int, Tensor] = {}
-    substitutes: dict[int, Tensor] = {}
-    for _, _, _, tensor, is_param in _registrations(module):
-        if tensor.is_meta or id(tensor) in substitutes:
-            continue
+    def on_meta(tensor: Tensor, is_param: bool) -> Tensor | None:
+        if tensor.is_meta:
+            return None
         meta = torch.empty_like(tensor, device="meta")
-        substitutes[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
-        originals[id(substitutes[id(tensor)])] = tensor
-    _replace(module, substitutes)
-    try:
+        return nn.Parameter(meta, requires_grad=tensor.requires_grad) if is_param else meta
+
+    with _substituted(module, on_meta):
         yield
-    finally:
-        _replace(module, originals)
 
 
 @contextlib.contextmanager
@@ -123,17 +118,33 @@ def on_placeholders(module: nn.Module, device: torch.device) -> Iterator[None]:
     weight copies only that one for the duration of the op. Meta buffers get real zeros (a step may write them in
     place). The values are zeros, which is enough to learn shapes, data flow and costs, not to train.
     """
+    def placeholder(tensor: Tensor, is_param: bool) -> Tensor | None:
+        if not tensor.is_meta:
+            return None
+        if not is_param:
+            return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+        zero = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+        return nn.Parameter(zero, requires_grad=tensor.requires_grad)
+
+    with _substituted(module, placeholder):
+        yield
+
+
+@contextlib.contextmanager
+def _substituted(module: nn.Module, substitute: Callable[[Tensor, bool], Tensor | None]) -> Iterator[None]:
+    """Inside the block, registered tensors are replaced by ``substitute(tensor, is_parameter)`` where it gives one.
+
+    A tensor is replaced in every module that registers it; at the end the originals are put back.
+    """
     substitutes: dict[int, Tensor] = {}
     originals: dict[int, Tensor] = {}
     for _, _, _, tensor, is_param in _registrations(module):
-        if not tensor.is_meta or id(tensor) in substitutes:
+        if id(tensor) in substitutes:
             continue
-        if is_param:
-            zero = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
-            substitutes[id(tensor)] = nn.Parameter(zero, requires_grad=tensor.requires_grad)
-        else:
-            substitutes[id(tensor)] = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
-        originals[id(substitutes[id(tensor)])] = tensor
+        new = substitute(tensor, is_param)
+        if new is not None:
+            substitutes[id(tensor)] = new
+            originals[id(new)] = tensor
     _replace(module, substitutes)
     try:
         yield
