@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
+from typing_extensions import override
 
 __all__ = ["PipelinePrecision", "pipeline_precision"]
 
@@ -42,6 +43,7 @@ class PipelinePrecision(Precision):
 
     global_grad_norm: Callable[[], Tensor] | None = None
 
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Scales this stage's gradients so that the whole model's gradient norm is at most ``clip_val``."""
         if self.global_grad_norm is None:

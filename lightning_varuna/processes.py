@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_varuna.data import check_global_batch
 from lightning_varuna.fault.failures import PipelineError, waiting_on_peers
@@ -70,6 +71,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self.global_batch_size = global_batch_size
 
     @property
+    @override
     def root_device(self) -> torch.device:
         """This process's device."""
         assert self.parallel_devices is not None
@@ -86,6 +88,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every stage of a replica reads the same batches; replicas read different ones, as under DDP."""
         if self.topology is None:
@@ -93,6 +96,7 @@ class ProcessGroupStrategy(ParallelStrategy):
             return {"num_replicas": self.world_size // size, "rank": self.global_rank // size}
         return {"num_replicas": self.topology.data_size, "rank": self.topology.replica}
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         world = self.num_nodes * self.num_processes
@@ -101,6 +105,7 @@ class ProcessGroupStrategy(ParallelStrategy):
             check_global_batch(self.global_batch_size, world // self.pipeline_parallel_size)
         self._launcher = PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._timeout)
 
+    @override
     def setup_environment(self) -> None:
         """Checks the P x D shape, sets up the device, then starts the default process group."""
         if isinstance(self.pipeline_parallel_size, int):
@@ -120,11 +125,13 @@ class ProcessGroupStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         """Waits for every process (nothing to wait for without a process group)."""
         if _distributed_is_initialized():
             waiting(self.topology, f"a barrier ({name or 'unnamed'})", dist.barrier)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Sends ``obj`` from rank ``src`` to every process."""
         if not _distributed_is_initialized():
@@ -133,6 +140,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         waiting(self.topology, f"a broadcast from rank {src}", lambda: dist.broadcast_object_list(box, src))
         return box[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Reduces a tensor over all processes as ``sync_dist`` asks (mean by default); anything else as it is."""
         if not isinstance(tensor, Tensor):

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_varuna.batch_gradients import window_position
 from lightning_varuna.callbacks import (
@@ -225,17 +226,20 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         self._forget_cleanup: Callable[[], None] | None = None
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Registers ``"varuna"`` (once)."""
         if "varuna" not in strategy_registry:
             strategy_registry.register("varuna", cls, description="Varuna-style pipeline parallelism")
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         """Checkpoints are loaded after the model has been partitioned."""
         return True
 
     # -- setup --------------------------------------------------------------------------------------------
+    @override
     def connect(self, model: Any) -> None:
         """Takes the model; rejects manual optimization before any process group starts."""
         if isinstance(model, LightningModule) and not model.automatic_optimization:
@@ -247,6 +251,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         super().connect(model)
 
     @property
+    @override
     def precision_plugin(self) -> Precision:
         """The precision plugin Lightning chose, made pipeline-aware (:mod:`lightning_varuna.precision`)."""
         return self._precision_plugin if self._precision_plugin is not None else pipeline_precision(Precision())
@@ -255,6 +260,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = pipeline_precision(precision_plugin) if precision_plugin is not None else None
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         """Partitions the model with a dry run, then creates optimizers over this stage's parameters."""
         assert self.accelerator is not None and self.model is not None
@@ -294,6 +300,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         self._pipeline = build_pipeline(self, trainer, engine, self._patches, self.initial_weights, self.timeline_dir)
         self.topology = self._pipeline.topology
 
+    @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """Gives the training loader a data position that survives a resume under another number of replicas.
 
@@ -310,6 +317,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         return resumable_training_loader(dataloader, trainer.fit_loop, topo.data_size, topo.replica,
                                          self.global_batch_size)
 
+    @override
     def model_to_device(self) -> None:
         """Moves the model to this process's device (parameters on the meta device stay there until setup)."""
         assert self.model is not None
@@ -319,6 +327,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             self.model.to(self.root_device)
 
     @contextlib.contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Tensors created inside are on this process's device; with ``empty_init=True``, parameters on ``meta``.
 
@@ -331,6 +340,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             yield
 
     @contextlib.contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Inside ``configure_model``: parameters are created on the meta device, buffers are real.
 
@@ -345,6 +355,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         assert self._pipeline is not None
         return self._pipeline.steps.run(hook, args, kwargs, **options)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch through the pipeline; returns the batch's loss (on every rank).
 
@@ -373,18 +384,22 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
                        category=VarunaWarning)
         return torch.full((), float("nan"), device=self.root_device)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward through the pipeline."""
         return self._run_step("validation_step", args, kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward through the pipeline."""
         return self._run_step("test_step", args, kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Runs every micro-batch forward; the whole batch's predictions are returned on every stage."""
         return self._run_step("predict_step", args, kwargs)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Puts back the gradients the schedule computed (the schedule already ran backward)."""
         assert self._pipeline is not None
@@ -396,6 +411,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         gradients.put_back()
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Steps the optimizer after syncing gradients across replicas and tied copies.
 
@@ -429,16 +445,19 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         return global_grad_norm(self.engine, self.topology)
 
     # -- the end ------------------------------------------------------------------------------------------
+    @override
     def on_train_end(self) -> None:
         """Writes the timeline files (with ``timeline_dir``)."""
         if self._pipeline is not None and self._pipeline.timeline is not None:
             self._pipeline.timeline.write()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Reports the error to the other ranks (their watchdogs end them; they quote it if they lose contact)."""
         if is_initialized() and not isinstance(exception, Preempted):
             report_failure(exception)
 
+    @override
     def teardown(self) -> None:
         """Gives the model its own forwards back and releases the process resources."""
         trainer = getattr(self.lightning_module, "_trainer", None)
