@@ -110,12 +110,15 @@ class DataFlow:
         """Crossings of values computed from parameters (or from cut point outputs)."""
         self.from_modules: dict[tuple[int, int, frozenset[str]], str] = {}
         """Crossings of values computed from module outputs: ``(from, to, modules) -> what crosses``."""
-        self.clean: set[str] = set()
-        """Modules without parameters that were seen to draw no random numbers and write no state."""
+        self.checked: set[str] = set()
+        """Modules without parameters whose calls were checked (each stayed in one segment)."""
         self.unclean: set[str] = set()
+        """Modules seen to draw random numbers, write their state, or return values from parameters or from
+        modules outside them: they cannot be recomputed."""
         self._segment_of = WeakTensorKeyDictionary()
         self._modules_of = WeakTensorKeyDictionary()
         self._calls: list[_Call] = []
+        self._pending: list[tuple[tuple[int, int], Tensor, frozenset[str] | None]] = []
 
     # module calls -------------------------------------------------------------------------------------------
 
@@ -137,16 +140,12 @@ class DataFlow:
             return
         leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)]
         if call.state is not None:
-            pure = call.state == _state(module) and name not in self.unclean
-            pure = pure and not any(leaf in self._segment_of for leaf in leaves)
+            self.checked.add(name)
             inside = name + "."
-            pure = pure and all(
-                other == name or other.startswith(inside) or not name
-                for leaf in leaves for other in self._modules_of.get(leaf, (0, frozenset()))[1]
-            )
-            (self.clean if pure else self.unclean).add(name)
-            if not pure:
-                self.clean.discard(name)
+            outside = {other for leaf in leaves for other in self._modules_of.get(leaf, (0, frozenset()))[1]
+                       if other != name and not other.startswith(inside)}
+            if call.state != _state(module) or outside or any(leaf in self._segment_of for leaf in leaves):
+                self.unclean.add(name)
         for leaf in leaves:
             seen = self._modules_of.get(leaf)
             modules = seen[1] if seen is not None and seen[0] == segment else frozenset()
@@ -239,14 +238,14 @@ class DataFlow:
         unsplittable = dict(self.from_parameters)
         for (source, destination, modules), what in self.from_modules.items():
             stood_in = {_outermost_ancestor(name, module_segments) for name in modules} - {None}
-            if all(name in self.clean and name not in self.unclean for name in stood_in):
+            blocking = sorted(n for n in stood_in if n not in self.checked or n in self.unclean)
+            if not blocking:
                 recomputed |= stood_in
             else:
-                blocking = sorted(n for n in stood_in if n in self.unclean or n not in self.clean)
                 unsplittable.setdefault(
                     (source, destination),
                     f"{what} ({', '.join(blocking)} cannot run on a later stage itself: "
-                    f"{_why_not(blocking, self.clean)})",
+                    f"{_why_not(blocking, self.checked)})",
                 )
         return recomputed, unsplittable
 
@@ -265,7 +264,7 @@ def _outermost_ancestor(name: str, candidates: dict[str, set[int]]) -> str | Non
     return None
 
 
-def _why_not(names: list[str], clean: set[str]) -> str:
-    if any(name in clean for name in names):
+def _why_not(names: list[str], checked: set[str]) -> str:
+    if all(name in checked for name in names):
         return "it draws random numbers, writes its state, or its output depends on parameters"
     return "it has parameters, draws random numbers, writes its state, or its output depends on parameters"
