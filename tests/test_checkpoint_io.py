@@ -26,8 +26,9 @@ from launch import JOBS, ROOT, _env, torchrun
 from models import RandomTokens, TinyGPT
 from torch.utils.data import DataLoader
 
-from lightning_varuna.checkpoint import CheckpointError, convert, is_complete
+from lightning_varuna.checkpoint import CheckpointError, is_complete
 from lightning_varuna.checkpoint import load as checkpoint_load
+from lightning_varuna.checkpoint import plain_format as convert
 from lightning_varuna.checkpoint import publish as checkpoint_publish
 from lightning_varuna.checkpoint import state as checkpoint
 from lightning_varuna.checkpoint import storage as checkpoint_files
@@ -232,7 +233,7 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
     folder = tmp_path / "ckpts"
     url = f"localdisk://{folder}"
     torchrun("checkpoint_io.py", str(tmp_path),
-             f"train:pipeline_parallel_size=2,async_checkpoint=true,folder={url},delay=0.5", timeout=400)
+             f"train:pipeline_parallel_size=2,async_checkpoint=true,folder={url},gate=true", timeout=400)
     train = json.loads((tmp_path / "train.rank0.json").read_text())
     # training went on while a checkpoint was being written, which only appeared once complete, and the
     # checkpoint it replaces (save_top_k=1) stayed until then

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_varuna.pipeline import Topology, grad_sync
+from lightning_varuna.pipeline import Topology
+from lightning_varuna.pipeline.comm import grad_sync
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync, default_bucket_bytes
 
 

@@ -5,9 +5,10 @@
 SCENARIO is ``name:key=value,...`` with ``name`` one of:
 
 - ``train``: P=2 x D=2, ``async_checkpoint=True``, a ``ModelCheckpoint`` (every 2 steps, ``save_top_k=1``,
-  ``save_last=True``) whose ``dirpath`` is a ``localdisk://`` URL, so the writes go through fsspec. The
-  publication of every checkpoint is held back by ``delay`` seconds, so that training demonstrably goes on
-  while a checkpoint is in flight. Records what rank 0 sees in the folder at every step start, and the
+  ``save_last=True``) whose ``dirpath`` is a ``localdisk://`` URL, so the writes go through fsspec. With
+  ``gate=true`` the publication of the first checkpoint is held back until rank 0 has looked at the folder
+  at the next step's start (``localdisk.py``), so that training demonstrably goes on while a checkpoint is
+  in flight. Records what rank 0 sees in the folder at every step start, and the
   process ids of the writer processes.
 - ``kill_writer``: as ``train``, but once the step-2 checkpoint is written, rank 1's writer process is killed;
   records the ``CheckpointError`` every rank raises (at the save after the next one). Its callback state holds
@@ -48,7 +49,7 @@ WATCHED = "blocks.1.mlp.0.weight"
 """A parameter whose optimizer state the resume scenarios record."""
 
 
-from localdisk import LocalDisk  # noqa: E402,F401 - registers localdisk://
+from localdisk import LocalDisk, wait_for  # noqa: E402,F401 - registers localdisk://
 
 
 class GroupedGPT(TinyGPT):
@@ -103,6 +104,16 @@ class Watch(pl.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.restored = type(state_dict["marker"]).__name__ if "marker" in state_dict else None
 
+    @staticmethod
+    def _gate(trainer) -> Path | None:
+        """The publication gate, once the first checkpoint waits at it (see ``localdisk.py``); else ``None``."""
+        folder = os.environ.get("LOCALDISK_PUBLISH_GATE")
+        if not folder or (Path(folder) / "released").exists() or not trainer.strategy._checkpoints.in_flight:
+            return None
+        if not wait_for(Path(folder) / "reached"):
+            raise RuntimeError("the first checkpoint's writer did not reach the publication gate")
+        return Path(folder)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.writer_pid is not None and trainer.global_step == 1 and not self.kill_writer:
             # signals that end or preempt a job are the training process's to act on, not its writer's
@@ -116,12 +127,15 @@ class Watch(pl.Callback):
                 process.wait()
         if self.folder is None or not trainer.is_global_zero:
             return
+        gate = self._gate(trainer)
         root = checkpoint.Location.of(self.folder)
         names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in root.fs.ls(root.path, detail=False)) if (
             root.exists()) else []
         complete = [n for n in names if n.endswith(".ckpt") and checkpoint.is_complete(root.child(n))]
         self.seen.append({"step": trainer.global_step, "in_flight": trainer.strategy._checkpoints.in_flight,
                           "names": names, "complete": complete})
+        if gate is not None:
+            (gate / "released").touch()  # the first checkpoint's writer may publish now
 
 
 def run(out: Path, spec: str) -> None:
@@ -130,8 +144,9 @@ def run(out: Path, spec: str) -> None:
     folder = options.pop("folder", None)
     ckpt = options.pop("ckpt", None)
     steps = options.pop("steps", 6)
-    # seconds by which the writer processes hold back each publication (see localdisk.py)
-    os.environ["LOCALDISK_PUBLISH_DELAY"] = str(options.pop("delay", 0.0))
+    if options.pop("gate", False):  # the writer processes hold back the first publication (see localdisk.py)
+        os.environ["LOCALDISK_PUBLISH_GATE"] = str(out / "gate")
+        (out / "gate").mkdir(exist_ok=True)
     torch.manual_seed(0)
     model = GroupedGPT(n_layer=4, sync_dist=True)
     callbacks: list[pl.Callback] = [Watch(folder if kind in ("train", "kill_writer") else None,
