@@ -9,11 +9,12 @@ between two stages keeps its order.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+
+from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
+from lightning_varuna.pipeline.scheduling.validation import check_sizes, validate_schedule
 
 __all__ = [
     "Kind",
@@ -29,46 +30,6 @@ __all__ = [
     "one_f_one_b_schedule",
     "varuna_schedule",
 ]
-
-
-class Kind(str, enum.Enum):
-    """The kind of a task.
-
-    ``F`` forward, ``R`` recompute (the forward again, with autograd), ``B`` backward. A split backward (zero-bubble
-    schedules) has ``I``, the input-gradient part that sends the gradient to the previous stage, and ``W``, the
-    weight-gradient part that communicates nothing; the executor runs ``F``, ``R`` and ``B`` today, and the p2p
-    plan (:mod:`~lightning_varuna.pipeline.scheduling.lowering`) already lowers ``I`` and ``W``.
-    """
-
-    F = "F"
-    R = "R"
-    B = "B"
-    I = "I"  # noqa: E741 - the name zero-bubble schedules use
-    W = "W"
-
-
-@dataclass(frozen=True, order=True)
-class Task:
-    """One unit of work of one stage on one micro-batch.
-
-    ``stage`` is None in the schedules of one stage per rank (the rank's own stage); a rank that runs several
-    (virtual, interleaved) stages names the stage of each task.
-    """
-
-    kind: Kind
-    microbatch: int
-    stage: int | None = None
-
-    def __repr__(self) -> str:
-        where = "" if self.stage is None else f"@{self.stage}"
-        return f"{self.kind.value}{self.microbatch}{where}"
-
-
-Schedule = tuple[tuple[Task, ...], ...]
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run: a missing task, a wrong order or a dependency that is never met."""
 
 
 SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe")
@@ -151,7 +112,7 @@ def make_schedule(
     Raises:
         ScheduleError: For an unknown name or a size below 1.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
     if not train:
@@ -164,14 +125,6 @@ def make_schedule(
         schedule = gpipe_schedule(num_stages, num_microbatches, recompute)
     validate_schedule(schedule, num_microbatches, recompute, train=train)
     return schedule
-
-
-def _check_sizes(num_stages: int, num_microbatches: int) -> None:
-    """Raise :class:`ScheduleError` unless both sizes are at least 1."""
-    if num_stages < 1:
-        raise ScheduleError(f"num_stages must be at least 1, got {num_stages}")
-    if num_microbatches < 1:
-        raise ScheduleError(f"num_microbatches must be at least 1, got {num_microbatches}")
 
 
 def _backward_steps(stage: int, num_stages: int, microbatch: int, recompute: bool) -> list[Task]:
@@ -296,7 +249,7 @@ def varuna_schedule(num_stages: int, num_microbatches: int, recompute: bool) -> 
     Raises:
         ScheduleError: If the simulation does not finish (a bug, never expected).
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     stages = [_VarunaStage() for _ in range(num_stages)]
     stages[0].forwards.extend(range(num_microbatches))
     tasks_per_stage = [
@@ -360,125 +313,3 @@ def _varuna_start(stages: list[_VarunaStage], stage: int, tick: int, recompute: 
     state.running = task
     state.busy_until = tick + _UNIT_COST[task.kind]
     state.order.append(task)
-
-
-def validate_schedule(schedule: Schedule, num_microbatches: int, recompute: bool, train: bool = True) -> None:
-    """Check that a schedule is complete, correctly ordered and free of deadlock.
-
-    The checks, per stage: every task appears exactly once (``F`` for every micro-batch; with ``train``
-    also ``B``; with ``train`` and ``recompute`` also ``R`` on every non-last stage, and no ``R``
-    anywhere else); ``R(k)`` lies between ``F(k)`` and ``B(k)``; forwards and backwards are each in
-    ascending micro-batch order (the order of messages). Finally the schedule is executed symbolically,
-    each stage running its list in order: ``F(k)`` on ``s > 0`` waits for ``F(k)`` on ``s-1``, ``B(k)`` on
-    ``s < P-1`` waits for ``B(k)`` on ``s+1``, sends never block. If no stage can progress before all are
-    done, the schedule deadlocks.
-
-    Args:
-        schedule: One tuple of tasks per stage.
-        num_microbatches: Number of micro-batches the schedule must cover.
-        recompute: Whether non-last stages must recompute.
-        train: ``False`` for a forward-only schedule.
-
-    Raises:
-        ScheduleError: Naming the stage and task at fault.
-    """
-    if len(schedule) < 1:
-        raise ScheduleError("a schedule needs at least one stage")
-    _check_sizes(len(schedule), num_microbatches)
-    num_stages = len(schedule)
-    for stage, tasks in enumerate(schedule):
-        expected = _expected_tasks(stage, num_stages, num_microbatches, recompute, train)
-        _check_task_set(stage, tasks, expected, recompute, train)
-        _check_order(stage, tasks)
-    _check_deadlock(schedule)
-
-
-def _expected_tasks(
-    stage: int, num_stages: int, num_microbatches: int, recompute: bool, train: bool
-) -> set[Task]:
-    """The set of tasks that stage ``stage`` must run."""
-    kinds = [Kind.F]
-    if train:
-        kinds.append(Kind.B)
-        if recompute and stage < num_stages - 1:
-            kinds.append(Kind.R)
-    return {Task(kind, k) for kind in kinds for k in range(num_microbatches)}
-
-
-def _check_task_set(
-    stage: int, tasks: tuple[Task, ...], expected: set[Task], recompute: bool, train: bool
-) -> None:
-    """Raise unless ``tasks`` holds every task of ``expected`` exactly once and nothing else."""
-    seen: set[Task] = set()
-    for task in tasks:
-        if not isinstance(task, Task):
-            raise ScheduleError(f"stage {stage}: {task!r} is not a Task")
-        if task in seen:
-            raise ScheduleError(f"stage {stage}: task {task!r} appears more than once")
-        if task not in expected:
-            raise ScheduleError(
-                f"stage {stage}: unexpected task {task!r} ({_why_unexpected(task, recompute, train)})"
-            )
-        seen.add(task)
-    missing = sorted(expected - seen, key=lambda t: (t.microbatch, t.kind.value))
-    if missing:
-        raise ScheduleError(f"stage {stage}: missing task {missing[0]!r} ({len(missing)} missing in all)")
-
-
-def _why_unexpected(task: Task, recompute: bool, train: bool) -> str:
-    """A short reason why ``task`` does not belong on a stage."""
-    if task.kind is not Kind.F and not train:
-        return "a forward-only schedule has no recompute or backward"
-    if task.kind is Kind.R:
-        return "recompute is off" if not recompute else "the last stage never recomputes"
-    return "micro-batch out of range"
-
-
-def _check_order(stage: int, tasks: tuple[Task, ...]) -> None:
-    """Raise unless F and B are ascending and each ``R(k)`` lies between ``F(k)`` and ``B(k)``."""
-    position = {task: i for i, task in enumerate(tasks)}
-    for kind, name in ((Kind.F, "forwards"), (Kind.B, "backwards")):
-        microbatches = [t.microbatch for t in tasks if t.kind is kind]
-        for before, after in pairwise(microbatches):
-            if after < before:
-                raise ScheduleError(
-                    f"stage {stage}: {name} must be in ascending micro-batch order, "
-                    f"but {Task(kind, after)!r} comes after {Task(kind, before)!r}"
-                )
-    for task in tasks:
-        k = task.microbatch
-        if task.kind is Kind.R and not position[Task(Kind.F, k)] < position[task]:
-            raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
-        if task.kind is Kind.R and not position[task] < position[Task(Kind.B, k)]:
-            raise ScheduleError(f"stage {stage}: {task!r} must come before B{k}")
-        if task.kind is Kind.B and not position[Task(Kind.F, k)] < position[task]:
-            raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
-
-
-def _check_deadlock(schedule: Schedule) -> None:
-    """Run every stage's list in order symbolically; raise naming the blocked tasks if none can progress."""
-    num_stages = len(schedule)
-    done: set[tuple[int, Task]] = set()
-    heads = [0] * num_stages
-    progressed = True
-    while progressed:
-        progressed = False
-        for stage, tasks in enumerate(schedule):
-            while heads[stage] < len(tasks) and _dependency_met(stage, tasks[heads[stage]], num_stages, done):
-                done.add((stage, tasks[heads[stage]]))
-                heads[stage] += 1
-                progressed = True
-    blocked = [
-        f"stage {s} at {schedule[s][heads[s]]!r}" for s in range(num_stages) if heads[s] < len(schedule[s])
-    ]
-    if blocked:
-        raise ScheduleError("deadlock: no stage can progress; blocked " + ", ".join(blocked))
-
-
-def _dependency_met(stage: int, task: Task, num_stages: int, done: set[tuple[int, Task]]) -> bool:
-    """Whether the message ``task`` waits for (if any) has been sent."""
-    if task.kind is Kind.F and stage > 0:
-        return (stage - 1, task) in done
-    if task.kind is Kind.B and stage < num_stages - 1:
-        return (stage + 1, task) in done
-    return True

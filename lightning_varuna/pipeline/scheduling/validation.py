@@ -1,0 +1,139 @@
+"""Checks that a schedule is complete, correctly ordered and free of deadlock."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
+
+__all__ = ["check_sizes", "validate_schedule"]
+
+
+def check_sizes(num_stages: int, num_microbatches: int) -> None:
+    """Raise :class:`ScheduleError` unless both sizes are at least 1."""
+    if num_stages < 1:
+        raise ScheduleError(f"num_stages must be at least 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise ScheduleError(f"num_microbatches must be at least 1, got {num_microbatches}")
+
+
+def validate_schedule(schedule: Schedule, num_microbatches: int, recompute: bool, train: bool = True) -> None:
+    """Check that a schedule is complete, correctly ordered and free of deadlock.
+
+    The checks, per stage: every task appears exactly once (``F`` for every micro-batch; with ``train``
+    also ``B``; with ``train`` and ``recompute`` also ``R`` on every non-last stage, and no ``R``
+    anywhere else); ``R(k)`` lies between ``F(k)`` and ``B(k)``; forwards and backwards are each in
+    ascending micro-batch order (the order of messages). Finally the schedule is executed symbolically,
+    each stage running its list in order: ``F(k)`` on ``s > 0`` waits for ``F(k)`` on ``s-1``, ``B(k)`` on
+    ``s < P-1`` waits for ``B(k)`` on ``s+1``, sends never block. If no stage can progress before all are
+    done, the schedule deadlocks.
+
+    Args:
+        schedule: One tuple of tasks per stage.
+        num_microbatches: Number of micro-batches the schedule must cover.
+        recompute: Whether non-last stages must recompute.
+        train: ``False`` for a forward-only schedule.
+
+    Raises:
+        ScheduleError: Naming the stage and task at fault.
+    """
+    if len(schedule) < 1:
+        raise ScheduleError("a schedule needs at least one stage")
+    check_sizes(len(schedule), num_microbatches)
+    num_stages = len(schedule)
+    for stage, tasks in enumerate(schedule):
+        expected = _expected_tasks(stage, num_stages, num_microbatches, recompute, train)
+        _check_task_set(stage, tasks, expected, recompute, train)
+        _check_order(stage, tasks)
+    _check_deadlock(schedule)
+
+
+def _expected_tasks(
+    stage: int, num_stages: int, num_microbatches: int, recompute: bool, train: bool
+) -> set[Task]:
+    """The set of tasks that stage ``stage`` must run."""
+    kinds = [Kind.F]
+    if train:
+        kinds.append(Kind.B)
+        if recompute and stage < num_stages - 1:
+            kinds.append(Kind.R)
+    return {Task(kind, k) for kind in kinds for k in range(num_microbatches)}
+
+
+def _check_task_set(
+    stage: int, tasks: tuple[Task, ...], expected: set[Task], recompute: bool, train: bool
+) -> None:
+    """Raise unless ``tasks`` holds every task of ``expected`` exactly once and nothing else."""
+    seen: set[Task] = set()
+    for task in tasks:
+        if not isinstance(task, Task):
+            raise ScheduleError(f"stage {stage}: {task!r} is not a Task")
+        if task in seen:
+            raise ScheduleError(f"stage {stage}: task {task!r} appears more than once")
+        if task not in expected:
+            raise ScheduleError(
+                f"stage {stage}: unexpected task {task!r} ({_why_unexpected(task, recompute, train)})"
+            )
+        seen.add(task)
+    missing = sorted(expected - seen, key=lambda t: (t.microbatch, t.kind.value))
+    if missing:
+        raise ScheduleError(f"stage {stage}: missing task {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def _why_unexpected(task: Task, recompute: bool, train: bool) -> str:
+    """A short reason why ``task`` does not belong on a stage."""
+    if task.kind is not Kind.F and not train:
+        return "a forward-only schedule has no recompute or backward"
+    if task.kind is Kind.R:
+        return "recompute is off" if not recompute else "the last stage never recomputes"
+    return "micro-batch out of range"
+
+
+def _check_order(stage: int, tasks: tuple[Task, ...]) -> None:
+    """Raise unless F and B are ascending and each ``R(k)`` lies between ``F(k)`` and ``B(k)``."""
+    position = {task: i for i, task in enumerate(tasks)}
+    for kind, name in ((Kind.F, "forwards"), (Kind.B, "backwards")):
+        microbatches = [t.microbatch for t in tasks if t.kind is kind]
+        for before, after in pairwise(microbatches):
+            if after < before:
+                raise ScheduleError(
+                    f"stage {stage}: {name} must be in ascending micro-batch order, "
+                    f"but {Task(kind, after)!r} comes after {Task(kind, before)!r}"
+                )
+    for task in tasks:
+        k = task.microbatch
+        if task.kind is Kind.R and not position[Task(Kind.F, k)] < position[task]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
+        if task.kind is Kind.R and not position[task] < position[Task(Kind.B, k)]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come before B{k}")
+        if task.kind is Kind.B and not position[Task(Kind.F, k)] < position[task]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    """Run every stage's list in order symbolically; raise naming the blocked tasks if none can progress."""
+    num_stages = len(schedule)
+    done: set[tuple[int, Task]] = set()
+    heads = [0] * num_stages
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, tasks in enumerate(schedule):
+            while heads[stage] < len(tasks) and _dependency_met(stage, tasks[heads[stage]], num_stages, done):
+                done.add((stage, tasks[heads[stage]]))
+                heads[stage] += 1
+                progressed = True
+    blocked = [
+        f"stage {s} at {schedule[s][heads[s]]!r}" for s in range(num_stages) if heads[s] < len(schedule[s])
+    ]
+    if blocked:
+        raise ScheduleError("deadlock: no stage can progress; blocked " + ", ".join(blocked))
+
+
+def _dependency_met(stage: int, task: Task, num_stages: int, done: set[tuple[int, Task]]) -> bool:
+    """Whether the message ``task`` waits for (if any) has been sent."""
+    if task.kind is Kind.F and stage > 0:
+        return (stage - 1, task) in done
+    if task.kind is Kind.B and stage < num_stages - 1:
+        return (stage + 1, task) in done
+    return True
