@@ -79,8 +79,10 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         num_microbatches: Micro-batches per batch. The default is ``2 * P``, or fewer for small batches.
         microbatch_size: Size of each micro-batch, instead of ``num_microbatches``; ``"auto"``: chosen by the
             planner among the sizes that divide the replica's batch.
-        schedule: ``"varuna"`` (recompute-aware, tolerant of late messages), ``"1f1b"``, ``"gpipe"``, or
-            ``"auto"`` (chosen by the planner).
+        schedule: ``"varuna"`` (recompute-aware, tolerant of late messages), ``"1f1b"``, ``"gpipe"``,
+            ``"zero-bubble"`` (the backward split into input-gradient and weight-gradient tasks, the latter held
+            back to fill the pipeline's waits; 1F1B's peak memory over the stages), or ``"auto"`` (chosen by the
+            planner).
         recompute: Non-last stages keep only their input during forwards and rerun the forward with
             autograd just before backward (activation memory of one micro-batch per stage); ``"auto"``: chosen
             by the planner.
@@ -161,7 +163,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         num_microbatches: int | None = None,
         microbatch_size: int | Literal["auto"] | None = None,
-        schedule: Literal["varuna", "1f1b", "gpipe", "auto"] = "varuna",
+        schedule: Literal["varuna", "1f1b", "gpipe", "zero-bubble", "auto"] = "varuna",
         recompute: bool | Literal["auto"] = True,
         cut_at: str | None = None,
         partition: Literal["time", "params"] = "time",

@@ -18,6 +18,8 @@ CONFIGS = {
     "p4-1f1b-norecompute-m3": "pipeline_parallel_size=4,num_microbatches=3,schedule=1f1b,recompute=false",
     "p4-gpipe-m5": "pipeline_parallel_size=4,num_microbatches=5,schedule=gpipe",
     "p4-gpipe-norecompute": "pipeline_parallel_size=4,num_microbatches=4,schedule=gpipe,recompute=false",
+    "p4-zb-norecompute": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,recompute=false",
+    "p4-zb-m5": "pipeline_parallel_size=4,num_microbatches=5,schedule=zero-bubble",
     "p4-varuna-cut_at": "pipeline_parallel_size=4,num_microbatches=4,cut_at=blocks",
     "p2-varuna": "pipeline_parallel_size=2,num_microbatches=4,batch=8",
     "p2-varuna-norecompute-m3": "pipeline_parallel_size=2,num_microbatches=3,recompute=false,batch=8",
@@ -29,6 +31,9 @@ CONFIGS = {
     "tied-clip-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true",
     "tied-clip-p4d1": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true",
     "tied-clip-p1d4": "pipeline_parallel_size=1,num_microbatches=2,batch=4,tie=true,clip=0.5,gradnorm=true",
+    # zero-bubble: buckets wait for the held-back weight gradients (small buckets: several per stage)
+    "tied-clip-p2d2-zb": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=zero-bubble,recompute=false,bucket=4096,partition=params",
     "clipvalue-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.002,clip_algorithm=value",
     # gradient accumulation with small buckets: every bucket reduces during the last backward of the window
     # (split by parameters: a split by measured time could leave a stage with too few weights for several buckets)
@@ -195,7 +200,7 @@ def test_buckets_reduce_during_the_last_backward(results: Path, name: str) -> No
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
         assert run["data_size"] > 1 and run["overlapped"]
-        if name.startswith("accum"):
+        if name.startswith("accum") or name.endswith("-zb"):
             assert run["buckets"] > 2, "bucket=4096 makes several buckets per stage"
         expected = run["buckets"] if overlap else 0
         assert run["overlapped"] == [expected] * len(run["overlapped"]), f"rank {rank}"

@@ -1,9 +1,10 @@
-"""Schedules as data: the varuna, 1f1b and gpipe task lists, their validation, and the run-time rules (next_task),
-as pure functions and in running jobs."""
+"""Schedules as data: the varuna, 1f1b, gpipe and zero-bubble task lists, their validation, and the run-time rules
+(next_task), as pure functions and in running jobs."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from launch import torchrun
 
 from lightning_varuna.pipeline.scheduling.schedules import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     Kind,
     Schedule,
     ScheduleError,
@@ -20,6 +22,7 @@ from lightning_varuna.pipeline.scheduling.schedules import (
     validate_schedule,
 )
 from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
+from lightning_varuna.pipeline.scheduling.zero_bubble import memory_bound
 
 
 def tasks(text: str) -> tuple[Task, ...]:
@@ -119,6 +122,63 @@ def test_gpipe_shape(recompute: bool) -> None:
         assert stage_tasks == tasks(forwards(range(5)) + " " + interleave(*kinds, microbatches=range(5)))
 
 
+# --- zero-bubble ----------------------------------------------------------------------------------------
+
+
+def test_zero_bubble_p4_m8_is_zb_h1() -> None:
+    schedule = make_schedule("zero-bubble", 4, 8, recompute=False)
+    # 1F1B's warm-up; then input gradients first, forwards while within the bound, weight gradients last; the
+    # last stage holds its weight gradients back while it holds fewer than P micro-batches
+    assert schedule[0] == tasks("F0 F1 F2 F3, I0 W0 I1 F4 I2 W1 I3 F5 W2 F6 I4 W3 F7 W4 I5 W5 I6 W6 I7 W7")
+    assert schedule[3] == tasks("F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 F4 I4 W2 W3 F5 I5 F6 I6 W4 W5 F7 I7 W6 W7")
+    costs = [StageCosts(forward=1, backward=2)] * 4
+    assert simulate(schedule, costs).makespan == 29  # 1F1B: 33 at the same memory over the stages
+    assert simulate(make_schedule("1f1b", 4, 8, recompute=False), costs).makespan == 33
+    recomputing = make_schedule("zero-bubble", 4, 8, recompute=True)
+    assert simulate(recomputing, costs, opportunistic=True).makespan == 35
+    assert simulate(make_schedule("varuna", 4, 8, recompute=True), costs, opportunistic=True).makespan == 38
+
+
+def _random_delays(seed: int):
+    """A message delay per message, exponential with mean half a forward, the same whenever asked again."""
+    draws, table = random.Random(seed), {}
+    return lambda *message: table.setdefault(message, draws.expovariate(2.0))
+
+
+def _peak_held(tasks_run: tuple[Task, ...], recomputes: bool) -> tuple[int, int]:
+    """The most micro-batches held until their I and until their W (see zero_bubble.memory_bound)."""
+    builds = Kind.R if recomputes else Kind.F
+    until_i = until_w = peak_i = peak_w = 0
+    for task in tasks_run:
+        if task.kind is builds:
+            until_i, until_w = until_i + 1, until_w + 1
+            peak_i, peak_w = max(peak_i, until_i), max(peak_w, until_w)
+        elif task.kind is Kind.I:
+            until_i -= 1
+        elif task.kind is Kind.W:
+            until_w -= 1
+    return peak_i, peak_w
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_zero_bubble_keeps_its_stated_memory_bound_in_list_order_and_under_the_run_time_rules(recompute: bool) -> None:
+    for num_stages in range(2, 9):
+        costs = [StageCosts(forward=1, backward=2)] * num_stages
+        for m in range(1, 33):
+            schedule = make_schedule("zero-bubble", num_stages, m, recompute)
+            run = simulate(schedule, costs, jitter=_random_delays(num_stages * 100 + m), opportunistic=True).order
+            for stage in range(num_stages):
+                bound = memory_bound(stage, num_stages, recompute)
+                recomputes = recompute and stage < num_stages - 1
+                for order in (schedule[stage], run[stage]):
+                    until_i, until_w = _peak_held(order, recomputes)
+                    assert until_i <= bound.until_input_grad and until_w <= bound.until_weight_grad, (
+                        num_stages, m, stage, order)
+            if not recompute:  # no stage holds more than 1F1B's first stage
+                assert max(memory_bound(s, num_stages, False).until_weight_grad for s in range(num_stages)) == (
+                    num_stages)
+
+
 # --- all schedules and sizes ----------------------------------------------------------------------------
 
 
@@ -141,9 +201,10 @@ def test_every_size_validates(name: str) -> None:
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_fewer_microbatches_than_stages(name: str) -> None:
     schedule = make_schedule(name, 6, 2, recompute=True)
-    validate_schedule(schedule, 2, recompute=True)
-    assert all(len(stage) == 6 for stage in schedule[:-1])
-    assert len(schedule[-1]) == 4
+    split = name in SPLIT_BACKWARD
+    validate_schedule(schedule, 2, recompute=True, split_backward=split)
+    assert all(len(stage) == (8 if split else 6) for stage in schedule[:-1])
+    assert len(schedule[-1]) == (6 if split else 4)
 
 
 # --- bad arguments --------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 
 from lightning_varuna.pipeline.scheduling.schedules import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     Kind,
     ScheduleError,
     Task,
@@ -63,7 +64,11 @@ def test_bubble_without_recompute_is_ideal_for_all_sizes(name: str) -> None:
         for num_microbatches in range(1, 9):
             schedule = make_schedule(name, num_stages, num_microbatches, recompute=False)
             result = simulate(schedule, unit_costs(num_stages))
-            assert result.bubble == pytest.approx(ideal_bubble(num_stages, num_microbatches))
+            ideal = ideal_bubble(num_stages, num_microbatches)
+            if name in SPLIT_BACKWARD and num_stages > 1:  # weight gradients fill part of the bubble
+                assert result.bubble < ideal - 0.01
+            else:
+                assert result.bubble == pytest.approx(ideal)
 
 
 def test_bubbles_with_recompute_p4_m8() -> None:

@@ -34,7 +34,7 @@ class EngineConfig:
         num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
         microbatch_size: Alternatively, the size of each micro-batch; ``"auto"``: chosen by the planner among the
             sizes that divide the replica's batch.
-        schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"`` or ``"auto"``.
+        schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"``, ``"zero-bubble"`` or ``"auto"``.
         recompute: Non-last stages keep only their inputs during forwards and recompute before backward
             (``"auto"``: chosen by the planner).
         cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.

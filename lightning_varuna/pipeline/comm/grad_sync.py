@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -145,22 +145,39 @@ class GradientSync:
         self.finish()
 
     @contextlib.contextmanager
-    def overlapping(self, accumulated: Mapping[nn.Parameter, Tensor] | None = None) -> Iterator[None]:
+    def overlapping(
+        self, accumulated: Mapping[nn.Parameter, Tensor] | None = None, held_back: Container[nn.Parameter] = (),
+    ) -> Iterator[Callable[[Iterable[nn.Parameter]], None]]:
         """Runs the stage's last backward of the step: each bucket starts reducing once its gradients are final.
 
         The gradients are complete after this backward: in ``.grad``, plus ``accumulated`` (see :meth:`start`). A
         bucket with a parameter that got no gradient in this backward waits for :meth:`start`, and so do the buckets
         after it. Does nothing when ``overlap`` is off or there is no data-parallel replica.
+
+        A split backward (an input-gradient pass, then weight-gradient tasks) runs all of it inside: a parameter
+        in ``held_back`` when autograd accumulates into it still waits for held-back work, and is final only
+        when the caller passes it to the function this yields.
         """
         self._accumulated = accumulated or {}
         if not self.overlap or self.topology.data_size == 1 or not self.buckets or self.started:
-            yield
+            yield _ignore
             return
         self._remaining[:] = self._sizes
+        hooks = dict(self._hooks)
+
+        def accumulated_into(param: nn.Parameter) -> None:
+            if param not in held_back:
+                hooks[param](param)
+
+        def release(params: Iterable[nn.Parameter]) -> None:
+            for param in params:
+                if param in hooks and param.requires_grad:
+                    hooks[param](param)
+
         # a parameter frozen since setup never completes its bucket here: that bucket waits for start()
-        handles = [p.register_post_accumulate_grad_hook(hook) for p, hook in self._hooks if p.requires_grad]
+        handles = [p.register_post_accumulate_grad_hook(accumulated_into) for p in hooks if p.requires_grad]
         try:
-            yield
+            yield release
         finally:
             for handle in handles:
                 handle.remove()
@@ -269,6 +286,10 @@ class GradientSync:
                 torch.add(grad.reshape(-1), earlier.reshape(-1), out=view)
             offset += n
         return flat
+
+
+def _ignore(_: Iterable[nn.Parameter]) -> None:
+    """What :meth:`GradientSync.overlapping` yields when it does not overlap."""
 
 
 def _grad(p: nn.Parameter) -> Tensor:

@@ -64,14 +64,16 @@ class StageMemory:
 def graphs_in_flight(order: Sequence[Task], forwards_stash: bool) -> int:
     """The most autograd graphs a stage holds at once when it runs its tasks in ``order``.
 
-    A forward with autograd (``forwards_stash`` off) or a recompute adds a graph; a backward frees one.
+    A forward with autograd (``forwards_stash`` off) or a recompute adds a graph; a backward frees one. A split
+    backward frees it at its weight-gradient task: counted in full until then (the inputs of the linear layers
+    and their output gradients, most of a transformer block's activations, wait for it).
     """
     live = peak = 0
     for task in order:
         if task.kind is Kind.R or (task.kind is Kind.F and not forwards_stash):
             live += 1
         peak = max(peak, live)
-        if task.kind is Kind.B:
+        if task.kind in (Kind.B, Kind.W):
             live -= 1
     return peak
 

@@ -246,10 +246,15 @@ def _stage_costs(profile: Profile, segments: range, microbatch_size: float, stas
 
 
 def _schedule_span(sim: SimResult, costs: StageCosts, stage: int) -> tuple[float, float, float]:
-    """The stage's first start, last end, and the start of its last backward."""
+    """The stage's first start, last end, and the start of its last backward.
+
+    For a split backward the last ``W``'s start: the linear layers' weights, most of every bucket, are final
+    only then (the model is conservative: the input-gradient part before it also readies some parameters).
+    """
     order, starts = sim.order[stage], sim.start_times[stage]
     end = starts[-1] + costs.cost(order[-1].kind) if order else 0.0
-    last_backward = next((t for task, t in zip(reversed(order), reversed(starts)) if task.kind is Kind.B), end)
+    last_backward = next(
+        (t for task, t in zip(reversed(order), reversed(starts)) if task.kind in (Kind.B, Kind.W)), end)
     return (starts[0] if starts else 0.0), end, last_backward
 
 

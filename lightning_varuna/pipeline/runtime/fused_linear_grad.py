@@ -17,6 +17,12 @@ references (a view kept into a flat buffer) is written in place and then copied,
 accumulation leaves that weight's ``.grad`` empty, where autograd would leave the earlier micro-batches' sum
 (the step fails either way).
 
+**Held back for a later task** (zero-bubble schedules, which split a backward into an input-gradient task ``I``
+and a weight-gradient task ``W``): inside :func:`holding_weight_grads` too, the backward computes the input's and
+the bias's gradients and keeps the layer's input and output gradient in a :class:`WeightGradWork` instead of
+computing the weight's; :meth:`WeightGradWork.run` adds each held weight gradient into ``.grad`` with the same
+multiply-add, later. A weight that would not be accumulated in place (see below) is computed in the pass as usual.
+
 Only backward passes run inside :func:`accumulating_in_place` (the stage's own, which the engine runs) do this:
 there autograd accumulates into every leaf's ``.grad``. Any other (``torch.autograd.grad``, a backward with
 ``inputs=``) computes the weight's gradient as autograd does, and so does a weight with a gradient hook
@@ -38,11 +44,88 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["LinearAccumulatingGrad", "accumulating_in_place", "install_grad_accumulation", "remove_grad_accumulation"]
+__all__ = [
+    "LinearAccumulatingGrad",
+    "PendingWeightGrads",
+    "WeightGradWork",
+    "accumulating_in_place",
+    "holding_weight_grads",
+    "install_grad_accumulation",
+    "remove_grad_accumulation",
+]
 
 # Backward passes inside accumulating_in_place(). Not thread-local: autograd runs a CUDA graph's backward on its
 # device's own thread, while the caller waits in torch.autograd.backward.
 _depth = 0
+_holding: WeightGradWork | None = None
+
+
+class PendingWeightGrads:
+    """How many held-back weight gradients each parameter still waits for, over a step's micro-batches.
+
+    ``param in pending`` says whether ``param``'s gradient is not final yet because of held-back work.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[nn.Parameter, int] = {}
+
+    def __contains__(self, param: object) -> bool:
+        return self._counts.get(param, 0) > 0  # type: ignore[call-overload] - any object may be asked
+
+    def add(self, param: nn.Parameter) -> None:
+        """One more held-back gradient of ``param``."""
+        self._counts[param] = self._counts.get(param, 0) + 1
+
+    def done(self, param: nn.Parameter) -> bool:
+        """One held-back gradient of ``param`` added into ``.grad``; returns whether it was the last."""
+        left = self._counts[param] - 1
+        if left:
+            self._counts[param] = left
+        else:
+            del self._counts[param]
+        return not left
+
+
+class WeightGradWork:
+    """The weight gradients of one micro-batch's linear layers, held back from its input-gradient pass.
+
+    Args:
+        pending: The step's count of held-back gradients per parameter, kept up to date.
+    """
+
+    def __init__(self, pending: PendingWeightGrads) -> None:
+        self.pending = pending
+        self.items: list[tuple[nn.Parameter, Tensor, Tensor]] = []
+
+    def hold(self, param: nn.Parameter, x_2d: Tensor, grad_2d: Tensor) -> None:
+        """Keeps what ``param``'s gradient is made of: the layer's input and output gradient, both 2-d."""
+        self.items.append((param, x_2d, grad_2d))
+        self.pending.add(param)
+
+    def run(self) -> list[nn.Parameter]:
+        """Adds every held gradient into its weight's ``.grad``; returns the weights whose gradient is now final."""
+        final = []
+        for param, x_2d, grad_2d in self.items:
+            held = param.grad
+            if held is None:
+                param.grad = grad_2d.t().mm(x_2d)
+            else:
+                held.addmm_(grad_2d.t(), x_2d)
+            if self.pending.done(param):
+                final.append(param)
+        self.items.clear()
+        return final
+
+
+@contextlib.contextmanager
+def holding_weight_grads(work: WeightGradWork) -> Iterator[None]:
+    """Inside :func:`accumulating_in_place`: linear layers' weight gradients go to ``work`` instead of ``.grad``."""
+    global _holding
+    previous, _holding = _holding, work
+    try:
+        yield
+    finally:
+        _holding = previous
 
 
 @contextlib.contextmanager
@@ -80,6 +163,9 @@ class LinearAccumulatingGrad(torch.autograd.Function):
         x_2d = x.reshape(-1, x.shape[-1])
         param: nn.Parameter = ctx.weight
         held = param.grad
+        if _holding is not None and _into_grad(ctx, param, held, grad_2d.dtype, may_be_empty=True):
+            _holding.hold(param, x_2d, grad_2d)
+            return grad_x, None, grad_bias
         if not _into_grad(ctx, param, held, grad_2d.dtype):
             return grad_x, grad_2d.t().mm(x_2d), grad_bias
         # autograd's accumulation takes ``held`` back as the whole gradient (no copy: ours is the only reference)
@@ -87,9 +173,18 @@ class LinearAccumulatingGrad(torch.autograd.Function):
         return grad_x, held.addmm_(grad_2d.t(), x_2d), grad_bias
 
 
-def _into_grad(ctx: Any, param: nn.Parameter, held: Tensor | None, dtype: torch.dtype) -> bool:
-    """Whether this backward may add the weight's gradient into ``held`` (its ``.grad``) and hand that back."""
-    if not _depth or held is None or held.dtype != dtype or held.is_sparse or torch.is_grad_enabled():
+def _into_grad(ctx: Any, param: nn.Parameter, held: Tensor | None, dtype: torch.dtype,
+               may_be_empty: bool = False) -> bool:
+    """Whether this backward may add the weight's gradient into ``held`` (its ``.grad``) and hand that back.
+
+    With ``may_be_empty``, also when there is no ``.grad`` yet and ``param`` has the gradient's dtype.
+    """
+    if held is None and may_be_empty:
+        if param.dtype != dtype:
+            return False
+    elif held is None or held.dtype != dtype or held.is_sparse:
+        return False
+    if not _depth or torch.is_grad_enabled():
         return False
     # a hook on the gradient must see this micro-batch's alone; autograd's accumulation skips a frozen parameter
     if param._backward_hooks or not param.requires_grad:

@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.comm.transfers import P2P, Transfer
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan
-from lightning_varuna.pipeline.scheduling.schedules import Kind, Schedule
+from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["Inbox", "Outbox", "Spec", "StageLinks"]
@@ -43,9 +43,9 @@ class StageLinks:
         """Lowers ``schedule`` (one stage per rank) and keeps what this rank's stage takes part in."""
         for tasks in schedule:
             for task in tasks:
-                if task.stage is not None or task.kind not in (Kind.F, Kind.R, Kind.B):
+                if task.stage is not None:
                     raise PipelineError(
-                        f"The executor runs one stage per rank with F, R and B tasks; {task!r} is for schedules"
+                        f"The executor runs one stage per rank; {task!r} names a stage, which is for schedules"
                         " to come (see lightning_varuna.pipeline.scheduling.lowering)."
                     )
         stage = topology.stage

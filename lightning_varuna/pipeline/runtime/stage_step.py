@@ -1,8 +1,9 @@
 """One step of one stage: its tasks (forward, recompute, backward) and its transfers, posted in plan order.
 
 :class:`StageStep` holds everything a step of a stage owns (received inputs, outputs kept for backward, RNG
-states for recompute, the transfers in flight) and has one method per action: :meth:`~StageStep.forward`,
-:meth:`~StageStep.recompute`, :meth:`~StageStep.backward` and the communication actions
+states for recompute, held-back weight gradients, the transfers in flight) and has one method per action:
+:meth:`~StageStep.forward`, :meth:`~StageStep.recompute`, :meth:`~StageStep.backward` (or its two parts,
+:meth:`~StageStep.input_grad` and :meth:`~StageStep.weight_grad`) and the communication actions
 (:meth:`~StageStep.receive_input`, :meth:`~StageStep.send_output`, :meth:`~StageStep.receive_grad`,
 :meth:`~StageStep.send_input_grad`, :meth:`~StageStep.pass_summary`).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -37,12 +38,17 @@ from lightning_varuna.pipeline.comm.transfers import (
     Transfer,
     decode_header,
     encode_header,
-    encode_skip_header,
 )
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError, StageForward, StageOutputReady, forward_handler
 from lightning_varuna.pipeline.runtime.events import Event, EventHooks, EventKind
-from lightning_varuna.pipeline.runtime.fused_linear_grad import accumulating_in_place
+from lightning_varuna.pipeline.runtime.fused_linear_grad import (
+    PendingWeightGrads,
+    WeightGradWork,
+    accumulating_in_place,
+    holding_weight_grads,
+)
 from lightning_varuna.pipeline.runtime.links import Inbox, Outbox, Spec, StageLinks
+from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
 from lightning_varuna.pipeline.topology import Topology
@@ -51,8 +57,6 @@ __all__ = ["SUMMARY_SIZE", "StageContext", "StageStep"]
 
 SUMMARY_SIZE = 64
 """Float64 slots of the per-step summary the last stage sends back along the pipeline (losses, logs)."""
-
-_DROPPED_WHEN_SKIPPED = (MessageKind.ACTIVATION, MessageKind.GRADIENT)
 
 SKIPPED = object()
 """What a forward returns whose step returned None before reaching a cut point (a skipped batch)."""
@@ -92,14 +96,17 @@ class StageStep:
         recompute: Whether forwards of a non-last stage run without autograd (train only).
         loss_of: On the last stage, turns step output ``k`` into the scalar to differentiate.
         summary: On the last stage, turns the outputs into at most :data:`SUMMARY_SIZE` float64 values.
-        last_backward: A context manager factory for this stage's last backward task of the step.
+        last_backward: A context manager factory for this stage's last backward task of the step (for a split
+            backward: from the start of the last ``I`` to the end of the last ``W``; it is given ``held_back``, the
+            parameters whose gradients still wait for ``W`` tasks, and yields a function to call with the
+            parameters each ``W`` completes).
     """
 
     def __init__(
         self, executor: StageContext, links: StageLinks, tasks: Sequence[Task], step: Callable[[int], Any],
         sizes: Sequence[int], batch_dims: tuple[int | None, int | None], train: bool, recompute: bool,
         loss_of: Callable[[Any, int], Tensor] | None, summary: Callable[[list[Any]], Tensor] | None,
-        last_backward: Callable[[], AbstractContextManager[Any]] | None,
+        last_backward: Callable[..., AbstractContextManager[Any]] | None,
     ) -> None:
         topo = executor.topology
         self.executor, self.p2p, self.device, self.stage = executor, executor.p2p, topo.device, topo.stage
@@ -115,6 +122,11 @@ class StageStep:
         self.outputs: list[Any] = [None] * m
         self.rng: list[Any] = [None] * m
         self.results: list[Any] = [None] * m
+        self.held_back = PendingWeightGrads()
+        self.weight_work: list[WeightGradWork | None] = [None] * m
+        self.last_region = ExitStack()
+        """Open from the start of the step's last ``I`` to the end of its last ``W`` (split backward only)."""
+        self.release: Callable[[Sequence[Any]], None] | None = None
         self.input_specs: list[Spec] | None = None
         """The shapes of this step's received activations, from the header (None until it has arrived)."""
         self.output_specs: list[Spec] | None = None
@@ -146,7 +158,8 @@ class StageStep:
         for inbox in (self.from_prev, self.from_next):
             if inbox is not None:
                 inbox.advance()
-        last_b = next((t.microbatch for t in reversed(self.tasks) if t.kind is Kind.B), None) if self.train else None
+        last_b = next((t for t in reversed(self.tasks) if t.kind in (Kind.B, Kind.I)), None) if self.train else None
+        last_w = next((t.microbatch for t in reversed(self.tasks) if t.kind is Kind.W), None)
         pending = list(self.tasks)
         completed = False
         try:
@@ -156,7 +169,7 @@ class StageStep:
                 task = pending.pop(index)
                 if emit is not None:
                     emit(Event(EventKind.TASK_START, time.perf_counter(), task=task, moved=index > 0))
-                graphs, stash = self.run_task(task, last_b)
+                graphs, stash = self.run_task(task, last_b, last_w)
                 if emit is not None:
                     emit(Event(EventKind.TASK_END, time.perf_counter(), task=task, graphs=graphs, stash_bytes=stash))
                 if self.sends:  # let go of tensors whose send is done, so memory follows the schedule
@@ -166,6 +179,7 @@ class StageStep:
             self.finish()
             completed = True
         finally:
+            self.last_region.close()
             self.executor.current = None
             self.p2p.close(join=completed)
         if emit is not None:
@@ -174,17 +188,29 @@ class StageStep:
             return [r.detach() if isinstance(r, Tensor) else r for r in self.results]
         return self.results
 
-    def run_task(self, task: Task, last_b: int | None) -> tuple[int, int]:
-        """Runs one task; returns the autograd graphs and stashed bytes it left held (+) or released (-)."""
+    def run_task(self, task: Task, last_b: Task | None, last_w: int | None) -> tuple[int, int]:
+        """Runs one task; returns the autograd graphs and stashed bytes it left held (+) or released (-).
+
+        ``last_b`` is the step's last ``B`` or ``I`` task, ``last_w`` the micro-batch of its last ``W``.
+        """
         k = task.microbatch
         if task.kind is Kind.F:
             return self.forward(k)
         if task.kind is Kind.R:
             return self.recompute(k)
-        if k == last_b and self.last_backward is not None:
-            with self.last_backward():
+        if task.kind is Kind.W:
+            try:
+                return self.weight_grad(k)
+            finally:
+                if k == last_w:
+                    self.last_region.close()
+        region = self.last_backward if task == last_b else None
+        if task.kind is Kind.B:
+            with region() if region is not None else nullcontext():
                 return self.backward(k)
-        return self.backward(k)
+        if region is not None:
+            self.release = self.last_region.enter_context(region(held_back=self.held_back))
+        return self.input_grad(k)
 
     def arrived(self, task: Task) -> bool:
         """Whether the message ``task`` waits for is here (asked by the run-time rules)."""
@@ -194,7 +220,7 @@ class StageStep:
         if task.kind is Kind.F:
             if self.from_prev is None or self.inputs[k] is not None:
                 return True
-            if not self._input_shapes_known(wait=False):
+            if not self.input_shapes_known(wait=False):
                 return False
             return self.upstream_skipped or self.from_prev.arrived(self._activation_in(k))
         return self.from_next is None or self.from_next.arrived(Message(MessageKind.GRADIENT, self.stage + 1, k))
@@ -247,16 +273,38 @@ class StageStep:
 
     def backward(self, k: int) -> tuple[int, int]:
         """``B(k)``: backward of the loss (last stage) or of the output with the received gradient."""
+        return self._backward(k, nullcontext())
+
+    def input_grad(self, k: int) -> tuple[int, int]:
+        """``I(k)``: ``B(k)`` with linear layers' weight gradients held back for ``W(k)``."""
+        if self.skipped[k]:
+            return 0, 0
+        work = self.weight_work[k] = WeightGradWork(self.held_back)
+        return self._backward(k, holding_weight_grads(work))
+
+    def weight_grad(self, k: int) -> tuple[int, int]:
+        """``W(k)``: the weight gradients ``I(k)`` held back, added into ``.grad``."""
+        work = self.weight_work[k]
+        if work is None:  # a skipped micro-batch
+            return 0, 0
+        self.weight_work[k] = None
+        final = work.run()
+        if self.release is not None:
+            self.release(final)
+        return 0, 0
+
+    def _backward(self, k: int, holding: AbstractContextManager[Any]) -> tuple[int, int]:
+        """The backward of micro-batch ``k`` inside ``holding``; sends the input's gradient back."""
         if self.skipped[k]:
             return 0, 0
         if self.next is None:
             if self.results[k] is not None:  # else skipped after the loss: a zero gradient goes back
-                with accumulating_in_place():
+                with accumulating_in_place(), holding:
                     torch.autograd.backward(self.loss_of(self.results[k], k))  # type: ignore[misc]
         else:
             grad = self.receive_grad(k)
             output = self.outputs[k]
-            with accumulating_in_place():
+            with accumulating_in_place(), holding:
                 torch.autograd.backward(output, grad if grad.dtype == output.dtype else grad.to(output.dtype))
         self.outputs[k] = None
         stash = 0
@@ -284,7 +332,7 @@ class StageStep:
                     out = handler.output
                 else:
                     if out is None and handler.segment == 0:
-                        self._skips_before_forward(k, True)
+                        check_skipped_alike(self, k, True)
                         return SKIPPED
                     if self.next is not None:
                         raise CutPointError(
@@ -295,12 +343,12 @@ class StageStep:
                         )
         finally:
             executor.current = None
-        self._skips_before_forward(k, False)
+        check_skipped_alike(self, k, False)
         return out
 
     def _forward_input(self, k: int, with_grad: bool) -> Tensor:
         """The received activation as the stage's forward takes it at its first cut point."""
-        self._skips_before_forward(k, False)  # checked before waiting: a stage that skipped sends nothing
+        check_skipped_alike(self, k, False)  # checked before waiting: a stage that skipped sends nothing
         received = self.receive_input(k)
         received.requires_grad_(with_grad)
         input_dtype = self.executor.input_dtype
@@ -308,48 +356,12 @@ class StageStep:
             received = received.to(input_dtype)
         return received
 
-    # -- a batch skipped before the forward ---------------------------------------------------------------
-    def _skips_before_forward(self, k: int, skipped: bool) -> None:
-        """Checks that every micro-batch of the step is skipped before the forward, or none is."""
-        if self.prev is None and self.next is None:
-            return  # no neighbour waits for a message
-        if self.skip_mode is None:
-            self.skip_mode = skipped
-            if skipped:
-                self._skip_links()
-        elif self.skip_mode != skipped:
-            raise CutPointError(
-                f"The step returned None before the model's forward for micro-batch {k if skipped else 0} but"
-                f" not for micro-batch {0 if skipped else k} of the same batch. A batch is skipped as a whole:"
-                " decide before the forward from what every micro-batch shares (batch_idx, the trainer's"
-                " state), or return None after the loss."
-            )
-
-    def _skip_links(self) -> None:
-        """The step's batch is skipped: a skip header goes on, and only the summary is left to exchange."""
-        if self.to_next is not None:
-            self.to_next.send(Message(MessageKind.HEADER, self.stage), encode_skip_header(self.device), self.stage)
-            self.to_next.drop_unsent(_DROPPED_WHEN_SKIPPED)
-        if self.to_prev is not None:
-            self.to_prev.drop_unsent(_DROPPED_WHEN_SKIPPED)
-        if self.from_next is not None:
-            self.from_next.drop_unposted(_DROPPED_WHEN_SKIPPED)
-            self.from_next.advance()
-        if self.from_prev is not None:
-            self._input_shapes_known(wait=True)
-            if not self.upstream_skipped:
-                raise CutPointError(
-                    f"Stage {self.stage}'s step returned None before the model's forward, but stage {self.stage - 1}"
-                    " ran its forward on the same batch: every stage must decide alike whether to skip a batch."
-                )
-            self.from_prev.drop_unposted(_DROPPED_WHEN_SKIPPED)
-            self.from_prev.advance()
     # -- communication --------------------------------------------------------------------------------------
     def receive_input(self, k: int) -> Tensor:
         """The activation of micro-batch ``k`` from the previous stage (waits for it the first time)."""
         received = self.inputs[k]
         if received is None:
-            self._input_shapes_known(wait=True)
+            self.input_shapes_known(wait=True)
             if self.upstream_skipped:
                 raise CutPointError(
                     f"Stage {self.stage - 1} skipped the batch before the model's forward, but stage {self.stage}"
@@ -418,7 +430,7 @@ class StageStep:
     def _activation_in(self, k: int) -> Message:
         return Message(MessageKind.ACTIVATION, self.stage - 1, k)
 
-    def _input_shapes_known(self, wait: bool) -> bool:
+    def input_shapes_known(self, wait: bool) -> bool:
         """Whether this step's input shapes are known: reads the header once it is here (waits for it if asked)."""
         if self.input_specs is not None or self.upstream_skipped:
             return True

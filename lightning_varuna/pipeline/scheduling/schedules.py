@@ -3,8 +3,8 @@
 A schedule for ``P`` stages and ``m`` micro-batches is a tuple of ``P`` tuples of :class:`Task`. Stage ``s``
 runs its tasks in that order, except where :func:`next_task` lets a forward whose input is there go ahead of a
 recompute or backward whose gradient is late (Varuna's opportunistic rule), or while the next stage has run
-out of work. Forwards keep their order among themselves, as do recomputes and backwards, so every message
-between two stages keeps its order.
+out of work. Forwards keep their order among themselves, as do recomputes, backwards and weight-gradient tasks,
+so every message between two stages keeps its order.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 from lightning_varuna.pipeline.scheduling.validation import check_sizes, validate_schedule
+from lightning_varuna.pipeline.scheduling.zero_bubble import zero_bubble_schedule
 
 __all__ = [
     "Kind",
@@ -29,10 +30,15 @@ __all__ = [
     "gpipe_schedule",
     "one_f_one_b_schedule",
     "varuna_schedule",
+    "zero_bubble_schedule",
+    "SPLIT_BACKWARD",
 ]
 
 
-SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe")
+SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe", "zero-bubble")
+
+SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble"})
+"""Schedules whose backward runs as an input-gradient task ``I`` and a weight-gradient task ``W``."""
 
 # Unit costs of Varuna's generating simulation (time ticks).
 _UNIT_COST: dict[Kind, int] = {Kind.F: 1, Kind.R: 1, Kind.B: 2}
@@ -43,8 +49,8 @@ def next_task(
 ) -> int:
     """Which of a stage's pending tasks to run next: Varuna's opportunistic rule, and ours to feed the next stage.
 
-    The head of ``pending`` runs, unless it is ``R(k)`` or ``B(k)`` and the stage's first pending forward
-    ``F(j)`` has its input there; then ``F(j)`` goes first if
+    The head of ``pending`` runs, unless it is ``R(k)``, ``B(k)`` or ``I(k)`` and the stage's first pending
+    forward ``F(j)`` has its input there; then ``F(j)`` goes first if
 
     - the gradient for ``B(k)`` has not arrived (Varuna's rule: this stage would wait for it), or
     - with ``feed_next_stage``, the gradient for ``B(j-1)`` has arrived: the next stage has finished every
@@ -53,21 +59,26 @@ def next_task(
       ``P=4, m=8`` runs ``R3 B3 R4 B4 R5 B5`` before ``F6``); with unit costs this rule brings the list to the
       critical stage's bound (39 -> 38 ticks at ``P=4, m=8``).
 
-    For a ``B(k)`` head only when ``forwards_stash`` (the stage's forwards run without autograd and keep
-    only their input, so the stage still holds one autograd graph at most; without it a forward would add a
-    graph).
+    For a ``B(k)`` or ``I(k)`` head only when ``forwards_stash`` (the stage's forwards run without autograd
+    and keep only their input, so the stage holds no more autograd graphs; without it a forward would add a
+    graph, beyond the schedule's memory bound).
 
-    Only forwards move, and only ahead of recomputes and backwards: forwards keep their order among
-    themselves, as do recomputes and backwards, so every message between two stages keeps its order, and a
-    move only sends an activation earlier, so a schedule that cannot deadlock in list order cannot deadlock
-    with the moves. (Moving a recompute ahead of a late forward instead delays the pipeline's fill whenever the
-    input is only a little late; it gained nothing in simulation or in the emulated benchmark.)
+    ``W`` tasks never move: zero-bubble schedules hold them back on purpose, so that input gradients (the
+    critical path) run as soon as their gradient is there; running a held-back ``W`` while waiting for a
+    gradient delays the ``I`` whenever the gradient arrives during it, which in simulation with random message
+    delays cost more than the waits it filled.
+
+    Only forwards move, and only ahead of recomputes and backwards: each kind keeps its order, so every message
+    between two stages keeps its order, and a move only sends an activation earlier, so a schedule that cannot
+    deadlock in list order cannot deadlock with the moves. (Moving a recompute ahead of a late forward instead
+    delays the pipeline's fill whenever the input is only a little late; it gained nothing in simulation or in the
+    emulated benchmark.)
 
     Args:
         pending: The stage's remaining tasks, in schedule order (not empty).
         arrived: Whether the message a task waits for is there: the activation for ``F(k)`` (always on the
-            first stage), the gradient for ``B(k)`` (always on the last stage, and for a ``B`` that has run).
-            Not asked for ``R`` tasks.
+            first stage), the gradient for ``B(k)`` or ``I(k)`` (always on the last stage, and for one that has
+            run). Not asked for ``R`` and ``W`` tasks.
         forwards_stash: Whether the stage's forwards run without autograd (recompute on a non-last stage).
         feed_next_stage: Whether a forward also goes first when the next stage has nothing left to do.
 
@@ -75,17 +86,27 @@ def next_task(
         The index in ``pending`` of the task to run (0 when the head runs, or must be waited for).
     """
     head = pending[0]
-    if head.kind is Kind.F or (head.kind is Kind.B and not forwards_stash):
+    if head.kind in (Kind.F, Kind.W):
         return 0
+    if head.kind is Kind.R or forwards_stash:
+        forward = _forward_first(pending, arrived, feed_next_stage)
+        if forward is not None:
+            return forward
+    return 0
+
+
+def _forward_first(pending: Sequence[Task], arrived: Callable[[Task], bool], feed_next_stage: bool) -> int | None:
+    """The index of the first pending forward if it goes ahead of the head (see :func:`next_task`), else None."""
+    head = pending[0]
     forward = next((i for i, task in enumerate(pending) if task.kind is Kind.F), None)
     if forward is None or not arrived(pending[forward]):
-        return 0
+        return None
     if not arrived(Task(Kind.B, head.microbatch)):
         return forward
     previous = pending[forward].microbatch - 1
     if feed_next_stage and previous >= 0 and arrived(Task(Kind.B, previous)):
         return forward
-    return 0
+    return None
 
 
 def make_schedule(
@@ -100,7 +121,8 @@ def make_schedule(
 
     Args:
         name: One of :data:`SCHEDULES`: ``"varuna"`` (see :func:`varuna_schedule`), ``"1f1b"`` (see
-            :func:`one_f_one_b_schedule`) or ``"gpipe"`` (see :func:`gpipe_schedule`).
+            :func:`one_f_one_b_schedule`), ``"gpipe"`` (see :func:`gpipe_schedule`) or ``"zero-bubble"`` (see
+            :func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule`).
         num_stages: Number of pipeline stages ``P`` (at least 1).
         num_microbatches: Number of micro-batches ``m`` per step (at least 1; may be smaller than ``P``).
         recompute: Whether non-last stages recompute their forward before the backward.
@@ -121,9 +143,12 @@ def make_schedule(
         schedule = varuna_schedule(num_stages, num_microbatches, recompute)
     elif name == "1f1b":
         schedule = one_f_one_b_schedule(num_stages, num_microbatches, recompute)
+    elif name == "zero-bubble":
+        schedule = zero_bubble_schedule(num_stages, num_microbatches, recompute)
     else:
         schedule = gpipe_schedule(num_stages, num_microbatches, recompute)
-    validate_schedule(schedule, num_microbatches, recompute, train=train)
+    split = train and name in SPLIT_BACKWARD
+    validate_schedule(schedule, num_microbatches, recompute, train=train, split_backward=split)
     return schedule
 
 

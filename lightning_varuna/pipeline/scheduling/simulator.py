@@ -1,9 +1,10 @@
 """Timing simulator for pipeline schedules: makespan, busy time and bubble of any :data:`Schedule`.
 
 Each stage executes its task list in order. ``F(k)`` on stage ``s > 0`` waits for the activation sent when
-``F(k)`` finished on ``s-1``; ``B(k)`` on ``s < P-1`` waits for the gradient sent when ``B(k)`` finished on
-``s+1``; ``R(k)`` has no remote dependency. Sends never block; a message takes ``comm`` plus an optional
-jitter. With ``opportunistic=True`` the simulator applies the executor's runtime rule (see :func:`simulate`).
+``F(k)`` finished on ``s-1``; ``B(k)`` or ``I(k)`` on ``s < P-1`` waits for the gradient sent when ``B(k)`` or
+``I(k)`` finished on ``s+1``; ``R(k)`` and ``W(k)`` have no remote dependency. Sends never block; a message takes
+``comm`` plus an optional jitter. With ``opportunistic=True`` the simulator applies the executor's runtime rules
+(see :func:`simulate`).
 
 Used to compare schedules, to check the runtime rule, and to choose a pipeline shape from profiled costs.
 """
@@ -21,8 +22,15 @@ __all__ = ["Jitter", "SimResult", "StageCosts", "ideal_bubble", "simulate"]
 Jitter = Callable[[int, int, Kind, int], float]
 """Extra delay of one message: ``jitter(src_stage, dst_stage, kind, microbatch) -> seconds``."""
 
-# (destination stage, kind of the task that waits, micro-batch) -> arrival time of the message.
+# (destination stage, kind of the message's task (B for a gradient), micro-batch) -> arrival time of the message.
 _Arrivals = dict[tuple[int, Kind, int], float]
+
+_GRADIENT_KINDS = (Kind.B, Kind.I)
+"""Tasks that send the gradient of the stage's input (and so wait for the next stage's)."""
+
+
+def _arrival_kind(kind: Kind) -> Kind:
+    return Kind.B if kind is Kind.I else kind
 
 
 @dataclass(frozen=True)
@@ -31,13 +39,15 @@ class StageCosts:
 
     Attributes:
         forward: Time of ``F``.
-        backward: Time of ``B``.
+        backward: Time of ``B``; a split backward's ``I`` and ``W`` together take the same.
         recompute: Time of ``R``; ``None`` means the same as ``forward``.
+        weight: Time of ``W`` (the rest of ``backward`` is ``I``); ``None`` means half of ``backward``.
     """
 
     forward: float
     backward: float
     recompute: float | None = None
+    weight: float | None = None
 
     def cost(self, kind: Kind) -> float:
         """The time of a task of the given kind.
@@ -52,6 +62,11 @@ class StageCosts:
             return self.forward
         if kind is Kind.B:
             return self.backward
+        weight = self.backward / 2 if self.weight is None else self.weight
+        if kind is Kind.W:
+            return weight
+        if kind is Kind.I:
+            return self.backward - weight
         return self.forward if self.recompute is None else self.recompute
 
 
@@ -177,8 +192,8 @@ def simulate(
 
 def _ready(stage: int, num_stages: int, task: Task, arrivals: _Arrivals, now: float) -> bool:
     """Whether the message ``task`` waits for (if any) has arrived at ``stage`` by ``now``."""
-    waits = (task.kind is Kind.F and stage > 0) or (task.kind is Kind.B and stage < num_stages - 1)
-    return not waits or arrivals.get((stage, task.kind, task.microbatch), math.inf) <= now
+    waits = (task.kind is Kind.F and stage > 0) or (task.kind in _GRADIENT_KINDS and stage < num_stages - 1)
+    return not waits or arrivals.get((stage, _arrival_kind(task.kind), task.microbatch), math.inf) <= now
 
 
 def _pick(
@@ -223,13 +238,13 @@ def _send(
     """Record the arrival time of the message ``task`` sends when it finishes, if it sends one."""
     if task.kind is Kind.F and stage < num_stages - 1:
         destination = stage + 1
-    elif task.kind is Kind.B and stage > 0:
+    elif task.kind in _GRADIENT_KINDS and stage > 0:
         destination = stage - 1
     else:
         return
     extra = 0.0 if jitter is None else jitter(stage, destination, task.kind, task.microbatch)
     crossed = links.send(stage, destination, finish)
-    arrivals[(destination, task.kind, task.microbatch)] = crossed + max(0.0, comm + extra)
+    arrivals[(destination, _arrival_kind(task.kind), task.microbatch)] = crossed + max(0.0, comm + extra)
 
 
 def _next_event(now: float, free_at: list[float], arrivals: _Arrivals, pending: list[list[Task]]) -> float:

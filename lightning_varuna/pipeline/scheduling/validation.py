@@ -17,22 +17,25 @@ def check_sizes(num_stages: int, num_microbatches: int) -> None:
         raise ScheduleError(f"num_microbatches must be at least 1, got {num_microbatches}")
 
 
-def validate_schedule(schedule: Schedule, num_microbatches: int, recompute: bool, train: bool = True) -> None:
+def validate_schedule(
+    schedule: Schedule, num_microbatches: int, recompute: bool, train: bool = True, split_backward: bool = False
+) -> None:
     """Check that a schedule is complete, correctly ordered and free of deadlock.
 
-    The checks, per stage: every task appears exactly once (``F`` for every micro-batch; with ``train``
-    also ``B``; with ``train`` and ``recompute`` also ``R`` on every non-last stage, and no ``R``
-    anywhere else); ``R(k)`` lies between ``F(k)`` and ``B(k)``; forwards and backwards are each in
-    ascending micro-batch order (the order of messages). Finally the schedule is executed symbolically,
-    each stage running its list in order: ``F(k)`` on ``s > 0`` waits for ``F(k)`` on ``s-1``, ``B(k)`` on
-    ``s < P-1`` waits for ``B(k)`` on ``s+1``, sends never block. If no stage can progress before all are
-    done, the schedule deadlocks.
+    The checks, per stage: every task appears exactly once (``F`` for every micro-batch; with ``train`` also
+    ``B``, or ``I`` and ``W`` with ``split_backward``; with ``train`` and ``recompute`` also ``R`` on every
+    non-last stage, and no ``R`` anywhere else); ``R(k)`` lies between ``F(k)`` and the backward, ``W(k)`` after
+    ``I(k)``; forwards, backwards (``B`` or ``I``) and weight-gradient tasks are each in ascending micro-batch
+    order (the order of messages). Finally the schedule is executed symbolically, each stage running its list in
+    order: ``F(k)`` on ``s > 0`` waits for ``F(k)`` on ``s-1``, ``B(k)`` or ``I(k)`` on ``s < P-1`` waits for
+    the same on ``s+1``, sends never block. If no stage can progress before all are done, the schedule deadlocks.
 
     Args:
         schedule: One tuple of tasks per stage.
         num_microbatches: Number of micro-batches the schedule must cover.
         recompute: Whether non-last stages must recompute.
         train: ``False`` for a forward-only schedule.
+        split_backward: Whether backwards are split into ``I`` and ``W`` tasks.
 
     Raises:
         ScheduleError: Naming the stage and task at fault.
@@ -42,19 +45,19 @@ def validate_schedule(schedule: Schedule, num_microbatches: int, recompute: bool
     check_sizes(len(schedule), num_microbatches)
     num_stages = len(schedule)
     for stage, tasks in enumerate(schedule):
-        expected = _expected_tasks(stage, num_stages, num_microbatches, recompute, train)
+        expected = _expected_tasks(stage, num_stages, num_microbatches, recompute, train, split_backward)
         _check_task_set(stage, tasks, expected, recompute, train)
         _check_order(stage, tasks)
     _check_deadlock(schedule)
 
 
 def _expected_tasks(
-    stage: int, num_stages: int, num_microbatches: int, recompute: bool, train: bool
+    stage: int, num_stages: int, num_microbatches: int, recompute: bool, train: bool, split_backward: bool
 ) -> set[Task]:
     """The set of tasks that stage ``stage`` must run."""
     kinds = [Kind.F]
     if train:
-        kinds.append(Kind.B)
+        kinds += [Kind.I, Kind.W] if split_backward else [Kind.B]
         if recompute and stage < num_stages - 1:
             kinds.append(Kind.R)
     return {Task(kind, k) for kind in kinds for k in range(num_microbatches)}
@@ -72,7 +75,7 @@ def _check_task_set(
             raise ScheduleError(f"stage {stage}: task {task!r} appears more than once")
         if task not in expected:
             raise ScheduleError(
-                f"stage {stage}: unexpected task {task!r} ({_why_unexpected(task, recompute, train)})"
+                f"stage {stage}: unexpected task {task!r} ({_why_unexpected(task, expected, recompute, train)})"
             )
         seen.add(task)
     missing = sorted(expected - seen, key=lambda t: (t.microbatch, t.kind.value))
@@ -80,19 +83,26 @@ def _check_task_set(
         raise ScheduleError(f"stage {stage}: missing task {missing[0]!r} ({len(missing)} missing in all)")
 
 
-def _why_unexpected(task: Task, recompute: bool, train: bool) -> str:
+def _why_unexpected(task: Task, expected: set[Task], recompute: bool, train: bool) -> str:
     """A short reason why ``task`` does not belong on a stage."""
     if task.kind is not Kind.F and not train:
         return "a forward-only schedule has no recompute or backward"
     if task.kind is Kind.R:
         return "recompute is off" if not recompute else "the last stage never recomputes"
+    if not any(t.kind is task.kind for t in expected):
+        return "the backward is split into I and W here" if task.kind is Kind.B else "the backward is not split"
     return "micro-batch out of range"
 
 
+_BACKWARD = (Kind.B, Kind.I)
+"""The task that ends a micro-batch's autograd graph and sends the input's gradient."""
+
+
 def _check_order(stage: int, tasks: tuple[Task, ...]) -> None:
-    """Raise unless F and B are ascending and each ``R(k)`` lies between ``F(k)`` and ``B(k)``."""
+    """Raise unless each kind is ascending and every task comes after those it needs on its stage."""
     position = {task: i for i, task in enumerate(tasks)}
-    for kind, name in ((Kind.F, "forwards"), (Kind.B, "backwards")):
+    for kind, name in ((Kind.F, "forwards"), (Kind.B, "backwards"), (Kind.I, "input gradients"),
+                       (Kind.W, "weight gradients")):
         microbatches = [t.microbatch for t in tasks if t.kind is kind]
         for before, after in pairwise(microbatches):
             if after < before:
@@ -102,12 +112,13 @@ def _check_order(stage: int, tasks: tuple[Task, ...]) -> None:
                 )
     for task in tasks:
         k = task.microbatch
-        if task.kind is Kind.R and not position[Task(Kind.F, k)] < position[task]:
+        backward = next((t for t in (Task(Kind.B, k), Task(Kind.I, k)) if t in position), None)
+        if task.kind in (Kind.R, *_BACKWARD) and not position[Task(Kind.F, k)] < position[task]:
             raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
-        if task.kind is Kind.R and not position[task] < position[Task(Kind.B, k)]:
-            raise ScheduleError(f"stage {stage}: {task!r} must come before B{k}")
-        if task.kind is Kind.B and not position[Task(Kind.F, k)] < position[task]:
-            raise ScheduleError(f"stage {stage}: {task!r} must come after F{k}")
+        if task.kind is Kind.R and backward is not None and not position[task] < position[backward]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come before {backward!r}")
+        if task.kind is Kind.W and not position[Task(Kind.I, k)] < position[task]:
+            raise ScheduleError(f"stage {stage}: {task!r} must come after I{k}")
 
 
 def _check_deadlock(schedule: Schedule) -> None:
@@ -134,6 +145,6 @@ def _dependency_met(stage: int, task: Task, num_stages: int, done: set[tuple[int
     """Whether the message ``task`` waits for (if any) has been sent."""
     if task.kind is Kind.F and stage > 0:
         return (stage - 1, task) in done
-    if task.kind is Kind.B and stage < num_stages - 1:
+    if task.kind in _BACKWARD and stage < num_stages - 1:
         return (stage + 1, task) in done
     return True
