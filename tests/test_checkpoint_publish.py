@@ -25,6 +25,7 @@ from lightning_varuna.checkpoint import publish
 from lightning_varuna.checkpoint.job import write_single
 from lightning_varuna.checkpoint.load import resolve
 from lightning_varuna.checkpoint.storage import Location, read_meta
+from lightning_varuna.fault.atomic_write import write_atomic
 from lightning_varuna.recovery.resume import choose_last, last_fallbacks
 
 
@@ -201,3 +202,13 @@ def test_writers_of_the_same_file_at_once_each_replace_it_whole(tmp_path) -> Non
     assert not errors, errors
     assert target.read_bytes() in (b"a" * 64, b"b" * 64)
     assert [p.name for p in tmp_path.iterdir()] == ["lease.json"], "no part file is left"
+
+
+def test_an_exclusive_write_creates_the_file_once_and_a_failed_write_leaves_no_part_file(tmp_path) -> None:
+    target = tmp_path / "sub" / "lease.json"
+    assert write_atomic(target, b"first", exclusive=True)
+    assert not write_atomic(target, b"second", exclusive=True) and target.read_bytes() == b"first"
+    assert write_atomic(target, b"third") and target.read_bytes() == b"third"
+    with pytest.raises(TypeError):
+        write_atomic(target, "not bytes")
+    assert target.read_bytes() == b"third" and [p.name for p in target.parent.iterdir()] == ["lease.json"]

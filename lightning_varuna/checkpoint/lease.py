@@ -29,7 +29,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_varuna.checkpoint.storage import PART_SUFFIX, Location
+from lightning_varuna.checkpoint.storage import Location
+from lightning_varuna.fault.atomic_write import write_atomic
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LEASE_FILE", "Holder", "LeaseKeeper", "LeaseTicket", "release", "take"]
 
@@ -145,17 +146,7 @@ def _write(folder: Location, holder: Holder, timeout_s: float, create: bool) -> 
     if not (create and loc.local):
         loc.write_bytes(data)
         return True
-    os.makedirs(folder.path, exist_ok=True)
-    part = loc.with_suffix(f"{PART_SUFFIX}-{holder.token}")
-    with open(part.path, "wb") as f:
-        f.write(data)
-    try:
-        os.link(part.path, loc.path)  # fails if the file exists: no two jobs create it
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(part.path)
+    return write_atomic(loc.path, data, exclusive=True)  # no two jobs create it
 
 
 def holder_problem(folder: Location, record: dict[str, Any], now: float | None = None) -> str:

@@ -12,7 +12,6 @@ import contextlib
 import io
 import os
 import re
-import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -27,8 +26,10 @@ from fsspec.implementations.local import LocalFileSystem
 # private: torch 2.13/2.14 keep DCP's fsspec reader and writer in this module only (see docs/architecture.md)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+from lightning_varuna.fault.atomic_write import PART_SUFFIX, write_atomic
+
 __all__ = [
-    "INDEX", "META", "README", "README_TEXT", "RECORD_FILE", "Location", "is_complete", "read_meta",
+    "INDEX", "META", "PART_SUFFIX", "README", "README_TEXT", "RECORD_FILE", "Location", "is_complete", "read_meta",
     "single_process_quiet", "to_bytes", "written_at",
 ]
 
@@ -52,7 +53,6 @@ sharded in the format of torch.distributed.checkpoint, and Lightning's own state
 - A plain single-file Lightning checkpoint:
       python -m lightning_varuna.convert to-plain <this directory> model.ckpt
 """
-PART_SUFFIX = ".part"
 _PROTOCOL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")  # two characters at least: "C:" is a drive
 
 
@@ -142,15 +142,7 @@ class Location:
         if not self.local:
             self.fs.pipe_file(self.path, data)
             return
-        # a part file of its own per writer: two that write the same file at once (a lease renewed while another
-        # job takes it over) would otherwise rename each other's part away
-        part = self.with_suffix(f"-{os.getpid()}-{threading.get_ident()}{PART_SUFFIX}")
-        self.fs.makedirs(self.parent.path, exist_ok=True)
-        with open(part.path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part.path, self.path)
+        write_atomic(self.path, data)
 
     def copy_to(self, dst: Location) -> None:
         """Copies this file to ``dst`` (on the same filesystem; an object store copies on the server)."""

@@ -17,13 +17,14 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_varuna.fault.atomic_write import write_atomic
 
 __all__ = [
     "PROFILE_VERSION", "CutProfile", "Link", "Network", "ParamProfile", "Profile", "ProfileError", "SegmentProfile",
@@ -272,7 +273,7 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the profile as JSON (atomically: a reader never sees half a file)."""
-        _write_atomic(Path(path), json.dumps(self.to_dict(), indent=1))
+        write_atomic(path, json.dumps(self.to_dict(), indent=1).encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
@@ -343,18 +344,6 @@ def store_cached(profile: Profile) -> Path | None:
     except OSError:
         return None
     return path
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def machine_description(device: torch.device) -> str:
