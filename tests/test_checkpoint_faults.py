@@ -28,8 +28,7 @@ from checkpoint_outcomes import not_raised, own_errors
 from launch import JOBS, ROOT, _env, nccl_rules, torchrun
 from s3server import fresh_prefix, s3_server
 
-from lightning_varuna.checkpoint import Location, is_complete
-from lightning_varuna.checkpoint.lease import LEASE_FILE
+from lightning_varuna.checkpoint import Location, is_complete, lease
 from lightning_varuna.checkpoint.storage import read_meta
 
 
@@ -41,7 +40,7 @@ def _names(folder: str) -> list[str]:
     """The checkpoints (and copies) in ``folder``."""
     loc = Location.of(folder)
     loc.refresh()
-    return [name for name in loc.names() if name != LEASE_FILE]
+    return [name for name in loc.names() if not lease.is_lease_file(name)]
 
 
 def _step(path: str) -> int:
@@ -69,7 +68,7 @@ def test_a_job_stopped_inside_a_publication_resumes_from_the_newest_complete_che
         assert sorted(_names(remote)) == ["last.ckpt", "last.ckpt.varuna-old", "last.ckpt.varuna-tmp"]
         assert not is_complete(f"{remote}/last.ckpt") and _step(f"{remote}/last.ckpt.varuna-tmp") == 4
         assert sorted(_names(local)) == ["last.ckpt.varuna-old", "last.ckpt.varuna-tmp"]
-        assert (Path(local) / LEASE_FILE).exists()  # left by the dead job; its processes are gone
+        assert lease.read(local) is not None  # left by the dead job; its processes are gone
         assert _step(f"{local}/last.ckpt.varuna-tmp") == 4 and _step(f"{local}/last.ckpt.varuna-old") == 3
         # Lightning alone finds no last*.ckpt in either folder; the resumes start at step 4, the newest complete
         torchrun("checkpoint_faults.py", str(tmp_path), f"s3-resume:kind=train,folder={remote},steps=6,ckpt=last",
@@ -157,7 +156,7 @@ def _first_job_holds_then_dies(tmp_path: Path, folder: Path, environment: dict[s
             assert "holds its lease" in run["error"] and "process" in run["error"], run["error"]
             assert run["start"] is None
         assert second.returncode == 0  # the job script records the error on every rank
-        assert _step(str(folder / "last.ckpt")) == 3 and (folder / LEASE_FILE).exists()
+        assert _step(str(folder / "last.ckpt")) == 3 and lease.read(folder) is not None
         for rank in range(2):  # the first job dies without releasing its lease
             os.kill(int((tmp_path / f"first.waiting.rank{rank}").read_text()), signal.SIGKILL)
         first.wait(60)
@@ -179,6 +178,6 @@ def test_a_second_job_on_a_checkpoint_folder_is_refused_and_a_dead_jobs_lease_is
              nproc=2, timeout=300)
     restart = _ranks(tmp_path, "restart")
     assert [r["start"] for r in restart] == [3, 3] and restart[0]["error"] is None, restart
-    assert _step(str(folder / "last.ckpt")) == 5 and not (folder / LEASE_FILE).exists()  # released at the end
+    assert _step(str(folder / "last.ckpt")) == 5 and lease.read(folder) is None  # released at the end
     print(f"\nsecond job on the folder: refused on every rank {refused:.2f} s after fit() was called; the dead"
           " job's lease taken over at once, its last checkpoint (step 3) resumed")

@@ -11,9 +11,17 @@ that names it, unless it is *stale*:
 - its holder died on this host (its process is gone), at once;
 - not renewed for its timeout (a job that died elsewhere), after the timeout.
 
-A local disk creates the file only if it is absent (no two jobs can both create it). An object store has no such
-call: there each job reads the lease back after writing it, and the renewals read it before writing, so of two
-jobs that start within the same moment the one that wrote first finds the other's lease and stops saving.
+Every write of a lease is conditional on the lease it read: the lease is a file per *generation*
+(``.varuna-lease.<generation>.json``, the newest is the lease), and a job that read generation ``g`` (to take
+it, take it over or renew it) writes generation ``g + 1`` only if that file does not exist yet (a hard link, see
+:mod:`~lightning_varuna.fault.atomic_write`). Of two jobs that decided on the same generation (a keeper
+renewing its lease while another job takes it over as stale) exactly one creates the next file; the other
+has lost the lease. A write keeps the generation before it (a job that read an older one and creates its
+successor finds a newer file beside it and has lost), and a release writes a generation that names no
+holder, so that the count never starts again under a write decided before it.
+
+An object store has no create-if-absent: there a job skips a generation that exists and reads the lease back
+after writing it, which narrows the window between two jobs' writes but cannot close it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -32,11 +41,18 @@ from typing import Any
 from lightning_varuna.checkpoint.storage import Location
 from lightning_varuna.fault.atomic_write import write_atomic
 
-__all__ = ["DEFAULT_TIMEOUT_S", "LEASE_FILE", "Holder", "LeaseKeeper", "LeaseTicket", "release", "take"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "LEASE_FILE", "LEASE_PREFIX", "Holder", "LeaseKeeper", "LeaseTicket", "is_lease_file",
+    "lease_name", "read", "release", "take",
+]
 
 log = logging.getLogger(__name__)
 
+LEASE_PREFIX = ".varuna-lease."
+"""The start of a lease file's name (``.varuna-lease.<generation>.json``)."""
 LEASE_FILE = ".varuna-lease.json"
+"""The lease file of earlier versions (one file, rewritten in place), read as generation 0."""
+_GENERATION = re.compile(r"\.varuna-lease\.(\d+)\.json")
 DEFAULT_TIMEOUT_S = 60.0
 _TOKEN = uuid.uuid4().hex  # this process
 
@@ -123,30 +139,93 @@ def _is_gone(holder: Holder) -> bool:
     return _process_identity(holder.pid) != holder.process
 
 
-def _lease_file(folder: Location) -> Location:
-    return folder.child(LEASE_FILE)
+def lease_name(generation: int) -> str:
+    """The file of one generation of a folder's lease."""
+    return f"{LEASE_PREFIX}{generation:012d}.json"
 
 
-def read(folder: Location) -> dict[str, Any] | None:
-    """The lease of ``folder`` (``None`` if there is none, or it cannot be read)."""
-    loc = _lease_file(folder)
-    loc.refresh()
-    try:
-        record = json.loads(loc.read_bytes())
-        record["holder"] = Holder(**record["holder"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return record
+def is_lease_file(name: str) -> bool:
+    """Whether ``name`` is one of a folder's lease files (of any generation, or of an earlier version)."""
+    return name == LEASE_FILE or _GENERATION.fullmatch(name) is not None
 
 
-def _write(folder: Location, holder: Holder, timeout_s: float, create: bool) -> bool:
-    """Writes the lease; with ``create``, only if there is none (where the filesystem can tell). Whether written."""
-    data = json.dumps({"holder": asdict(holder), "renewed": time.time(), "timeout_s": timeout_s}).encode()
-    loc = _lease_file(folder)
-    if not (create and loc.local):
+def _generations(folder: Location) -> list[tuple[int, str]]:
+    """The lease files of ``folder``, newest first, with their generations (an earlier version's file is 0)."""
+    found = []
+    for name in folder.names():
+        match = _GENERATION.fullmatch(name)
+        if match is not None:
+            found.append((int(match.group(1)), name))
+        elif name == LEASE_FILE:
+            found.append((0, name))
+    return sorted(found, reverse=True)
+
+
+def _newest(folder: Location) -> tuple[int, dict[str, Any] | None]:
+    """The newest generation of the lease of ``folder`` (0: none yet) and its record.
+
+    The record is ``None`` if the lease was released or cannot be read; otherwise it holds the ``holder``, when it
+    was ``renewed``, its ``timeout_s`` and its ``generation``.
+    """
+    folder.refresh()
+    generation = 0
+    for _ in range(5):  # a renewal removed the file between the listing and the read: list again
+        files = _generations(folder)
+        if not files:
+            return 0, None
+        generation, name = files[0]
+        try:
+            record = json.loads(folder.child(name).read_bytes())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            return generation, None
+        try:
+            if record.get("holder") is None:
+                return generation, None
+            record["holder"] = Holder(**record["holder"])
+            record["generation"] = generation
+            float(record["renewed"]), float(record["timeout_s"])
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return generation, None
+        return generation, record
+    return generation, None
+
+
+def read(folder: str | os.PathLike | Location) -> dict[str, Any] | None:
+    """The lease of ``folder`` (``None`` if there is none, it was released, or it cannot be read)."""
+    return _newest(Location.of(folder))[1]
+
+
+def _write(folder: Location, holder: Holder | None, timeout_s: float, generation: int) -> bool:
+    """Writes ``generation`` of the lease (``holder`` ``None``: released) if no other job wrote it.
+
+    Returns whether this write made the lease: ``False`` if the generation's file existed (another job wrote
+    after the read this write was decided on) or a newer generation is beside it (the read was older than that).
+    """
+    record = {"holder": None if holder is None else asdict(holder), "renewed": time.time(), "timeout_s": timeout_s}
+    data = json.dumps(record).encode()
+    loc = folder.child(lease_name(generation))
+    if loc.local:
+        if not write_atomic(loc.path, data, exclusive=True):
+            return False
+    else:
+        loc.refresh()
+        if loc.exists():
+            return False
         loc.write_bytes(data)
-        return True
-    return write_atomic(loc.path, data, exclusive=True)  # no two jobs create it
+    newest, written = _newest(folder)
+    mine = newest == generation and (holder is None or (written is not None and written["holder"] == holder))
+    if not mine:
+        if newest > generation:  # a successor of a generation long gone: not the lease, never read as it
+            loc.remove()
+        return False
+    # the generation before stays: a listing during the next write sees one of the two, never neither (an
+    # earlier version's file goes: its jobs rewrite it in place, outside the generations)
+    for older, name in _generations(folder):
+        if older < generation - (0 if holder is None else 1) or name == LEASE_FILE:
+            folder.child(name).remove()
+    return True
 
 
 def holder_problem(folder: Location, record: dict[str, Any], now: float | None = None) -> str:
@@ -165,31 +244,30 @@ def holder_problem(folder: Location, record: dict[str, Any], now: float | None =
 def take(folder: str | os.PathLike | Location, holder: Holder, timeout_s: float) -> str | None:
     """Takes or renews the lease of ``folder`` for ``holder``; returns the problem if another job holds it."""
     folder = Location.of(folder)
-    for _ in range(3):  # a lease created by another job between the read and the write: read again
-        record = read(folder)
+    for _ in range(3):  # another job wrote the lease between this read and this write: read again
+        generation, record = _newest(folder)
         now = time.time()
         if record is not None and not holder.may_take_over(record["holder"]):
             stale = now - record["renewed"] > record["timeout_s"] or _is_gone(record["holder"])
             if not stale:
                 return holder_problem(folder, record, now)
             log.warning(f"Taking over the stale checkpoint lease of {folder} from {record['holder'].describe()}.")
-        if not _write(folder, holder, timeout_s, create=record is None):
-            continue
-        back = read(folder)  # two jobs writing at once on an object store: the later write wins
-        if back is not None and back["holder"].token != holder.token:
-            return holder_problem(folder, back)
-        return None
+        if _write(folder, holder, timeout_s, generation + 1):
+            return None
     record = read(folder)
     return holder_problem(folder, record) if record is not None else f"Could not take the lease of {folder}."
 
 
 def release(folder: str | os.PathLike | Location, holder: Holder) -> None:
-    """Removes the lease of ``folder`` if ``holder`` holds it (a failure is logged)."""
+    """Releases the lease of ``folder`` if ``holder`` holds it (a failure is logged).
+
+    The released lease stays as a generation that names no holder (see the module's description).
+    """
     folder = Location.of(folder)
     try:
-        record = read(folder)
+        generation, record = _newest(folder)
         if record is not None and record["holder"].token == holder.token:
-            _lease_file(folder).remove()
+            _write(folder, None, record["timeout_s"], generation + 1)
     except OSError as err:
         log.warning(f"Could not release the checkpoint lease of {folder}: {err}")
 
@@ -237,13 +315,22 @@ class LeaseKeeper:
                 folders = list(self._folders.values())
             for folder in folders:
                 with contextlib.suppress(OSError):  # a storage hiccup: the next renewal may succeed
-                    record = read(folder)
-                    if record is not None and record["holder"].token != self.holder.token:
-                        log.error(holder_problem(folder, record) + " This job's saves there will fail.")
-                        with self._lock:
-                            self._folders.pop(folder.text, None)
-                        continue
-                    _write(folder, self.holder, self.timeout_s, create=False)
+                    self._renew_one(folder)
+
+    def _renew_one(self, folder: Location) -> None:
+        """Renews the lease of ``folder`` unless another job took it over (then stops renewing it)."""
+        generation, record = _newest(folder)
+        lost = record is not None and record["holder"].token != self.holder.token
+        # the renewal is the next generation of the lease this keeper just read: if another job wrote that
+        # generation meanwhile (it took the lease over as stale), this job has lost the lease
+        if lost or not _write(folder, self.holder, self.timeout_s, generation + 1):
+            record = read(folder)
+            if record is not None and record["holder"].token == self.holder.token:
+                return  # this job's own save renewed it (a write's step 1) between the read and the write
+            problem = holder_problem(folder, record) if record is not None else f"Lost the lease of {folder}."
+            log.error(problem + " This job's saves there will fail.")
+            with self._lock:
+                self._folders.pop(folder.text, None)
 
     def close(self) -> None:
         """Stops renewing and releases every lease held (at the end of ``fit``)."""
