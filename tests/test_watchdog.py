@@ -7,6 +7,7 @@ launcher is in ``test_faults.py``.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -24,18 +25,52 @@ WAIT = 10.0
 
 
 class Rank(Watchdog):
-    """A watchdog whose process end is recorded instead of happening."""
+    """A watchdog whose process end is recorded instead of happening, and which records what its thread did.
+
+    What it records are the positive signals a test waits for before it checks that something did *not*
+    happen: that the message or closed connection that could have ended a rank was taken in, and that the
+    timers ran past the deadline that could have.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ended = threading.Event()
+        self.ended_at: float | None = None
         self.cleaned = False
         self.add_cleanup(lambda: setattr(self, "cleaned", True))
+        self.closed: list[int | None] = []  # the ranks whose connection to this one closed, as taken in
+        self.messages: list[tuple[int | None, dict]] = []  # (sender, message), as taken in
+        self.timers_run: list[tuple[float, bool]] = []  # when the timers were checked, and whether a verdict was known
 
     def _terminate(self) -> None:  # the process ends: its sockets close
+        self.ended_at = time.monotonic()
         self.ended.set()
         self._stopping.set()
         self._close()
+
+    def _lost(self, link, detail: str) -> None:
+        super()._lost(link, detail)
+        self.closed.append(link.rank)
+
+    def _handle(self, link, message: dict) -> None:
+        super()._handle(link, message)
+        self.messages.append((link.rank, message))
+
+    def _timers(self) -> None:
+        super()._timers()
+        self.timers_run.append((time.monotonic(), self._verdict is not None))
+
+    def took_in_state(self, sender: int, state: str) -> bool:
+        """Whether a message from ``sender`` saying it is ``state`` (``"idle"``, ``"active"``) was taken in."""
+        return any(rank == sender and m.get("state") == state for rank, m in list(self.messages))
+
+    def timers_ran_after(self, moment: float) -> bool:
+        """Whether the timers were checked after ``moment`` (a deadline due by then has been acted on)."""
+        return any(t > moment for t, _ in list(self.timers_run))
+
+    def acted_on_verdict(self) -> bool:
+        """Whether the timers ran with a verdict known (one reached by settling is acted on in that same run)."""
+        return any(known for _, known in list(self.timers_run))
 
     def die(self) -> None:
         """Ends without a word, as a SIGKILL would."""
@@ -96,15 +131,28 @@ def test_a_dead_rank_ends_every_other_rank_naming_it(server) -> None:
         "rank 2 died: its connection to rank 1 closed while the job was running",
         "rank 2 died: its connection to rank 3 closed while the job was running",
     }, texts
+    # what each thread took in (each ended its loop after ending its rank): rank 2's connection closed at its
+    # neighbours only, and the ranks named as having seen it are among them; the others were told in a message
+    for rank in ranks:
+        rank._thread.join(WAIT)
+        assert not rank._thread.is_alive()
+    observers = {r.rank for r in ranks if 2 in r.closed}
+    assert observers and observers <= {1, 3}, observers
+    assert {int(re.search(r"connection to rank (\d+)", text).group(1)) for text in texts} <= observers
+    for rank in (ranks[0], ranks[4]):
+        assert 2 not in rank.closed
+        assert any(m.get("verdict", {}).get("origin") == 2 for _, m in rank.messages), rank.messages
 
 
 def test_a_rank_that_said_goodbye_may_go_and_idle_ranks_stay(server) -> None:
     ranks = ring(server, 3)
     ranks[1].deactivate("finished")
-    time.sleep(0.1)  # the message travels before the close
+    wait_until(lambda: ranks[0].took_in_state(1, "idle") and ranks[2].took_in_state(1, "idle"), "no goodbye")
     ranks[1].die()
+    # what could have ended a rank, its closed connections, has been taken in by both of its neighbours
+    wait_until(lambda: 1 in ranks[0].closed and 1 in ranks[2].closed, "the close was not seen")
     ranks[0].deactivate("finished")
-    time.sleep(0.5)
+    wait_until(lambda: ranks[2].took_in_state(0, "idle"), "rank 0's goodbye did not reach rank 2")
     assert not any(r.ended.is_set() for r in ranks) and all(r.verdict is None for r in ranks)
     ranks[2].die()  # rank 0 is idle: it records what happened but is not ended
     wait_until(lambda: ranks[0].verdict is not None, "rank 0 did not learn of rank 2's death")
@@ -115,14 +163,15 @@ def test_a_rank_that_said_goodbye_may_go_and_idle_ranks_stay(server) -> None:
 
 def test_a_rank_whose_step_failed_is_ended_only_after_its_grace(server) -> None:
     ranks = ring(server, 4, grace=1.0)
+    reported = time.monotonic()
     try:
         raise RuntimeError("injected")
     except RuntimeError as err:
         ranks[1].report(err, cause=True)
     wait_until(lambda: all(r.ended.is_set() for r in ranks if r is not ranks[1]), "the others did not end")
     assert {r.verdict.text for r in ranks} == {"rank 1 failed: RuntimeError: injected"}
-    assert not ranks[1].ended.is_set()  # raising and reporting its own error
     wait_until(ranks[1].ended.is_set, "the failed rank was not ended after its grace")
+    assert ranks[1].ended_at - reported >= 1.0  # raising and reporting its own error until then
     stop_all(ranks)
 
 
@@ -130,13 +179,18 @@ def test_an_error_every_rank_raises_ends_no_peer_and_the_job_may_go_on(server) -
     # e.g. a checkpoint write that failed: the ranks agreed on it, and each raises it itself; rank 0 reports it
     # first (the others are still on their way to raising it), then its process ends
     ranks = ring(server, 3, grace=0.3)
+    reported = time.monotonic()
     ranks[0].report(RuntimeError("Could not write checkpoint"), cause=True, agreed=True)
-    time.sleep(0.1)  # the message travels before the close
+    wait_until(lambda: ranks[1].took_in_state(0, "idle") and ranks[2].took_in_state(0, "idle"), "not told")
     ranks[0].die()
-    time.sleep(0.6)  # past the settling time and the grace
+    # the closed connections taken in, and the timers checked past the grace (no settling: no symptom)
+    wait_until(lambda: 0 in ranks[1].closed and 0 in ranks[2].closed, "the close was not seen")
+    wait_until(lambda: all(r.timers_ran_after(reported + 0.3) for r in ranks[1:]), "timers not checked")
     assert not any(r.ended.is_set() for r in ranks[1:]) and all(r.verdict is None for r in ranks)
+    reported = time.monotonic()
     ranks[1].report(RuntimeError("Could not write checkpoint"), cause=True, agreed=True)
-    time.sleep(0.6)
+    wait_until(lambda: ranks[2].took_in_state(1, "idle"), "not told")
+    wait_until(lambda: ranks[1].timers_ran_after(reported + 0.3), "timers not checked")
     assert not ranks[1].ended.is_set()  # caught: it may go on
     assert ranks[1].activate() is None and ranks[2].activate() is None  # a new fit starts clean
     stop_all(ranks[1:])
@@ -162,7 +216,10 @@ def test_lost_peers_with_no_cause_known_are_all_named_after_settling(server) -> 
     for rank in (ranks[1], ranks[3]):
         assert "rank 0 failed: TimeoutError: no answer from rank 1" in rank.verdict.text
         assert "rank 2 failed: TimeoutError: no answer from rank 1" in rank.verdict.text
-    assert not ranks[0].ended.is_set() and not ranks[2].ended.is_set()  # reporting their own errors
+    # ranks 0 and 2 settled too (a verdict), and their timers acted on it: they are not ended, reporting their
+    # own errors (within their grace)
+    wait_until(lambda: ranks[0].acted_on_verdict() and ranks[2].acted_on_verdict(), "not settled")
+    assert not ranks[0].ended.is_set() and not ranks[2].ended.is_set()
     stop_all(ranks)
 
 
@@ -177,7 +234,8 @@ def test_a_rank_that_reported_its_error_and_exited_at_once_is_not_taken_for_dead
 def test_an_uncaught_exception_at_exit_is_a_failure_and_a_clean_exit_is_not(server, monkeypatch) -> None:
     ranks = ring(server, 3)
     ranks[0].stop()  # a clean exit: goodbye
-    time.sleep(0.3)
+    wait_until(lambda: 0 in ranks[1].closed and 0 in ranks[2].closed, "the close was not seen")
+    assert ranks[1].took_in_state(0, "idle") and ranks[2].took_in_state(0, "idle")
     assert not ranks[1].ended.is_set() and not ranks[2].ended.is_set()
     monkeypatch.setattr("sys.last_value", ValueError("uncaught"), raising=False)
     ranks[1].stop()
