@@ -308,6 +308,31 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
     assert is_complete(folder / "epoch=1-step=6.ckpt") and is_complete(tmp_path / "from-plain.ckpt")
 
 
+def test_every_rank_raises_the_error_of_a_checkpoint_found_bad_while_loading_itself(tmp_path: Path) -> None:
+    """A bad checkpoint's error is raised by every rank itself: rank 0's report of it (which rank 1 waits for
+    before it raises) ends no other rank. Errors found by the checks before reading (a missing shard) and after
+    the ranks' first agreement (weights the model lacks, a shard DCP cannot read) alike."""
+    torch.manual_seed(0)
+    four = GroupedGPT(n_layer=4)
+    _save(tmp_path / "four.ckpt", four, _trained(four))
+    zeroed = _copy(tmp_path / "four.ckpt", "zeroed.ckpt")
+    shard = _shard(zeroed)
+    shard.write_bytes(bytes(shard.stat().st_size))  # present and long enough: the checks before reading pass
+    missing = _copy(tmp_path / "four.ckpt", "missing.ckpt")
+    _shard(missing).unlink()
+    result = torchrun("checkpoint_io.py", str(tmp_path),
+                      f"extra:kind=bad,pipeline_parallel_size=2,ckpt={tmp_path / 'four.ckpt'},n_layer=2,steps=3"
+                      ",rank_zero_first=true",
+                      f"zeroed:kind=bad,pipeline_parallel_size=2,ckpt={zeroed},steps=3,rank_zero_first=true",
+                      f"missing:kind=bad,pipeline_parallel_size=2,ckpt={missing},steps=3,rank_zero_first=true",
+                      nproc=2, timeout=400, check=False)
+    output = result.stdout + result.stderr
+    assert not not_raised(tmp_path, "extra", 2, "has weights the model does not have: blocks.2."), output[-6000:]
+    assert not not_raised(tmp_path, "zeroed", 2, f"Could not read {zeroed}"), output[-6000:]
+    assert not not_raised(tmp_path, "missing", 2, "missing.ckpt is missing 1 of its"), output[-6000:]
+    assert result.returncode == 0 and "Ending rank" not in output, output[-6000:]
+
+
 def test_strategy_with_async_checkpoint_pickles() -> None:
     import copy
     import pickle

@@ -17,6 +17,10 @@ SCENARIO is ``name:key=value,...`` with ``name`` one of:
   weights and one optimizer state entry it starts from, and the warnings raised.
 - ``bad``: ``fit`` from a checkpoint that must fail; records the ``CheckpointError`` every rank raised.
 
+Any scenario takes ``n_layer`` (the model's blocks, 4 unless given). ``bad`` takes ``rank_zero_first=true``:
+rank 1 raises the load's error only once rank 0's report of it has reached rank 1's watchdog (so a report
+that ended peers would end rank 1 before it raises the error itself).
+
 Every rank writes ``OUT/<name>.rank<r>.json``.
 
 ``localdisk://`` (``localdisk.py``) is an fsspec filesystem backed by the local disk: an fsspec URL that every
@@ -26,12 +30,16 @@ not take for a local path (``ModelCheckpoint`` turns a ``file://`` dirpath into 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import lightning.pytorch as pl
 import torch
@@ -44,6 +52,7 @@ from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 from lightning_varuna import checkpoint  # noqa: E402  (is_complete)
+from lightning_varuna.fault.watchdog import current_watchdog  # noqa: E402
 
 WATCHED = "blocks.1.mlp.0.weight"
 """A parameter whose optimizer state the resume scenarios record."""
@@ -138,17 +147,46 @@ class Watch(pl.Callback):
             (gate / "released").touch()  # the first checkpoint's writer may publish now
 
 
+def _rank_zero_reports_first() -> contextlib.AbstractContextManager:
+    """On rank 1, the strategy's load raises its error once rank 0's report of it has reached this rank's watchdog.
+
+    Rank 0's report is in the job's store once it was sent over the watchdog ring; a rank that says its error is
+    raised on every rank marks itself idle there, any other report is a verdict that ends this rank at once.
+    """
+    from lightning_varuna.recovery import checkpoint_hooks
+
+    load = checkpoint_hooks.checkpoint_load.load
+
+    def late_on_rank_one(*args, **kwargs):
+        try:
+            return load(*args, **kwargs)
+        except checkpoint.CheckpointError:
+            if torch.distributed.get_rank() == 1:
+                store = torch.distributed.distributed_c10d._get_default_store()
+                store.wait(["lightning_varuna/error/0"], timedelta(seconds=60))
+                watchdog = current_watchdog()
+                # private: the ring's view of rank 0 (taken in: idle, or this process has been ended already)
+                deadline = time.monotonic() + 60
+                while not any(link.rank == 0 and not link.active for link in list(watchdog._links.values())):
+                    assert time.monotonic() < deadline, "no word from rank 0"
+                    time.sleep(0.01)
+            raise
+
+    return mock.patch.object(checkpoint_hooks.checkpoint_load, "load", late_on_rank_one)
+
+
 def run(out: Path, spec: str) -> None:
     name, options = parse_spec(spec)
     kind = options.pop("kind", name)
     folder = options.pop("folder", None)
     ckpt = options.pop("ckpt", None)
     steps = options.pop("steps", 6)
+    rank_zero_first = options.pop("rank_zero_first", False)
     if options.pop("gate", False):  # the writer processes hold back the first publication (see localdisk.py)
         os.environ["LOCALDISK_PUBLISH_GATE"] = str(out / "gate")
         (out / "gate").mkdir(exist_ok=True)
     torch.manual_seed(0)
-    model = GroupedGPT(n_layer=4, sync_dist=True)
+    model = GroupedGPT(n_layer=options.pop("n_layer", 4), sync_dist=True)
     callbacks: list[pl.Callback] = [Watch(folder if kind in ("train", "kill_writer") else None,
                                           kill_writer=kind == "kill_writer")]
     if folder is not None:
@@ -170,7 +208,8 @@ def run(out: Path, spec: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer.fit(model, loader, ckpt_path=ckpt)
+            with _rank_zero_reports_first() if rank_zero_first else contextlib.nullcontext():
+                trainer.fit(model, loader, ckpt_path=ckpt)
         except checkpoint.CheckpointError as err:
             if kind not in ("bad", "kill_writer"):
                 raise
