@@ -115,10 +115,8 @@ def stop_all(ranks: list[Rank]) -> None:
 
 def test_a_dead_rank_ends_every_other_rank_naming_it(server) -> None:
     ranks = ring(server, 5)
-    start = time.monotonic()
-    ranks[2].die()
+    ranks[2].die()  # the time to the last end: benchmarks/fault_exit.py
     wait_until(lambda: all(r.ended.is_set() for r in ranks if r is not ranks[2]), "the others did not end")
-    print(f"\n5 ranks in one process: death to the last end {time.monotonic() - start:.3f}s")
     for rank in ranks:
         if rank is not ranks[2]:
             assert rank.verdict is not None and rank.verdict.origin == 2, rank.verdict
