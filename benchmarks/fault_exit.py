@@ -78,7 +78,7 @@ def run_ring(size: int = 5, dead: int = 2) -> dict:
     """``size`` watchdogs in this process (``tests/test_watchdog.py``'s ring); ``dead`` closes its sockets."""
     import torch.distributed as dist
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's package, and the test's ring
     from test_watchdog import ring, stop_all, wait_until
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -121,11 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     started = time.monotonic()
     for run in range(args.runs):
-        cases: dict[str, dict] = {}
+        cases: dict[str, dict] = {"watchdog ring, 5 ranks in one process": run_ring()}
         cases.update(run_faults(args.scenarios.split(",")))
         for launcher in filter(None, args.launchers.split(",")):
             cases[f"failfast.py kill ({launcher})"] = run_failfast(launcher)
-        cases["watchdog ring, 5 ranks in one process"] = run_ring()
         result["runs"].append(cases)
         print(f"run {run + 1}/{args.runs} done (load {os.getloadavg()[0]:.1f})", flush=True)
     result["loadavg_end"] = list(os.getloadavg())
