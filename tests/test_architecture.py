@@ -275,3 +275,65 @@ def test_patches_are_undone_at_teardown_and_a_later_trainer_is_stock_lightning(t
 def test_a_removed_module_path_says_what_replaced_it(old: str) -> None:
     with pytest.raises(ImportError, match=f"{old} was removed: .*use lightning_varuna"):
         importlib.import_module(old)
+
+
+# What changes an object that is not the package's own: every line of the package that matches one of these must
+# be a site of an entry of patches.PATCHES (or of the helper that applies and undoes instance patches)
+_PATCH_SITE = re.compile("|".join([
+    r"patches\.replace\(", r"\bsetattr\(", r"vars\([\w.]+\)\.pop\(", r"_current_fx_name\s*=", r"__class__\s*=",
+    r"__dict__\.update\(", r"\btype\(\"", r"(?<!self)\.forward\s*=", r"del [\w.]+\.__dict__\[",
+    r"_compiled_call_impl\s*=", r"_forward_cache\s*=", r"del [\w.]+\._parameters\[", r"\.register_buffer\(",
+    r"register_(module_)?forward(_pre)?_hook\(", r"register_module_parameter_registration_hook\(",
+    r"\bmodule\.log\s*=", r"\bdel module\.log\b", r"rank_zero_only\.rank\s*=", r"\.scaler\s*=",
+    r"\.global_grad_norm\s*=", r"\.data\s*=", r"_select_ckpt_path\s*=", r"sys\.meta_path\.insert\(",
+]))
+def _code_lines(path: Path) -> dict[int, str]:
+    """Each line without its comment and with every string literal written as ``""`` (the texts of PATCHES and the
+    docstrings are no sites)."""
+    import io
+    import tokenize
+
+    text = path.read_text()
+    lines = text.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        (row, col), (end_row, end_col) = token.start, token.end
+        if token.type == tokenize.COMMENT:
+            lines[row - 1] = lines[row - 1][:col]
+        elif token.type == tokenize.STRING:
+            if row == end_row:
+                lines[row - 1] = lines[row - 1][:col] + '""' + " " * (end_col - col - 2) + lines[row - 1][end_col:]
+            else:
+                lines[row - 1] = lines[row - 1][:col] + '""'
+                for inside in range(row, end_row - 1):
+                    lines[inside] = ""
+                lines[end_row - 1] = " " * end_col + lines[end_row - 1][end_col:]
+    return dict(enumerate(lines, 1))
+
+
+_PATCH_HELPER = {("patches.py", "setattr(obj, name, value)"), ("patches.py", "setattr(obj, name, previous)"),
+                 ("patches.py", "vars(obj).pop(name, None)")}
+
+
+def test_every_change_to_lightnings_or_the_users_objects_is_listed_in_patches_py() -> None:
+    from lightning_varuna.patches import PATCHES
+
+    listed = {site for patch in PATCHES for site in patch.sites} | _PATCH_HELPER
+    unlisted = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = str(path.relative_to(PACKAGE))
+        lines = path.read_text().splitlines()
+        for number, code in _code_lines(path).items():
+            if _PATCH_SITE.search(code) and not any(m == module and piece in lines[number - 1] for m, piece in listed):
+                unlisted.append(f"{module}:{number}: {lines[number - 1].strip()}")
+    assert unlisted == []
+    # every listed site is in its module, on a line the search above finds
+    missing = []
+    for module, piece in sorted(listed):
+        path = PACKAGE / module
+        code = _code_lines(path)
+        found = [n for n, line in enumerate(path.read_text().splitlines(), 1) if piece in line]
+        if not any(_PATCH_SITE.search(code[n]) for n in found):
+            missing.append((module, piece))
+    assert missing == []
+    assert [p.number for p in PATCHES] == list(range(1, len(PATCHES) + 1))
+    assert all(p.target and p.sites and p.why and p.tested and p.undone for p in PATCHES)
