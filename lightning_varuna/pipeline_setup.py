@@ -133,7 +133,8 @@ def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: Pipelin
     if timeline_dir is not None and trainer.state.fn == TrainerFn.FITTING:
         timeline = TimelineOutput(engine, timeline_dir)
     steps = StepRunner(module, engine, precision)
-    return Pipeline(engine, topology, steps, gradients, OptimizerHookLogs(topology, engine.device), timeline)
+    hook_logs = OptimizerHookLogs(topology, engine.device, engine.shards_optimizer)
+    return Pipeline(engine, topology, steps, gradients, hook_logs, timeline)
 
 
 def _load_initial_weights(strategy: ParallelStrategy, trainer: Trainer, weights: InitialWeights,

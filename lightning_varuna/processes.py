@@ -189,9 +189,16 @@ def waiting(topology: Topology | None, what: str, wait: Callable[[], Any]) -> An
 
 
 def global_grad_norm(engine: PipelineEngine, topology: Topology) -> Tensor:
-    """The L2 norm of the whole model's gradient: every stage's share summed over the pipeline."""
+    """The L2 norm of the whole model's gradient: every stage's share summed over the pipeline.
+
+    With a sharded optimizer each replica holds the reduced gradient of its shard only: the shares are summed over
+    every rank of the job.
+    """
     total = engine.local_grad_norm_sq()
-    if topology.pipeline_size > 1:
+    if engine.shards_optimizer:
+        waiting_on_peers(topology, "summing the gradient norm over stages and replicas",
+                         lambda: dist.all_reduce(total))
+    elif topology.pipeline_size > 1:
         waiting_on_peers(topology, "summing the gradient norm over stages",
                          lambda: dist.all_reduce(total, group=topology.pipe_group))
     return total.sqrt()

@@ -40,6 +40,7 @@ from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import check_global_batch, resumable_training_loader
 from lightning_varuna.fault.failures import report_failure, waiting_on_peers
 from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder, kept_on_meta
+from lightning_varuna.pipeline.comm.sharded_step import ShardedStep
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
@@ -153,6 +154,10 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         fuse_grad_accumulation: ``nn.Linear`` layers add each later micro-batch's weight gradient straight into
             ``.grad`` with one multiply-add, instead of autograd making it as a weight-sized temporary and adding
             it (Megatron-LM's gradient accumulation fusion). Falls back to autograd's way under autocast.
+        zero_stage: ``1``: each of the D replicas of a stage keeps the optimizer state of, and steps, one shard of
+            every parameter (ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step, the
+            same bytes as the all-reduce); the optimizer must be elementwise (SGD, Adam, AdamW, ...; LBFGS and the
+            like are refused). ``0``: every replica keeps the whole state. 2 and 3 are refused.
     """
 
     strategy_name = "varuna"
@@ -190,6 +195,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         timeout: timedelta | None = None,
         p2p_backend: Literal["auto", "nccl", "gloo"] = "auto",
         fuse_grad_accumulation: bool = True,
+        zero_stage: Literal[0, 1] = 0,
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -205,8 +211,11 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn,
             p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
-            fuse_grad_accumulation=fuse_grad_accumulation,
+            fuse_grad_accumulation=fuse_grad_accumulation, zero_stage=zero_stage,
         )
+        if zero_stage == 1 and async_checkpoint:
+            raise ValueError("async_checkpoint=True cannot write the sharded optimizer state of zero_stage=1 yet:"
+                             " use one of the two (blocking checkpoints with zero_stage=1 work).")
         self.initial_weights = (
             InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)
             if initial_weights is not None else None
@@ -226,6 +235,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         self._patches = InstancePatches()
         self._summaries: list[tuple[Any, FrozenSummary]] | None = None
         self._forget_cleanup: Callable[[], None] | None = None
+        self._sharded_steps: dict[Optimizer, ShardedStep] = {}
 
     @classmethod
     @override
@@ -290,6 +300,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             precision.check_optimizers(self.optimizers)
+            assert self.engine is not None  # zero_stage=1: each optimizer steps its shard (or is refused)
+            self._sharded_steps = {o: z for o in self.optimizers if (z := self.engine.shard_optimizer(o)) is not None}
             self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device, self.topology)
             self._preemption.attach()
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does

@@ -71,6 +71,9 @@ class ChecksumSavePlanner(DefaultSavePlanner):
         """The item as DCP writes it; its checksum recorded on the way."""
         data = super().transform_object(write_item, object)
         key = write_item.index.fqn
+        chunk = write_item.tensor_data.chunk if write_item.tensor_data is not None else None
+        if chunk is not None and write_item.tensor_data is not None and _partial(chunk, write_item.tensor_data.size):
+            key = _chunk_key(key, chunk.offsets)  # a shard (a sharded optimizer's DTensor): one checksum per shard
         if isinstance(data, io.BytesIO):
             self.checksums[key] = checksum(data.getbuffer())
             return data
@@ -99,7 +102,7 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=flatten_state_dict)
         self.expected = expected
         self.mismatched: list[str] = []
-        self._pending: dict[tuple[str, tuple[int, ...]], Tensor | None] = {}
+        self._pending: dict[tuple[str, tuple[int, ...]], tuple[Tensor | None, str]] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Checks an object's bytes, then loads them as DCP does."""
@@ -111,27 +114,32 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
         target = super().resolve_tensor(read_item)
         key = read_item.storage_index.fqn
         saved = self.metadata.state_dict_metadata.get(key) if self.metadata is not None else None
-        whole = isinstance(saved, TensorStorageMetadata) and tuple(read_item.lengths) == tuple(saved.size) and not any(
-            read_item.storage_offsets)
-        if key not in self.expected or not whole:
+        if not isinstance(saved, TensorStorageMetadata) or any(read_item.storage_offsets):
             return target
-        assert isinstance(saved, TensorStorageMetadata)
-        slot = (key, tuple(read_item.dest_offsets))
+        offset = tuple(read_item.storage_index.offset or ())
+        chunk = next((c for c in saved.chunks if tuple(c.offsets) == offset), None)
+        if chunk is None or tuple(read_item.lengths) != tuple(chunk.sizes):  # only part of what was checksummed
+            return target
+        if _partial(chunk, saved.size):
+            key = _chunk_key(key, chunk.offsets)
+        if key not in self.expected:
+            return target
+        slot = (read_item.storage_index.fqn, tuple(read_item.dest_offsets))
         dtype = saved.properties.dtype
         if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-            self._pending[slot] = None
+            self._pending[slot] = (None, key)
             return target
-        self._pending[slot] = target
+        self._pending[slot] = (target, key)
         return torch.empty(tuple(target.shape), dtype=dtype)
 
     def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
         """Checks a tensor as read, and copies it into its target if it was read elsewhere."""
         slot = (read_item.storage_index.fqn, tuple(read_item.dest_offsets))
         if slot in self._pending:
-            target = self._pending.pop(slot)
+            target, key = self._pending.pop(slot)
             value = tensor_checksum(tensor)
             if value is not None:
-                self._check(slot[0], value)
+                self._check(key, value)
             if target is not None:
                 target.copy_(tensor)
         super().commit_tensor(read_item, tensor)
@@ -140,3 +148,13 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
         expected = self.expected.get(key)
         if expected is not None and expected != value:
             self.mismatched.append(key)
+
+
+def _partial(chunk: Any, size: Any) -> bool:
+    """Whether a DCP chunk is only part of its tensor."""
+    return any(chunk.offsets) or tuple(chunk.sizes) != tuple(size)
+
+
+def _chunk_key(fqn: str, offsets: Any) -> str:
+    """The checksum key of a shard of the tensor saved under ``fqn``."""
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"

@@ -28,6 +28,7 @@ from lightning_varuna.checkpoint.publish import newest_copy
 from lightning_varuna.checkpoint.state import (
     RECORD,
     CheckpointError,
+    StateShards,
     flat_name,
     load_optimizer_state,
     merge_groups,
@@ -60,6 +61,7 @@ def load(
     fallbacks: Sequence[str] = (),
     verify: bool = True,
     requested: str | None = None,
+    shards: Sequence[StateShards | None] = (),
 ) -> dict[str, Any]:
     """Loads this rank's share of a checkpoint into ``module`` and ``optimizers``; returns the rest.
 
@@ -75,6 +77,7 @@ def load(
         fallbacks: Checkpoints to try, in order, if ``path`` is missing, incomplete, damaged or does not fit.
         verify: Check every file and item against the checksums the checkpoint was saved with (if any).
         requested: What the user asked for (e.g. ``last.ckpt`` when ``path`` is a copy of it), for the error.
+        shards: Per optimizer, how it shards its state (``zero_stage=1``), or None (the default for each).
 
     Returns:
         Lightning's checkpoint dictionary without the weights and optimizer states.
@@ -86,7 +89,7 @@ def load(
     failures: list[str] = []
     for i, candidate in enumerate(candidates):
         try:
-            return _load_one(candidate, module, optimizers, full_names, weights_only, verify)
+            return _load_one(candidate, module, optimizers, full_names, weights_only, verify, shards)
         except CheckpointError as err:
             failures.append(str(err))
             if i + 1 < len(candidates):  # every rank says so: a rank's log may be the only one read
@@ -130,13 +133,14 @@ def resolve(loc: Location) -> tuple[Location, str | None]:
 
 def _load_one(
     path: str, module: nn.Module, optimizers: Sequence[Optimizer], full_names: Sequence[str],
-    weights_only: bool | None, verify: bool,
+    weights_only: bool | None, verify: bool, shards: Sequence[StateShards | None] = (),
 ) -> dict[str, Any]:
+    shards = [shards[i] if i < len(shards) else None for i in range(len(optimizers))]
     loc, note = resolve(Location.of(path))
     if note is not None:
         warnings.warn(note, VarunaWarning, stacklevel=3)
     if loc.exists() and not loc.isdir():
-        return _load_plain(loc, module, optimizers, full_names, weights_only)
+        return _load_plain(loc, module, optimizers, full_names, weights_only, shards)
     problem, meta, index = _check_directory(loc, weights_only, verify)
     state: dict[str, Any] = {}
     request: dict[str, Any] = {}
@@ -144,7 +148,7 @@ def _load_one(
     if problem is None:
         state = {"state_dict": model_state(module)}
         for i, optimizer in enumerate(optimizers):
-            state[f"optimizer_{i}"] = optimizer_state(module, optimizer)
+            state[f"optimizer_{i}"] = optimizer_state(module, optimizer, shards[i])
         # group hyper-parameters come from the record (older checkpoints hold them in DCP's files)
         record = meta.get(RECORD, {}) if meta is not None else {}
         if "hyper" in record:
@@ -161,7 +165,7 @@ def _load_one(
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         state[key].update(request[key])
-        load_optimizer_state(module, optimizer, state[key])
+        load_optimizer_state(module, optimizer, state[key], shards[i])
     meta.pop(RECORD, None)
     return meta
 
@@ -374,7 +378,7 @@ def _few(names: Sequence[str]) -> str:
 
 def _load_plain(
     loc: Location, module: nn.Module, optimizers: Sequence[Optimizer], full_names: Sequence[str],
-    weights_only: bool | None,
+    weights_only: bool | None, shards: Sequence[StateShards | None],
 ) -> dict[str, Any]:
     checkpoint: dict[str, Any] = {}
     problem = None
@@ -421,11 +425,11 @@ def _load_plain(
     with torch.no_grad():
         for name, tensor in own.items():
             tensor.copy_(weights[name])
-    for optimizer, flat in zip(optimizers, flats):
+    for optimizer, flat, sharded in zip(optimizers, flats, shards):
         # entries the file lacks (parameters that never had a gradient) keep their fresh state
-        current = optimizer_state(module, optimizer)
+        current = optimizer_state(module, optimizer, sharded)
         current.update({k: v for k, v in flat.items() if k in current})
-        load_optimizer_state(module, optimizer, current)
+        load_optimizer_state(module, optimizer, current, sharded)
     for key in ("state_dict", "optimizer_states", RECORD):
         checkpoint.pop(key, None)
     return checkpoint

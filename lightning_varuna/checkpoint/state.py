@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 __all__ = [
     "RECORD",
     "CheckpointError",
+    "StateShards",
     "Groups",
     "flat_name",
     "flat_to_plain",
@@ -59,6 +60,29 @@ class CheckpointError(RuntimeError):
 
 
 
+class StateShards(Protocol):
+    """An optimizer that keeps the state of a shard of each parameter (``zero_stage=1``), as checkpoints see it.
+
+    :class:`~lightning_varuna.pipeline.comm.sharded_step.ShardedStep` is one.
+    """
+
+    def holds(self, param: Tensor) -> bool:
+        """Whether this rank keeps state for some of ``param``."""
+        ...
+
+    def ensure_state(self) -> None:
+        """Creates the state of every shard this rank holds, if it has none yet (no collective)."""
+        ...
+
+    def global_view(self, param: Tensor, value: Tensor) -> Tensor:
+        """A state tensor as the whole parameter's (a ``DTensor``), or ``value`` where it is not per element."""
+        ...
+
+    def local_value(self, param: Tensor, value: Any) -> Any:
+        """A loaded state value as the optimizer keeps it: this rank's rows of a whole or ``DTensor`` value."""
+        ...
+
+
 def model_state(module: nn.Module) -> dict[str, Tensor]:
     """This rank's parameters and persistent buffers by full-model name (sharing storage with the model)."""
     return dict(module.state_dict())
@@ -67,8 +91,11 @@ def model_state(module: nn.Module) -> dict[str, Tensor]:
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+def optimizer_state(module: nn.Module, optimizer: Optimizer, shards: StateShards | None = None) -> dict[str, Any]:
     """The optimizer's state, flat and keyed by parameter name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``).
+
+    With ``shards`` (a sharded optimizer) each per-element state tensor is the whole parameter's ``DTensor`` over
+    this rank's rows, which DCP writes as that shard and reads back under any other layout.
 
     Flat per-parameter keys are what makes it reshardable: any rank can load any parameter's entries. Once
     every parameter has state (after the first step) the entries are read directly, sharing storage with the
@@ -77,28 +104,41 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """
     names = {id(p): name for name, p in module.named_parameters()}
     flat: dict[str, Any] = {}
+    if shards is not None:
+        shards.ensure_state()
     for group in optimizer.param_groups:
         hyper = [(key, value) for key, value in group.items() if key != "params"]
         for param in group["params"]:
             state = optimizer.state.get(param)
             name = names.get(id(param))
-            if not state or name is None:
+            if shards is not None and name is not None:
+                for key, value in (state or {}).items():  # a shard not held here (or frozen) has none
+                    flat[f"state.{name}.{key}"] = shards.global_view(param, value) if isinstance(
+                        value, Tensor) else value
+            elif not state or name is None:
                 return get_optimizer_state_dict(module, optimizer, options=_FLAT)
-            for key, value in state.items():
-                flat[f"state.{name}.{key}"] = value
+            else:
+                for key, value in state.items():
+                    flat[f"state.{name}.{key}"] = value
             for key, value in hyper:
                 flat[f"param_groups.{name}.{key}"] = value
     return flat
 
 
-def load_optimizer_state(module: nn.Module, optimizer: Optimizer, flat: dict[str, Any]) -> None:
+def load_optimizer_state(
+    module: nn.Module, optimizer: Optimizer, flat: dict[str, Any], shards: StateShards | None = None
+) -> None:
     """Loads a flat, name-keyed optimizer state (:func:`optimizer_state`) into ``optimizer``.
 
     Unlike torch's own unflattening, a parameter group that holds none of this stage's parameters is fine (a
     stage may get no parameter of, say, a "no weight decay" group): it keeps its current hyper-parameters, as
-    does any hyper-parameter the state lacks.
+    does any hyper-parameter the state lacks. With ``shards`` each value becomes this rank's rows of it.
     """
-    names = {id(p): name for name, p in module.named_parameters()}
+    params = dict(module.named_parameters())
+    if shards is not None:
+        flat = {key: shards.local_value(params[flat_name(key)], value) if key.startswith("state.") else value
+                for key, value in flat.items() if not key.startswith("state.") or flat_name(key) in params}
+    names = {id(p): name for name, p in params.items()}
     groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     plain = flat_to_plain(flat, groups)
     for loaded, current in zip(plain["param_groups"], optimizer.param_groups):

@@ -11,6 +11,10 @@ group, and every stage logs the merged set, as a plain run of the whole model wo
   with ``grad_<p>_norm``), so a tied parameter counts once; without those, the stages' totals are combined as a
   p-norm.
 
+With a sharded optimizer (``zero_stage=1``) each replica's ``.grad`` holds its rows of the averaged gradient (zeros
+elsewhere), so each gradient norm (a key that starts with ``grad_<p>_norm``) is first combined as a p-norm over the
+replicas of the stage (one more small all-reduce), then merged over the pipeline as above.
+
 Steady-state cost: one small all-gather over the pipeline per optimizer step (the keys follow only when they
 change), and none when neither the module nor any callback overrides ``on_before_optimizer_step``.
 """
@@ -36,6 +40,7 @@ __all__ = ["HookLogMerger", "OptimizerHookLogs", "logs_in_optimizer_hook"]
 
 HOOK = "on_before_optimizer_step"
 _TOTAL = re.compile(r"^grad_(.+)_norm_total$")
+_NORM = re.compile(r"^grad_([0-9.]+|inf)_norm")
 
 
 def logs_in_optimizer_hook(module: LightningModule) -> bool:
@@ -52,11 +57,13 @@ class OptimizerHookLogs:
     Args:
         topology: Where this rank sits.
         device: Where the exchanged values live (the process group's device).
+        sharded: Whether each replica holds only its shard of the reduced gradient (``zero_stage=1``).
     """
 
-    def __init__(self, topology: Topology, device: torch.device) -> None:
+    def __init__(self, topology: Topology, device: torch.device, sharded: bool = False) -> None:
         self.topology = topology
         self.device = device
+        self.sharded = sharded
         self._merger: HookLogMerger | None = None
 
     @contextlib.contextmanager
@@ -65,7 +72,7 @@ class OptimizerHookLogs:
 
         Nothing is captured with one stage, or when neither the module nor a callback overrides the hook.
         """
-        if self.topology.pipeline_size == 1 or not logs_in_optimizer_hook(module):
+        if (self.topology.pipeline_size == 1 and not self.sharded) or not logs_in_optimizer_hook(module):
             yield lambda: None
             return
         capture = LogCapture(module)
@@ -80,7 +87,8 @@ class OptimizerHookLogs:
 
             yield start_capture
         if self._merger is None:
-            self._merger = HookLogMerger(self.topology.pipe_group, self.topology.pipeline_size, self.device)
+            self._merger = HookLogMerger(self.topology.pipe_group, self.topology.pipeline_size, self.device,
+                                         self.topology.data_group if self.sharded else None)
         merger = self._merger
         waiting_on_peers(self.topology, f"merging what {HOOK} logged over the pipeline",
                          lambda: merger.replay(module, capture.records))
@@ -93,11 +101,14 @@ class HookLogMerger:
         group: The pipeline's process group.
         pipeline_size: P, the number of ranks in ``group``.
         device: Where the exchanged values live (the process group's device).
+        replicas_group: With a sharded optimizer, the stage's data-parallel group: gradient norms are combined
+            over it first.
     """
 
-    def __init__(self, group: Any, pipeline_size: int, device: torch.device) -> None:
+    def __init__(self, group: Any, pipeline_size: int, device: torch.device, replicas_group: Any = None) -> None:
         self.group = group
         self.size = pipeline_size
+        self.replicas_group = replicas_group
         self.device = device
         self._mine: tuple | None = None
         self._metas: list[tuple] = []
@@ -121,6 +132,8 @@ class HookLogMerger:
                      latest.items())
         values = [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
                   for v, _ in latest.values()]
+        if self.replicas_group is not None:
+            values = self._over_replicas(list(latest), values)
         flat = self._exchange(meta, values)  # may renew the plan
         merged = merge(self._plan, flat)
         previous = module._current_fx_name
@@ -132,6 +145,20 @@ class HookLogMerger:
                 LightningModule.log(module, name, value.metric if isinstance(value, _MetricLog) else value, **kwargs)
         finally:
             module._current_fx_name = previous
+
+    def _over_replicas(self, names: list[str], values: list[Tensor]) -> list[Tensor]:
+        """Each gradient norm of a replica's shard combined into the norm over all replicas (the same keys on each)."""
+        orders = [(i, float(m.group(1))) for i, name in enumerate(names) if (m := _NORM.match(name)) is not None]
+        for infinite in (False, True):
+            chosen = [(i, p) for i, p in orders if math.isinf(p) == infinite]
+            if not chosen:
+                continue
+            stacked = torch.stack([values[i] if infinite else values[i].pow(p) for i, p in chosen])
+            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+            dist.all_reduce(stacked, op=op, group=self.replicas_group)
+            for (i, p), value in zip(chosen, stacked):
+                values[i] = value if infinite else value.pow(1.0 / p)
+        return values
 
     def _exchange(self, meta: tuple, values: list[Tensor]) -> Tensor:
         """All stages' values, concatenated in stage order; the keys (and the merge plan) follow a change."""

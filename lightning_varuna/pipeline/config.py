@@ -68,6 +68,9 @@ class EngineConfig:
             staying on the default backend (what Varuna shipped; for CUDA jobs where NCCL's point-to-point
             misbehaves, or whose processes share a GPU). ``"nccl"``: NCCL even if the default group is gloo
             (CUDA only).
+        zero_stage: 1: each replica keeps the optimizer state of, and steps, one shard of every parameter
+            (gradients reduce-scattered, parameters all-gathered after the step; ZeRO stage 1); 0: every replica
+            keeps all of it. 2 and 3 are refused.
     """
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
@@ -90,8 +93,18 @@ class EngineConfig:
     memory_limit: int | str | None = None
     profile: str | None = None
     devices_per_node: int | None = None
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
+        if self.zero_stage in (2, 3):
+            raise ValueError(
+                f"zero_stage={self.zero_stage} is not possible in a pipeline: inside a step each stage's gradients"
+                " add up over the micro-batches until the last one's backward, so they cannot be sharded and dropped"
+                f" after each backward{' (nor the parameters between micro-batches)' if self.zero_stage == 3 else ''}."
+                " Use zero_stage=1 (optimizer state sharded over the replicas), which saves the most memory here."
+            )
+        if self.zero_stage not in (0, 1) or isinstance(self.zero_stage, bool):
+            raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}.")
         size = self.pipeline_parallel_size
         if size != AUTO and (not _is_int(size) or size < 1):
             raise ValueError(f"pipeline_parallel_size must be a positive int or 'auto', got {size!r}.")

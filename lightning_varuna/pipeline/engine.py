@@ -25,10 +25,13 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from lightning_varuna.fault.watchdog import current_watchdog
 from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples, split_batch
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
+from lightning_varuna.pipeline.comm.sharded_step import ShardedStep, check_elementwise
+from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.cut import CutPoint
 from lightning_varuna.pipeline.model.meta_init import ParamInitFn
@@ -96,6 +99,8 @@ class PipelineEngine(SetupPhase):
         memory_limit: Bytes (or e.g. ``"80GiB"``) a stage may use; the planner plans within 90% of it.
         profile: A profile file to plan from instead of measuring.
         devices_per_node: Processes per node (default: all on one node).
+        zero_stage: 1: the optimizer's state and step sharded over the D replicas (see :meth:`shard_optimizer`);
+            0: not sharded.
 
     With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
     with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
@@ -131,6 +136,7 @@ class PipelineEngine(SetupPhase):
         memory_limit: int | str | None = None,
         profile: str | None = None,
         devices_per_node: int | None = None,
+        zero_stage: int = 0,
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
@@ -140,7 +146,7 @@ class PipelineEngine(SetupPhase):
             fuse_grad_accumulation=fuse_grad_accumulation, max_pipeline_size=max_pipeline_size,
             param_init_fn=param_init_fn,
             init_seed=init_seed, p2p_backend=p2p_backend, global_batch_size=global_batch_size,
-            memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node,
+            memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node, zero_stage=zero_stage,
         )
         self.config = config
         self.module = module
@@ -326,6 +332,29 @@ class PipelineEngine(SetupPhase):
         """
         assert self.grad_sync is not None
         return self.grad_sync.local_norm_sq()
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether optimizers step a shard of each parameter (``zero_stage=1`` with D > 1; after :meth:`setup`)."""
+        return isinstance(self.grad_sync, ShardedGradientSync)
+
+    def shard_optimizer(self, optimizer: Optimizer) -> ShardedStep | None:
+        """With ``zero_stage=1``, makes ``optimizer`` (over this stage's parameters) step this replica's shard only.
+
+        Its ``state`` then holds shard-sized tensors, its ``param_groups`` the module's parameters; after each
+        ``step`` the updated rows are all-gathered. The squared norm shares of :meth:`local_grad_norm_sq` then add up
+        over every rank of the job, not only the pipeline. None when nothing is sharded (``zero_stage=0``, or D=1).
+
+        Raises:
+            ValueError: With ``zero_stage=1`` (whatever D), an optimizer whose update is not elementwise (LBFGS...).
+        """
+        if self.config.zero_stage != 1:
+            return None
+        check_elementwise(optimizer)
+        if not isinstance(self.grad_sync, ShardedGradientSync):
+            return None
+        names = {p: n for n, p in self.module.named_parameters()}
+        return ShardedStep(self.grad_sync, optimizer, names)
 
     @property
     def param_names(self) -> list[str]:

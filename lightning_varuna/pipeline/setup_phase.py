@@ -21,6 +21,7 @@ from lightning_varuna.fault.watchdog import watch_job
 from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
+from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
 from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import Trace, time_segments, trace_step
@@ -114,9 +115,9 @@ class SetupPhase:
         )
         # whatever the user's seeding, every replica of a stage (and every copy of a tied parameter) starts equal
         broadcast_initial_state(topo, self.module, self.plan.tied)
-        self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.plan.tied,
-                                      bucket_bytes=self.config.grad_bucket_bytes,
-                                      overlap=self.config.overlap_grad_sync)
+        sync_class = ShardedGradientSync if self.config.zero_stage == 1 and topo.data_size > 1 else GradientSync
+        self.grad_sync = sync_class(topo, dict(self.module.named_parameters()), self.plan.tied,
+                                    bucket_bytes=self.config.grad_bucket_bytes, overlap=self.config.overlap_grad_sync)
         return self.plan
 
     def _dry_run(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None,

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from lightning_varuna.checkpoint import load as checkpoint_load
 from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.lease import Holder, LeaseKeeper, LeaseTicket
-from lightning_varuna.checkpoint.state import CheckpointError
+from lightning_varuna.checkpoint.state import CheckpointError, StateShards
 from lightning_varuna.checkpoint.storage import Location
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.recovery.resume import checkpoint_folders, last_fallbacks, requested_name
@@ -83,14 +83,18 @@ class StrategyCheckpoints:
         return self._leases.ticket()
 
     def load(self, path: str, trainer: Trainer, optimizers: Sequence[Any], param_names: list[str],
-             weights_only: bool | None, rank_zero: bool, broadcast: Broadcast) -> dict[str, Any]:
-        """Loads this stage's share of the checkpoint at ``path`` (the same on every rank) into the module."""
+             weights_only: bool | None, rank_zero: bool, broadcast: Broadcast,
+             shards: Sequence[StateShards | None] = ()) -> dict[str, Any]:
+        """Loads this stage's share of the checkpoint at ``path`` (the same on every rank) into the module.
+
+        ``shards``: per optimizer, how it shards its state (``zero_stage=1``), or None.
+        """
         self.writer.wait()
         # with ckpt_path="last", a bad checkpoint falls back to the newest good one of the run
         fallbacks = broadcast(last_fallbacks(trainer, path) if rank_zero else None)
         module = trainer.lightning_module
         return checkpoint_load.load(path, module, unwrapped(optimizers), param_names, weights_only, fallbacks,
-                                    self.verify, requested_name(trainer, path))
+                                    self.verify, requested_name(trainer, path), shards)
 
     def close(self, interrupted: bool) -> None:
         """Waits for the last background write (unless ``interrupted``), then releases the leases."""
@@ -118,8 +122,10 @@ class CheckpointHooks:
         return checkpoint_state.model_state(self.lightning_module)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This stage's optimizer state, keyed by parameter name."""
-        return checkpoint_state.optimizer_state(self.lightning_module, unwrapped([optimizer])[0])
+        """This stage's optimizer state, keyed by parameter name (this replica's shard of it with ``zero_stage=1``)."""
+        torch_optimizer = unwrapped([optimizer])[0]
+        shards = self._sharded_steps.get(torch_optimizer)
+        return checkpoint_state.optimizer_state(self.lightning_module, torch_optimizer, shards)
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Writes a sharded checkpoint directory at ``filepath``, a local path or fsspec URL (collective; atomic).
@@ -152,8 +158,9 @@ class CheckpointHooks:
         assert self.engine is not None
         self._checkpoints.wait()
         path = self.broadcast(str(checkpoint_path))
+        shards = [self._sharded_steps.get(o) for o in unwrapped(self.optimizers)]
         return self._checkpointing.load(path, self.lightning_module.trainer, self.optimizers, self.engine.param_names,
-                                        weights_only, self.is_global_zero, self.broadcast)
+                                        weights_only, self.is_global_zero, self.broadcast, shards)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
