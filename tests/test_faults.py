@@ -22,7 +22,7 @@ from lightning_varuna.checkpoint import is_complete
 from lightning_varuna.recovery.preemption import PREEMPTED_EXIT_CODE
 
 SCENARIOS = ["error", "hook-error", "hang", "hang-dp", "hang-sync", "kill", "exit", "train-end-error",
-             "teardown-error", "mixed-skip"]
+             "teardown-error", "mixed-skip", "kill-scatter", "kill-gather"]
 PROMPT = 20.0
 """Seconds in which every rank must end after a fault it can detect (p2p_timeout is 60 there): a generous
 bound for a loaded CI machine; the times themselves are measured by ``benchmarks/fault_exit.py``."""
@@ -135,6 +135,18 @@ def test_dead_peer_ends_the_job_promptly(faults: Path, scenario: str, dead: int,
     for rank in set(logs) - {dead}:
         assert f"lightning_varuna: rank {dead} died: its connection to rank" in logs[rank], logs[rank][-2000:]
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["kill-scatter", "kill-gather"])
+def test_rank_killed_inside_a_sharded_collective_ends_the_job_promptly(faults: Path, scenario: str) -> None:
+    # zero_stage=1, P=2 x D=2: rank 3 dies with its reduce-scatter (or all-gather) in flight; rank 1, its stage's
+    # other replica, waits in that collective; every rank ends within seconds (p2p_timeout is 60 s)
+    result, logs = load(faults, scenario)
+    assert result["ranks"][3]["returncode"] == -9
+    check_every_rank_ends(result, logs, PROMPT, dead=3)
+    for rank in (0, 1, 2):
+        assert "lightning_varuna: rank 3 died: its connection to rank" in logs[rank], logs[rank][-2000:]
 
 
 @pytest.mark.slow

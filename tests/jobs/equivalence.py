@@ -8,11 +8,14 @@ Run under torchrun for the strategy (every configuration in one job), or as a pl
 CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``, ``clip``, ``clip_algorithm``,
 ``batch``, ``precision``, ``dropout``, ``accumulate``, ``steps``, ``epoch_steps``, ``epochs``, ``save`` (a path
 written after fit), ``save_every`` (a ModelCheckpoint directory, written every that many steps as ``ckpt.ckpt``)
-and ``resume``;
+(with ``save_all``, every one is kept, as ``ckpt-step=<n>.ckpt``) and ``resume``;
 ``gradnorm`` (the model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket
 bytes), ``overlap`` (all-reduce during the last backward, default on), ``accelerator`` (default ``cpu``),
-``shared_gpu`` (every process on ``cuda:0``: gloo process group and p2p) and ``log_dir`` (a CSVLogger there, logging
-every 2 steps). The configuration the strategy ran (chosen by its planner where ``"auto"``) is recorded.
+``shared_gpu`` (every process on ``cuda:0``: gloo process group and p2p), ``log_dir`` (a CSVLogger there, logging
+every 2 steps), ``vocab`` (the vocabulary size) and ``optimizer`` (``adamw``, the model's own: AdamW with a step
+scheduler; ``sgd``: SGD with momentum and the same scheduler; ``groups``: AdamW with two parameter groups,
+weight decay 0.1 on matrices and 0 on the rest). Each rank records its optimizer state's bytes (a DTensor
+counted by its local shard). The configuration the strategy ran (chosen by its planner where ``"auto"``) is recorded.
 """
 
 from __future__ import annotations
@@ -41,6 +44,38 @@ STEPS = 8
 class NormLoggingGPT(TinyGPT):
     def on_before_optimizer_step(self, optimizer) -> None:
         self.log_dict(grad_norm(self, norm_type=2))
+
+
+def with_optimizer(model_class: type, kind: str) -> type:
+    """``model_class`` with the optimizer ``kind`` (see the module doc)."""
+    if kind == "adamw":
+        return model_class
+
+    def configure_optimizers(self):
+        if kind == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        elif kind == "groups":
+            matrices = [p for p in self.parameters() if p.dim() >= 2]
+            rest = [p for p in self.parameters() if p.dim() < 2]
+            optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                                           {"params": rest, "weight_decay": 0.0}], lr=self.hparams.lr)
+        else:
+            optimizer = getattr(torch.optim, kind)(self.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return type(f"{model_class.__name__}With{kind}", (model_class,), {"configure_optimizers": configure_optimizers})
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors on this rank (a DTensor's local shard)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
 
 
 class Recorder(pl.Callback):
@@ -103,6 +138,7 @@ def run(out: Path, spec: str) -> None:
     save = options.pop("save", None)
     save_every = options.pop("save_every", None)
     save_dir = options.pop("save_dir", None)
+    save_all = options.pop("save_all", False)
     resume = options.pop("resume", None)
     gradnorm = options.pop("gradnorm", False)
     bucket = options.pop("bucket", None)
@@ -113,15 +149,19 @@ def run(out: Path, spec: str) -> None:
     if shared_gpu:  # NCCL refuses two ranks on one device: gloo, staged through host memory; one device to Lightning
         options.update(parallel_devices=[torch.device("cuda", 0)] * int(os.environ["LOCAL_WORLD_SIZE"]),
                        process_group_backend="gloo", p2p_backend="gloo")
+    vocab = options.pop("vocab", 64)
+    optimizer_kind = options.pop("optimizer", "adamw")
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
-    model_class = NormLoggingGPT if gradnorm else TinyGPT
-    model = model_class(tie_weights=tie, use_cut_points=cut_points, dropout=dropout, sync_dist=True)
+    model_class = with_optimizer(NormLoggingGPT if gradnorm else TinyGPT, optimizer_kind)
+    model = model_class(vocab_size=vocab, tie_weights=tie, use_cut_points=cut_points, dropout=dropout,
+                        sync_dist=True)
     if inject_inf_at is not None:
         # an overflow in one stage's gradients only (blocks.0 sits on stage 0): every stage must skip the step
         weight = model.blocks[0].mlp[0].weight
         weight.register_hook(lambda g: g * float("inf") if model.trainer.global_step == inject_inf_at else g)
-    dataset = RandomTokens(n=16 * epoch_steps * accumulate, seed=1)  # the same data whatever the replica count
+    # the same data whatever the replica count
+    dataset = RandomTokens(n=16 * epoch_steps * accumulate, seed=1, vocab_size=vocab)
     reference = name.startswith("reference")
     # Lightning shuffles training data with DistributedSampler(seed=0) under any distributed strategy; the
     # reference reads the same permutation in one process, so its batch k is the union of the replicas' k-th
@@ -131,7 +171,8 @@ def run(out: Path, spec: str) -> None:
     callbacks: list[pl.Callback] = [recorder]
     if save_every is not None:
         callbacks.append(
-            pl.callbacks.ModelCheckpoint(dirpath=save_dir, filename="ckpt", every_n_train_steps=save_every)
+            pl.callbacks.ModelCheckpoint(dirpath=save_dir, filename="ckpt-{step}" if save_all else "ckpt",
+                                         every_n_train_steps=save_every, save_top_k=-1 if save_all else 1)
         )
     trainer = pl.Trainer(
         accelerator=accelerator,
@@ -177,6 +218,7 @@ def run(out: Path, spec: str) -> None:
                             "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
                             "schedule": config.schedule, "recompute": config.recompute}
     result["clipped_norms"] = recorder.clipped_norms
+    result["state_bytes"] = sum(state_bytes(o) for o in trainer.optimizers)
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     result["scale"] = float(scaler.get_scale()) if scaler is not None else None

@@ -52,6 +52,10 @@ SCENARIOS = {
     # after the strategy's): every rank's fit raises, though rank 0 had finished
     "train-end-error": (2, {"pipeline_parallel_size": 2, "p2p_timeout": 60}, "train-end-error", 1, 2, 40),
     "teardown-error": (2, {"pipeline_parallel_size": 2, "p2p_timeout": 60}, "teardown-error", 1, 2, 40),
+    # zero_stage=1: rank 3 SIGKILLs itself right after starting its reduce-scatter of gradients (during its last
+    # backward), or its all-gather of the updated parameters (after the optimizer step); its replica peer waits in it
+    "kill-scatter": (4, {"pipeline_parallel_size": 2, "p2p_timeout": 60, "zero_stage": 1}, "kill-scatter", 3, 2, 40),
+    "kill-gather": (4, {"pipeline_parallel_size": 2, "p2p_timeout": 60, "zero_stage": 1}, "kill-gather", 3, 2, 40),
     # training_step returns None before the forward for micro-batch 0 only (on every rank): refused at once
     "mixed-skip": (2, {"pipeline_parallel_size": 2, "p2p_timeout": 60}, "mixed-skip", 0, 2, 40),
 }
@@ -121,11 +125,28 @@ def _trainer(devices: int, strategy: lightning_varuna.VarunaStrategy, steps: int
     )
 
 
+def _kill_inside(model: Faulty, name: str) -> None:
+    """Makes this rank SIGKILL itself once it has started the sharded sync's collective ``name`` at the fault step."""
+    from lightning_varuna.pipeline.comm import sharded_sync
+
+    collective = getattr(sharded_sync, name)
+
+    def started_then_killed(*args, **kwargs):
+        work = collective(*args, **kwargs)
+        if model._at_fault(model.trainer.global_step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return work
+
+    setattr(sharded_sync, name, started_then_killed)
+
+
 def _rank_main(scenario: str, world: int, rank: int) -> None:
     _, options, fault, fault_rank, step, _ = SCENARIOS[scenario]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Faulty(fault, fault_rank, step)
+    if fault in ("kill-scatter", "kill-gather") and rank == fault_rank:
+        _kill_inside(model, "_reduce_scatter" if fault == "kill-scatter" else "_all_gather")
     loader = DataLoader(RandomTokens(n=64, seed=1), batch_size=4)
     strategy = lightning_varuna.VarunaStrategy(num_microbatches=2, **options)
     _trainer(world, strategy, steps=step + 3).fit(model, loader)
