@@ -6,7 +6,8 @@ Two parts, each in real multi-process jobs (torchrun, gloo on CPU):
    is most of the parameters) trained 4 AdamW steps with ``VarunaStrategy`` at P=2 x D=2 and P=2 x D=4, with
    ``zero_stage=0`` and ``1``. Per rank, after the last step: parameter bytes held, gradient bytes (``.grad``),
    the gradient sync's buffers (flat buckets, and the reduce-scatter segments), the optimizer state (a DTensor counted
-   by its local shard), the executor's peak stashed activation bytes and live graphs; and the gradient sync's
+   by its local shard), the executor's peak stashed inputs (recompute) and autograd graphs in flight (activations,
+   which ``zero_stage`` does not change); and the gradient sync's
    payload per step turned into wire bytes per rank as a ring moves them (all-reduce of N bytes over n ranks:
    2(n-1)/n N; reduce-scatter of an N-byte input or all-gather into an N-byte output: (n-1)/n N).
 2. **candidates**: one data-parallel module (an embedding-heavy MLP language model, 2 micro-batches per step, AdamW, 3
@@ -283,13 +284,14 @@ def _git(*args: str) -> str:
 
 def table(ranks: dict[str, list[dict]], candidates: list[dict]) -> str:
     lines = ["| layout | zero_stage | parameters | gradients | sync buffers | optimizer state | stashed activations"
-             " (peak) | wire bytes per step |", "|---|---|---|---|---|---|---|---|"]
+             " (peak) | graphs in flight (peak) | wire bytes per step |", "|---|---|---|---|---|---|---|---|---|"]
     kib = 1024
     for name, records in ranks.items():
         layout, zero = name.split("-zero")
         worst = {key: max(r[key] for r in records) for key in records[0] if key not in ("rank", "stage")}
         cells = [f"{worst[key] / kib:.0f} KiB" for key in ("parameters", "gradients", "sync_buffers", "optimizer_state",
                                                            "peak_stash_bytes", "wire_per_step")]
+        cells.insert(5, str(worst["peak_live_graphs"]))
         lines.append(f"| {layout.upper()} | {zero} | {' | '.join(cells)} |")
     lines += ["", "| mechanism (D=4) | wire bytes per step per rank | vs. an all-reduce of the gradient |"
               " optimizer state per rank (max) | calls per step |", "|---|---|---|---|---|"]

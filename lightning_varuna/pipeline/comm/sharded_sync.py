@@ -131,8 +131,9 @@ class ShardedGradientSync(GradientSync):
     def _buffers(self, key: int, layout: _Layout, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         whole = layout.segment * self.topology.data_size
         flat, segment = self._flat.get(key), self._segments.get(key)
-        if flat is None or flat.numel() != whole:  # zeros: the padding is never written
+        if flat is None or flat.numel() < whole:  # zeros: the padding is never written
             flat = self._flat[key] = torch.zeros(whole, dtype=dtype, device=device)
+        flat = flat[:whole]
         if segment is None or segment.numel() != layout.segment:
             segment = self._segments[key] = torch.zeros(layout.segment, dtype=dtype, device=device)
         return flat, segment
@@ -181,6 +182,18 @@ class ShardedGradientSync(GradientSync):
                 flat[:a].zero_()
                 flat[b:].zero_()
 
+    def _flatten(self, key: int, params: list[nn.Parameter]) -> Tensor:
+        """GradientSync's flattening (of tied copies), into the start of a buffer the all-gather may lengthen."""
+        flat = self._flat.get(key)
+        numel = sum(p.numel() for p in params)
+        if flat is None or flat.numel() < numel:
+            flat = self._flat[key] = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
+        self._flat[key] = flat[:numel]
+        try:
+            return super()._flatten(key, params)
+        finally:
+            self._flat[key] = flat
+
     def discard(self) -> None:
         """Waits for the reductions started and drops their results (``.grad`` stays as it is)."""
         self._scattered = []
@@ -215,7 +228,7 @@ class ShardedGradientSync(GradientSync):
         for i, params in enumerate(lists):
             if not params:
                 continue
-            key = i if i < len(self.buckets) else -1 - i  # tied lists: keys apart from the flatten's
+            key = i  # a tied list shares its buffer with its all-reduce (GradientSync's key for it)
             layout = self._layout_of(key, params)
             flat, segment = self._buffers(key, layout, params[0].dtype, params[0].device)
             base = layout.segment * me
