@@ -143,6 +143,7 @@ def test_resume_across_zero_stages(results: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.zero_full
 def test_p2d4_sharded_trains_as_the_plain_run_in_a_quarter_of_the_state(
     request: pytest.FixtureRequest, results: Path
 ) -> None:

@@ -227,6 +227,7 @@ def _choices(config: EngineConfig, trace: Trace, cluster: Cluster) -> Choices:
         bucket_bytes=config.grad_bucket_bytes,
         overlap=config.overlap_grad_sync,
         wire_bytes_per_element=wire,
+        zero_stage=config.zero_stage,
     )
 
 

@@ -5,7 +5,8 @@ Per stage, in bytes (:class:`StageMemory`):
 - weights: the parameters the stage holds (a tied one on every stage that uses it);
 - gradients: one per trainable parameter, plus the flat buffers the gradient sync reduces in (a copy of the
   stage's gradient when D > 1, and of its tied parameters when P > 1);
-- optimizer: ``optimizer_state_ratio`` times the trainable bytes (Adam keeps two values per parameter);
+- optimizer: ``optimizer_state_ratio`` times the trainable bytes (Adam keeps two values per parameter), divided by D
+  with ``zero_stage=1`` (each replica keeps one shard; its reduce-scatter segments add 1/D of the gradient);
 - buffers: the receive buffers the executor keeps between steps (one activation per micro-batch on a non-first
   stage, one gradient per micro-batch on a non-last stage), plus one output and one input gradient in flight;
 - activations: the autograd graphs the stage holds at once, counted along the schedule as it runs (the run-time
@@ -88,6 +89,7 @@ def stage_memory(
     num_microbatches: int,
     graphs: int,
     wire_bytes_per_element: float = 1.0,
+    zero_stage: int = 0,
 ) -> StageMemory:
     """The peak memory of one stage (see the module's docstring).
 
@@ -102,12 +104,16 @@ def stage_memory(
         graphs: The most autograd graphs the stage holds at once (:func:`graphs_in_flight`).
         wire_bytes_per_element: Bytes of a received activation per byte the model computes it in (0.5 for a
             bfloat16 boundary of a float32 model).
+        zero_stage: 1: the optimizer state is sharded over the D replicas.
     """
     held = [p for p in profile.params if any(s in segments for s in p.segments)]
     weights = sum(p.nbytes for p in held)
     trainable = sum(p.nbytes for p in held if p.trainable)
     tied = sum(p.nbytes for p in held if p.trainable and _spans_stages(p.segments, segments))
     flat = (trainable - tied if data_size > 1 else 0) + tied
+    shards = data_size if zero_stage == 1 else 1
+    if shards > 1:  # the reduce-scatter's output segments
+        flat += (trainable - tied) // shards
     received = profile.cuts[segments.start - 1].nbytes(microbatch_size) if stage > 0 else 0
     sent = profile.cuts[segments.stop - 1].nbytes(microbatch_size) if stage < num_stages - 1 else 0
     buffers = int(num_microbatches * (received + sent) * wire_bytes_per_element) + received + sent
@@ -115,7 +121,7 @@ def stage_memory(
     return StageMemory(
         weights=weights,
         gradients=trainable + flat,
-        optimizer=int(profile.optimizer_state_ratio * trainable),
+        optimizer=int(profile.optimizer_state_ratio * trainable / shards),
         buffers=buffers,
         activations=activations,
     )

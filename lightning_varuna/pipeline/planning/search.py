@@ -97,6 +97,7 @@ class Choices:
         bucket_bytes: The gradient sync's bucket size (None: its default).
         overlap: Whether the data-parallel all-reduce starts during the last backward.
         wire_bytes_per_element: Bytes on the wire per byte of an activation (0.5 for bfloat16 over float32).
+        zero_stage: 1: the optimizer state sharded over the replicas (memory; the sync's bytes are the same).
     """
 
     pipeline_size: int | None = None
@@ -108,6 +109,7 @@ class Choices:
     bucket_bytes: int | None = None
     overlap: bool = True
     wire_bytes_per_element: float = 1.0
+    zero_stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,11 +223,14 @@ def predict(
         synced = _sync_end(profile, cluster, ranges, s, end, last_backward, costs[s].backward, choices)
         sync.append((end, synced))
         trainable = sum(p.nbytes for p in profile.params if p.trainable and any(i in r for i in p.segments))
-        optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable))
+        # sharded (zero_stage=1): each replica steps 1/D of it (the all-gather after the step is not modelled yet)
+        shards = D if choices.zero_stage == 1 else 1
+        optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable / shards))
     step = max(end for _, end in optimizer)
     memory = tuple(
         stage_memory(profile, r, s, P, D, math.ceil(microbatch_size), num_microbatches,
-                     graphs_in_flight(sim.order[s], recompute and s < P - 1), choices.wire_bytes_per_element)
+                     graphs_in_flight(sim.order[s], recompute and s < P - 1), choices.wire_bytes_per_element,
+                     choices.zero_stage)
         for s, r in enumerate(ranges)
     )
     candidate = Candidate(
