@@ -200,3 +200,19 @@ def test_rows_are_split_as_dtensor_splits_them() -> None:
                 expected = chunks[index].tolist() if index < len(chunks) else []
                 assert list(range(start // 3, stop // 3)) == expected, (rows, shards, index)
     assert shard_rows(torch.zeros(()), 2, 0) == (0, 1) and shard_rows(torch.zeros(()), 2, 1) == (1, 1)
+
+
+def test_a_non_elementwise_optimizer_is_refused_at_setup() -> None:
+    import lightning.pytorch as pl
+    from models import RandomTokens, TinyGPT
+    from torch.utils.data import DataLoader
+
+    class WithLBFGS(TinyGPT):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters())
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         strategy=VarunaStrategy(pipeline_parallel_size=1, zero_stage=1))
+    with pytest.raises(ValueError, match="zero_stage=1 cannot shard LBFGS"):
+        trainer.fit(WithLBFGS(), DataLoader(RandomTokens(n=8), batch_size=4))
