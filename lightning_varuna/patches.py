@@ -186,6 +186,16 @@ PATCHES: tuple[Patch, ...] = (
               ("old_paths.py", "sys.meta_path.insert(0, OldPaths())"),),
           "Code written for the package's earlier layout imports with a FutureWarning naming the new path.",
           "Python 3.11", "not undone: it answers only the package's old module names"),
+    Patch(22, "the user's optimizer under zero_stage=1: its groups' params and its state keys, for the step only;"
+          " and its step pre/post hooks", (
+              ("pipeline/comm/sharded_step.py", 'group["params"] = [view for view, _ in pairs]'),
+              ("pipeline/comm/sharded_step.py", 'group["params"] = params'),
+              ("pipeline/comm/sharded_step.py", "optimizer.register_step_pre_hook(self._before_step)"),
+              ("pipeline/comm/sharded_step.py", "optimizer.register_step_post_hook(self._after_step)")),
+          "Each replica steps its own rows of every parameter: the optimizer runs unchanged on row views, so any"
+          " elementwise optimizer gives the unsharded result.", _TORCH,
+          "the post-hook puts the module's own parameters and state keys back after every step; the hooks are"
+          " removed at the strategy's teardown"),
 )
 """Every change to an object that is not the package's own (``tests/test_architecture.py`` keeps it complete)."""
 
