@@ -191,9 +191,12 @@ PATCHES: tuple[Patch, ...] = (
               ("pipeline/comm/sharded_step.py", 'group["params"] = [view for view, _ in pairs]'),
               ("pipeline/comm/sharded_step.py", 'group["params"] = params'),
               ("pipeline/comm/sharded_step.py", "optimizer.register_step_pre_hook(self._before_step)"),
-              ("pipeline/comm/sharded_step.py", "optimizer.register_step_post_hook(self._after_step)")),
+              ("pipeline/comm/sharded_step.py", "optimizer.register_step_post_hook(self._after_step)"),
+              ("pipeline/comm/sharded_step.py", 'group["lr"] = 0.0 if not isinstance'),
+              ("pipeline/comm/sharded_step.py", 'group["lr"] = lr')),
           "Each replica steps its own rows of every parameter: the optimizer runs unchanged on row views, so any"
-          " elementwise optimizer gives the unsharded result.", _TORCH,
+          " elementwise optimizer gives the unsharded result. A shard without state yet gets it from one step at"
+          " learning rate 0 with zero gradients (the groups' lr set to 0 and put back).", _TORCH,
           "the post-hook puts the module's own parameters and state keys back after every step; the hooks are"
           " removed at the strategy's teardown"),
 )

@@ -286,7 +286,7 @@ _PATCH_SITE = re.compile("|".join([
     r"register_(module_)?forward(_pre)?_hook\(", r"register_module_parameter_registration_hook\(",
     r"\bmodule\.log\s*=", r"\bdel module\.log\b", r"rank_zero_only\.rank\s*=", r"\.scaler\s*=",
     r"\.global_grad_norm\s*=", r"\.data\s*=", r"_select_ckpt_path\s*=", r"sys\.meta_path\.insert\(",
-    r"\bgroup\[\"\"\]\s*=", r"register_step_(pre|post)_hook\(",
+    r"\bgroup\[\"\"\s*\]\s*=", r"register_step_(pre|post)_hook\(",
 ]))
 def _code_lines(path: Path) -> dict[int, str]:
     """Each line without its comment and with every string literal written as ``""`` (the texts of PATCHES and the
