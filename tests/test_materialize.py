@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import re
 import weakref
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -314,6 +317,57 @@ def test_a_step_that_cannot_run_on_meta_is_dry_run_with_placeholder_weights() ->
     assert all(p.is_meta for p in model.parameters()), "the model is given back on meta"
     assert strides[-1] == (0, 0), "a placeholder costs one element whatever its shape"
     assert "dry run on placeholders (on meta: RuntimeError" in make_plan(trace, 2).table()
+
+
+def _peak_growth_mib(run) -> float:
+    """How far this process's resident memory rose above its level before ``run()`` (the kernel's high-water mark)."""
+    def status(key: str) -> float:
+        return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+    before = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets the high-water mark to the current resident size
+    run()
+    return status("VmHWM") - before
+
+
+def test_the_placeholder_dry_run_copies_no_weight_and_still_counts_the_products() -> None:
+    """A BLAS kernel copies a zero-stride weight whole; products with a placeholder are zeros, made without it."""
+    def build(width: int, on_meta: bool = True) -> nn.Sequential:
+        with parameters_on_meta() if on_meta else contextlib.nullcontext():
+            model = nn.Sequential(nn.Linear(width, width * 2), CutPoint(), nn.Linear(width * 2, 8))
+        model[2].bias = nn.Parameter(torch.arange(8.0))  # a real bias next to a placeholder weight (addmm)
+        return model
+
+    outputs = []
+
+    def stepper(model, batch):
+        def step(x):
+            h = model[0](x)  # 3-d: matmul's mm with the transposed placeholder; its bias is one too (addmm)
+            if (h.abs().sum() > 1).item():  # a branch on a value: the meta dry run fails
+                h = h * 2
+            out = model[2](model[1](h))
+            outputs.append(out.detach())
+            return out.sum()
+        return lambda n: step(to_meta(batch)[:n]), lambda n: step(batch[:n])
+
+    warm = build(8)
+    trace_unmaterialized(warm, *stepper(warm, torch.randn(2, 3, 8)), CPU)  # lazy initializations happen here
+    model = build(4096)  # the first weight: 128 MiB in fp32
+    batch = torch.randn(2, 3, 4096)
+    traced = []
+    growth = _peak_growth_mib(lambda: traced.append(trace_unmaterialized(model, *stepper(model, batch), CPU)[0]))
+    trace = traced[0]
+    assert trace.dry_run.startswith("placeholders")
+    assert growth < 64, f"the dry run's resident memory rose by {growth:.0f} MiB: a weight was copied"
+    assert torch.equal(outputs[-1], torch.arange(8.0).expand(2, 3, 8)), "zeros, plus the real bias"
+    # the same model with real zero weights, traced for real: the same FLOPs and saved bytes
+    real = build(4096, on_meta=False)
+    with torch.no_grad():
+        for name, param in real.named_parameters():
+            if name != "2.bias":
+                param.zero_()
+    reference = trace_step(real, stepper(real, batch)[1])[0]
+    assert trace.costs == reference.costs
 
 
 def test_a_step_that_fails_on_meta_and_on_placeholders_gets_an_error_that_says_why() -> None:

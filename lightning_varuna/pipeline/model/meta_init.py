@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.utils._python_dispatch import TorchDispatchMode  # private: see _ZeroProducts
 from torch.utils._pytree import tree_map
 
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
@@ -116,18 +117,69 @@ def on_placeholders(module: nn.Module, device: torch.device) -> Iterator[None]:
     A placeholder costs one element of memory whatever its shape, so a step runs on real tensors (it may read
     values and make tensors without a device) without the model's memory: a kernel that needs a contiguous
     weight copies only that one for the duration of the op. Meta buffers get real zeros (a step may write them in
-    place). The values are zeros, which is enough to learn shapes, data flow and costs, not to train.
+    place). The values are zeros, which is enough to learn shapes, data flow and costs, not to train; matrix
+    products with a placeholder are not computed (they are zeros), so no kernel copies a weight.
     """
+    products = _ZeroProducts()
+
     def placeholder(tensor: Tensor, is_param: bool) -> Tensor | None:
         if not tensor.is_meta:
             return None
         if not is_param:
             return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
-        zero = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
-        return nn.Parameter(zero, requires_grad=tensor.requires_grad)
+        return nn.Parameter(products.placeholder(tensor.shape, tensor.dtype, device),
+                            requires_grad=tensor.requires_grad)
 
-    with _substituted(module, placeholder):
+    with _substituted(module, placeholder), products:
         yield
+
+
+class _ZeroProducts(TorchDispatchMode):
+    """Matrix products with a placeholder, and its dtype casts, made without reading the placeholder.
+
+    A BLAS kernel cannot read a zero-stride matrix: it copies the whole weight first, and with glibc's adaptive
+    mmap threshold the freed copies of weights under 32 MiB stay in the heap, so the copies of one step added up
+    to ten times the largest weight (a 2.2 GB Llama). Every tensor that shares a placeholder's storage is zeros,
+    so the product is known without computing it: zeros, plus the added term of ``addmm``/``baddbmm``. Autograd
+    (above this mode) still records the op and what it saves, and the FLOP counter (a mode entered later, so
+    consulted first) still counts it.
+
+    ``TorchDispatchMode`` is private (``torch.utils._python_dispatch``): torch has no public mode below autograd
+    (``FlopCounterMode`` is built on it); tested with torch 2.14.
+    """
+
+    _PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                 torch.ops.aten.baddbmm.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._zeros: dict[int, Tensor] = {}  # storage address -> the one-element zero, held so addresses stay unique
+
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A zero-stride tensor of ``shape`` whose one element is zero (one element of memory)."""
+        zero = torch.zeros((), dtype=dtype, device=device)
+        self._zeros[zero.untyped_storage().data_ptr()] = zero
+        return zero.expand(shape)
+
+    def _is_placeholder(self, value: object) -> bool:
+        return isinstance(value, Tensor) and not value.is_meta and value.untyped_storage().data_ptr() in self._zeros
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
+        kwargs = kwargs or {}
+        if func in self._PRODUCTS:
+            added = func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+            first, second = args[1:3] if added else args[:2]
+            if self._is_placeholder(first) or self._is_placeholder(second):
+                out = first.new_zeros((*first.shape[:-1], second.shape[-1]))
+                beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+                if added and beta != 0 and not self._is_placeholder(args[0]):
+                    out.add_(args[0], alpha=beta)
+                return out
+        if func is torch.ops.aten._to_copy.default and self._is_placeholder(args[0]):
+            source = args[0]
+            return self.placeholder(source.shape, kwargs.get("dtype") or source.dtype,
+                                    kwargs.get("device") or source.device)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
