@@ -49,7 +49,16 @@ CONFIGS = {
     "ref-lora": (1, 1, BATCH, "32-true", "init", None),
     "ref-checkpointing": (1, 1, BATCH, "32-true", "init", None),
     "eval-p2": (2, 4, BATCH, "32-true", "init", None),
+    "model-compiled-p2": (2, 4, BATCH, "32-true", "init", "aot_eager"),
+    "wrapped-compiled-p2": (2, 4, BATCH, "32-true", "init", "aot_eager"),
+    "ref-model-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
+    "ref-wrapped-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
 }
+COMPILE_SCOPES = {"model-compiled-p2": "model", "ref-model-compiled": "model",
+                  "wrapped-compiled-p2": "wrapped", "ref-wrapped-compiled": "wrapped"}
+"""What a configuration with a backend compiles (default: each block in place, ``"blocks"``): ``"model"``, the whole
+third-party model in place (``self.model.compile()``); ``"wrapped"``, the same through ``self.model =
+torch.compile(self.model)``."""
 EVALUATED = ("eval-p2", "ref")
 """Configurations that also validate and predict after fit (the reference always does, for them to compare)."""
 VARIANTS = {"lora-p2": "lora", "ref-lora": "lora", "checkpointing-p2": "checkpointing",
@@ -78,17 +87,19 @@ class Recorder(pl.Callback):
             self.graphs_after_first_step = counters["stats"]["unique_graphs"]
 
 
-def count_compiled_calls(blocks: list) -> list[int]:
-    """Counts, per block, the calls that go through its compiled call (``Module.compile``'s entry)."""
-    calls = [0] * len(blocks)
-    for i, block in enumerate(blocks):
-        compiled = block._compiled_call_impl
+def count_compiled_calls(modules: list) -> list[int]:
+    """Counts, per module, the calls that go through its compiled call (``Module.compile``'s entry, or the
+    ``forward`` of ``torch.compile``'s wrapper)."""
+    calls = [0] * len(modules)
+    for i, module in enumerate(modules):
+        attribute = "forward" if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else "_compiled_call_impl"
+        compiled = getattr(module, attribute)
 
         def counted(*args, i=i, compiled=compiled, **kwargs):
             calls[i] += 1
             return compiled(*args, **kwargs)
 
-        block._compiled_call_impl = counted
+        setattr(module, attribute, counted)
     return calls
 
 
@@ -140,18 +151,25 @@ def run(out: Path, spec: str) -> None:
         use_distributed_sampler=not reference,
     )
     model = ZooModule(family_name, build_in, variant)
+    scope = COMPILE_SCOPES.get(config, "blocks")
     blocks = list(model.get_submodule(family.cut_at)) if backend is not None else []
     if backend is not None:
         torch._dynamo.reset()
         counters.clear()
-        for block in blocks:  # as torchtitan compiles: each block in place
-            block.compile(backend=backend)
-    calls = recorder.compiled_calls = count_compiled_calls(blocks)
+        if scope == "blocks":
+            for block in blocks:  # as torchtitan compiles: each block in place
+                block.compile(backend=backend)
+        elif scope == "model":
+            model.model.compile(backend=backend)
+        else:
+            model.model = torch.compile(model.model, backend=backend)
+    counted = blocks if scope == "blocks" else [model.model]
+    calls = recorder.compiled_calls = count_compiled_calls(counted)
     start = time.monotonic()
     trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler))
     result = {"losses": recorder.losses, "grads": recorder.grads, "seconds": time.monotonic() - start}
     if backend is not None:
-        result["compile"] = compile_stats(recorder, blocks, calls)
+        result["compile"] = compile_stats(recorder, counted, calls)
     if config in EVALUATED and family.kind != "seq2seq":
         # the trained model, split: a validation loss, and the logits of the first batch (every stage has them)
         loader = DataLoader(data, batch_size=batch)  # in order (Lightning's evaluation sampler does not shuffle)
