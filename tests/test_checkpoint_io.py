@@ -242,7 +242,9 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
     first = next(i for i, s in enumerate(train["seen"]) if s["complete"])
     assert all(s["complete"] for s in train["seen"][first:]), train["seen"]
     assert all(set(s["complete"]) == {n for n in s["names"] if n.endswith(".ckpt")} for s in train["seen"])
-    assert sorted(os.listdir(folder)) == ["epoch=1-step=6.ckpt", "last.ckpt"]
+    # besides the two checkpoints only the lease's generation files (a release leaves one naming no holder)
+    assert sorted(n for n in os.listdir(folder) if not n.startswith(".varuna-lease")) == [
+        "epoch=1-step=6.ckpt", "last.ckpt"]
     trained = [json.loads((tmp_path / f"train.rank{r}.json").read_text()) for r in range(4)]
     pids = [t["writer_pid"] for t in trained]
     # the writers ignored SIGTERM, SIGUSR1 and SIGINT sent to them at step 1, and stopped with the run

@@ -77,7 +77,7 @@ POSITIVE_P = "pipeline_parallel_size must be a positive int or 'auto'"
         ({"microbatch_size": -2}, "microbatch_size must be >= 1, got -2"),
         ({"num_microbatches": 2.5}, "num_microbatches must be an int"),
         ({"num_microbatches": 4, "microbatch_size": 2}, "Give num_microbatches or microbatch_size, not both"),
-        ({"schedule": "zero-bubble"}, r"schedule='zero-bubble': choose one of"),
+        ({"schedule": "interleaved"}, r"schedule='interleaved': choose one of"),
         ({"partition": "flops"}, "partition='flops': use 'time' or 'params'"),
         ({"cut_at": 3}, r"cut_at must be a dotted path string .* got 3"),
         ({"p2p_backend": "mpi"}, r"p2p_backend='mpi': choose one of \('auto', 'nccl', 'gloo'\)"),
