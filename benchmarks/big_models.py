@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,38 +180,20 @@ def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budge
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PYTHONWARNINGS": "ignore",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         started = time.perf_counter()
-        job = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-        peak, killed = [0.0], [False]
-
-        def watch() -> None:
-            while job.poll() is None:
-                total = sum(_pss_mib(pid) for pid in _tree_pids(job.pid)) / 1024
-                peak[0] = max(peak[0], total)
-                if total > budget_gib:
-                    killed[0] = True
-                    _kill_tree(job.pid)
-                    return
-                time.sleep(0.1)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            output, _ = job.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_tree(job.pid)
-            output, _ = job.communicate()
+        job = run_within_budget(command, env, budget_gib, timeout)
+        if job.timed_out:
             config["timed_out"] = True
-        watcher.join()
+        output = job.output
         records = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-    fits = job.returncode == 0 and not killed[0] and len(records) == procs
-    config.update(fits=fits, killed_over_budget=killed[0], returncode=job.returncode, peak_pss_gib=peak[0],
+    fits = job.returncode == 0 and not job.killed_over_budget and len(records) == procs
+    config.update(fits=fits, killed_over_budget=job.killed_over_budget, returncode=job.returncode,
+                  peak_pss_gib=job.peak_pss_gib,
                   wall_s=time.perf_counter() - started, ranks=records)
     if not fits:
         config["output_tail"] = output[-1500:]
-    state = "fits" if fits else ("over budget" if killed[0] else f"failed ({job.returncode})")
+    state = "fits" if fits else ("over budget" if job.killed_over_budget else f"failed ({job.returncode})")
     print(f"  {build:9s} P={procs} {optimizer:5s} {layers:3d} layers x {width}: {params / 1e9:.2f} B params"
-          f" ({config['param_gib']:.1f} GiB), peak job PSS {peak[0]:.1f} GiB: {state}", flush=True)
+          f" ({config['param_gib']:.1f} GiB), peak job PSS {job.peak_pss_gib:.1f} GiB: {state}", flush=True)
     return config
 
 
@@ -371,6 +354,46 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
 
+
+
+@dataclass
+class WatchedJob:
+    """A job run under a memory budget: how it ended, its output, and the peak total PSS of its processes."""
+
+    returncode: int | None
+    output: str
+    peak_pss_gib: float
+    killed_over_budget: bool
+    timed_out: bool
+
+
+def run_within_budget(command: list[str], env: dict[str, str], budget_gib: float, timeout: float) -> WatchedJob:
+    """Runs ``command`` in a session of its own, killing its process tree once their PSS passes ``budget_gib``."""
+    job = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    peak, killed = [0.0], [False]
+
+    def watch() -> None:
+        while job.poll() is None:
+            total = sum(_pss_mib(pid) for pid in _tree_pids(job.pid)) / 1024
+            peak[0] = max(peak[0], total)
+            if total > budget_gib:
+                killed[0] = True
+                _kill_tree(job.pid)
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    timed_out = False
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(job.pid)
+        output, _ = job.communicate()
+        timed_out = True
+    watcher.join()
+    return WatchedJob(job.returncode, output, peak[0], killed[0], timed_out)
 
 if __name__ == "__main__":
     main()

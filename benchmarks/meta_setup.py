@@ -35,13 +35,12 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from big_models import _available_gib, _kill_tree, _pss_mib, _reset_peak, _status_mib, _tree_pids  # noqa: E402
+from big_models import _available_gib, _reset_peak, _status_mib, run_within_budget  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 VOCAB, TOKENS, BATCH, WIDTH, LAYERS = 256, 16, 8, 2560, 7
@@ -177,32 +176,14 @@ def trial(family: str, step: str, width: int, layers: int, budget_gib: float, ti
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PYTHONWARNINGS": "ignore",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         started = time.perf_counter()
-        job = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-        peak, killed = [0.0], [False]
-
-        def watch() -> None:
-            while job.poll() is None:
-                total = sum(_pss_mib(pid) for pid in _tree_pids(job.pid)) / 1024
-                peak[0] = max(peak[0], total)
-                if total > budget_gib:
-                    killed[0] = True
-                    _kill_tree(job.pid)
-                    return
-                time.sleep(0.1)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            output, _ = job.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_tree(job.pid)
-            output, _ = job.communicate()
+        job = run_within_budget(command, env, budget_gib, timeout)
+        if job.timed_out:
             config["timed_out"] = True
-        watcher.join()
+        output = job.output
         records = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-    ok = job.returncode == 0 and not killed[0] and len(records) == 2
-    config.update(ok=ok, killed_over_budget=killed[0], returncode=job.returncode, peak_pss_gib=peak[0],
+    ok = job.returncode == 0 and not job.killed_over_budget and len(records) == 2
+    config.update(ok=ok, killed_over_budget=job.killed_over_budget, returncode=job.returncode,
+                  peak_pss_gib=job.peak_pss_gib,
                   wall_s=time.perf_counter() - started, loadavg_after=list(os.getloadavg()), ranks=records)
     if not ok:
         config["output_tail"] = output[-3000:]
@@ -211,7 +192,8 @@ def trial(family: str, step: str, width: int, layers: int, budget_gib: float, ti
               f" ({_ratio(r):.3f}x stage + largest module), dry run peak {r['dry_run_peak_mib']:,.0f} MiB,"
               f" dry run: {r['dry_run'][:40]}", flush=True)
     if not ok:
-        print(f"  {family} {step}: failed ({job.returncode}, over budget: {killed[0]})\n{output[-3000:]}", flush=True)
+        print(f"  {family} {step}: failed ({job.returncode}, over budget: {job.killed_over_budget})\n"
+              f"{output[-3000:]}", flush=True)
     return config
 
 
