@@ -158,6 +158,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             every parameter (ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step, the
             same bytes as the all-reduce); the optimizer must be elementwise (SGD, Adam, AdamW, ...; LBFGS and the
             like are refused). ``0``: every replica keeps the whole state. 2 and 3 are refused.
+        stages_per_rank: Model chunks per rank (``schedule="interleaved"``): the model is cut into P x this many
+            stages, rank ``r`` running stages ``r, r + P, ...``, which divides the pipeline's fill and drain by it.
     """
 
     strategy_name = "varuna"
@@ -168,7 +170,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         pipeline_parallel_size: int | Literal["auto"] = "auto",
         num_microbatches: int | None = None,
         microbatch_size: int | Literal["auto"] | None = None,
-        schedule: Literal["varuna", "1f1b", "gpipe", "zero-bubble", "auto"] = "varuna",
+        schedule: Literal["varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "auto"] = "varuna",
         recompute: bool | Literal["auto"] = True,
         cut_at: str | None = None,
         partition: Literal["time", "params"] = "time",
@@ -196,6 +198,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         p2p_backend: Literal["auto", "nccl", "gloo"] = "auto",
         fuse_grad_accumulation: bool = True,
         zero_stage: Literal[0, 1] = 0,
+        stages_per_rank: int = 1,
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -211,7 +214,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn,
             p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
-            fuse_grad_accumulation=fuse_grad_accumulation, zero_stage=zero_stage,
+            fuse_grad_accumulation=fuse_grad_accumulation, zero_stage=zero_stage, stages_per_rank=stages_per_rank,
         )
         if zero_stage == 1 and async_checkpoint:
             raise ValueError("async_checkpoint=True cannot write the sharded optimizer state of zero_stage=1 yet:"

@@ -9,7 +9,8 @@ from typing import Literal
 import torch
 
 from lightning_varuna.pipeline.planning.memory_model import parse_bytes
-from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES
+from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, SCHEDULES, check_schedule_shape
+from lightning_varuna.pipeline.scheduling.tasks import ScheduleError
 
 __all__ = ["AUTO", "P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
 
@@ -34,7 +35,8 @@ class EngineConfig:
         num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
         microbatch_size: Alternatively, the size of each micro-batch; ``"auto"``: chosen by the planner among the
             sizes that divide the replica's batch.
-        schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"``, ``"zero-bubble"`` or ``"auto"``.
+        schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"``, ``"zero-bubble"``, ``"interleaved"`` (with
+            ``stages_per_rank >= 2``) or ``"auto"``.
         recompute: Non-last stages keep only their inputs during forwards and recompute before backward
             (``"auto"``: chosen by the planner).
         cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
@@ -71,6 +73,10 @@ class EngineConfig:
         zero_stage: 1: each replica keeps the optimizer state of, and steps, one shard of every parameter
             (gradients reduce-scattered, parameters all-gathered after the step; ZeRO stage 1); 0: every replica
             keeps all of it. 2 and 3 are refused.
+        stages_per_rank: Model chunks per rank ``v``: the model is cut into ``P v`` stages and rank ``r`` runs stages
+            ``r, r + P, ...`` (the looped placement), which divides the pipeline's fill and drain time by ``v`` at
+            the cost of ``v`` times the messages. Needs ``schedule="interleaved"`` and a number of micro-batches
+            divisible by ``P``.
     """
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
@@ -94,6 +100,7 @@ class EngineConfig:
     profile: str | None = None
     devices_per_node: int | None = None
     zero_stage: int = 0
+    stages_per_rank: int = 1
 
     def __post_init__(self) -> None:
         if self.zero_stage in (2, 3):
@@ -112,6 +119,7 @@ class EngineConfig:
             raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES} or 'auto'.")
         if self.recompute not in (True, False, AUTO):
             raise ValueError(f"recompute must be True, False or 'auto', got {self.recompute!r}.")
+        _check_chunks_of(self)
         micro = self.microbatch_size
         if self.num_microbatches is not None and micro is not None and micro != AUTO:
             raise ValueError("Give num_microbatches or microbatch_size, not both.")
@@ -171,6 +179,29 @@ class EngineConfig:
                 f"p2p_backend='nccl' needs CUDA devices; this rank runs on {device}. Use 'auto' or 'gloo'."
             )
         return None if self.p2p_backend == "auto" else self.p2p_backend
+
+
+def _check_chunks_of(config: EngineConfig) -> None:
+    """Raises ``ValueError`` naming the nearest valid choices if ``stages_per_rank`` and the schedule do not fit."""
+    v = config.stages_per_rank
+    if not _is_int(v) or v < 1:
+        raise ValueError(f"stages_per_rank must be an int >= 1, got {v!r}.")
+    if v == 1 and config.schedule not in MULTI_CHUNK:
+        return
+    for name in ("schedule", "recompute", "pipeline_parallel_size", "microbatch_size"):
+        if getattr(config, name) == AUTO and (v > 1 or name == "schedule"):
+            raise ValueError(
+                f"{name}='auto' is not planned with several model chunks per rank yet: give {name} explicitly with"
+                f" stages_per_rank={v}, or use stages_per_rank=1 to let the planner choose."
+            )
+    size = config.pipeline_parallel_size
+    if size == 1 and v > 1:
+        raise ValueError(f"stages_per_rank={v} needs a pipeline (pipeline_parallel_size >= 2); use stages_per_rank=1.")
+    try:
+        check_schedule_shape(config.schedule, size if size != AUTO else 1, v,  # type: ignore[arg-type]
+                             config.num_microbatches if size != AUTO else None)
+    except ScheduleError as err:
+        raise ValueError(str(err)) from None
 
 
 def _is_int(value: object) -> bool:

@@ -101,6 +101,8 @@ class PipelineEngine(SetupPhase):
         devices_per_node: Processes per node (default: all on one node).
         zero_stage: 1: the optimizer's state and step sharded over the D replicas (see :meth:`shard_optimizer`);
             0: not sharded.
+        stages_per_rank: Model chunks per rank (``schedule="interleaved"``; see
+            :class:`~lightning_varuna.pipeline.config.EngineConfig`).
 
     With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
     with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
@@ -137,6 +139,7 @@ class PipelineEngine(SetupPhase):
         profile: str | None = None,
         devices_per_node: int | None = None,
         zero_stage: int = 0,
+        stages_per_rank: int = 1,
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
@@ -147,6 +150,7 @@ class PipelineEngine(SetupPhase):
             param_init_fn=param_init_fn,
             init_seed=init_seed, p2p_backend=p2p_backend, global_batch_size=global_batch_size,
             memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node, zero_stage=zero_stage,
+            stages_per_rank=stages_per_rank,
         )
         self.config = config
         self.module = module
@@ -205,7 +209,8 @@ class PipelineEngine(SetupPhase):
         key = (m, train)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(
-                self.config.schedule, self.pipeline_size, m, recompute=self.config.recompute and train, train=train
+                self.config.schedule, self.pipeline_size, m, recompute=self.config.recompute and train, train=train,
+                stages_per_rank=self.config.stages_per_rank,
             )
         return self._schedules[key]
 
@@ -363,9 +368,9 @@ class PipelineEngine(SetupPhase):
 
     @property
     def stage_param_names(self) -> tuple[str, ...]:
-        """The names of the parameters this stage holds (a tied parameter on every stage that uses it)."""
+        """The names of the parameters this rank holds (a tied parameter on every rank that uses it)."""
         assert self.plan is not None and self.topology is not None
-        return self.plan.stages[self.topology.stage].params
+        return self.plan.rank_params(self.topology.stage)
 
     @property
     def microbatch(self) -> int:

@@ -38,6 +38,8 @@ from lightning_varuna.pipeline.model.stand_ins import apply_plan
 from lightning_varuna.pipeline.planning.choice import OptimizerSpec, choose
 from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, P2PTraceWriter
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
+from lightning_varuna.pipeline.runtime.links import Chunk
+from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
 from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
@@ -82,7 +84,8 @@ class SetupPhase:
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
         watch_job()
         self.topology = topology or Topology.create(
-            self.pipeline_size, self.device, timeout=config.p2p_timeout, link_backend=link_backend
+            self.pipeline_size, self.device, timeout=config.p2p_timeout, link_backend=link_backend,
+            wrap_around=config.stages_per_rank > 1,
         )
         destroy_process_groups_at_exit()
         topo = self.topology
@@ -95,30 +98,44 @@ class SetupPhase:
             trace.segment_seconds, seed, run = shared
         size = batch_size_of(sample_batch)
         m = self.microbatches_for(size)
-        self.plan = make_plan(trace, topo.pipeline_size, by=self.config.partition, microbatch=max(1, size // m),
-                              num_microbatches=m, rates=DeviceRates.nominal(self.device))
-        stage = self.plan.stages[topo.stage]
+        v = config.stages_per_rank
+        self.plan = make_plan(trace, topo.pipeline_size * v, by=self.config.partition,
+                              microbatch=max(1, size // m), num_microbatches=m, rates=DeviceRates.nominal(self.device),
+                              stages_per_rank=v)
         if self.built_on_meta:
-            self._materialize(stage.params, seed)
-        first_cut = stage.segments.start - 1 if topo.stage > 0 else None
-        last_cut = stage.segments.stop - 1 if not topo.is_last else None
+            self._materialize(self.plan.rank_params(topo.stage), seed)
+        chunks = self._chunks(trace)
         self._trace_p2p(run)
-        self.executor = StageExecutor(topo, self._p2p(), cut_modules, first_cut, last_cut, self.events)
+        self.executor = StageExecutor(topo, self._p2p(), cut_modules, None, None, self.events, chunks=chunks,
+                                      stage_ranks=stage_ranks(topo.pipeline_size, v))
         self.executor.boundary_dtype = self.config.boundary_dtype
-        self.executor.input_dtype = trace.cuts[first_cut].dtype if first_cut is not None else None
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
         if self.config.fuse_grad_accumulation:
             self._accumulating = install_grad_accumulation(self.module)
-        self._batch_dims = (
-            trace.cuts[first_cut].batch_dim if first_cut is not None else None,
-            trace.cuts[last_cut].batch_dim if last_cut is not None else None,
-        )
+        self._batch_dims = chunks[0].batch_dims
         # whatever the user's seeding, every replica of a stage (and every copy of a tied parameter) starts equal
-        broadcast_initial_state(topo, self.module, self.plan.tied)
+        broadcast_initial_state(topo, self.module, self.plan.rank_tied)
         sync_class = ShardedGradientSync if self.config.zero_stage == 1 and topo.data_size > 1 else GradientSync
-        self.grad_sync = sync_class(topo, dict(self.module.named_parameters()), self.plan.tied,
+        self.grad_sync = sync_class(topo, dict(self.module.named_parameters()), self.plan.rank_tied,
                                     bucket_bytes=self.config.grad_bucket_bytes, overlap=self.config.overlap_grad_sync)
         return self.plan
+
+    def _chunks(self, trace: Trace) -> list[Chunk]:
+        """The stages this rank runs: where each one's forward starts and ends, and its boundaries' dtypes."""
+        assert self.plan is not None and self.topology is not None
+        last_stage = len(self.plan.stages) - 1
+        chunks = []
+        for s in self.plan.rank_stages(self.topology.stage):
+            segments = self.plan.stages[s].segments
+            first = segments.start - 1 if s > 0 else None
+            last = segments.stop - 1 if s < last_stage else None
+            chunks.append(Chunk(
+                stage=s, first_cut=first, last_cut=last,
+                input_dtype=trace.cuts[first].dtype if first is not None else None,
+                batch_dims=(trace.cuts[first].batch_dim if first is not None else None,
+                            trace.cuts[last].batch_dim if last is not None else None),
+            ))
+        return chunks
 
     def _dry_run(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None,
                  optimizer: OptimizerSpec | None) -> tuple[Trace, list[CutPoint]]:
@@ -144,7 +161,7 @@ class SetupPhase:
                 self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
                     world, trace.num_segments
                 )
-            check_pipeline_size(trace, self.pipeline_size)
+            check_pipeline_size(trace, self.pipeline_size * config.stages_per_rank, config.stages_per_rank)
             if self.autoconfig is not None:
                 if config.partition == "time":  # the planner's costs, so that its stages are the ones made
                     trace.segment_seconds = self.autoconfig.segment_costs()

@@ -94,14 +94,16 @@ class Topology:
     @classmethod
     def create(
         cls, pipeline_size: int, device: torch.device, timeout: float | timedelta | None = None,
-        link_backend: str | None = None,
+        link_backend: str | None = None, wrap_around: bool = False,
     ) -> Topology:
         """Builds the grid over the initialised default process group (a collective call on every rank).
 
         ``timeout`` (seconds) bounds every collective of the groups made here. Without it a hung peer can
         hold the others in a gradient all-reduce or log broadcast for torch's default (30 minutes): subgroups
         do not inherit the default process group's timeout. ``link_backend`` is the backend of the link groups
-        (None: the default group's).
+        (None: the default group's). ``wrap_around`` adds the links between the last and the first rank of each
+        pipeline, in both directions (several stages per rank in the looped placement: a micro-batch goes from
+        rank ``P - 1`` back to rank 0 for its next chunk); for ``P = 2`` they are the pipeline's own links.
         """
         world, rank = dist.get_world_size(), dist.get_rank()
         cls.check(world, pipeline_size)
@@ -116,7 +118,10 @@ class Topology:
         datas = [dist.new_group(col.tolist(), timeout=timeout) for col in layout.t()]
         links = {}
         for row in layout.tolist():
-            for upper, lower in zip(row, row[1:]):
+            edges = list(zip(row, row[1:]))
+            if wrap_around and pipeline_size > 2:
+                edges.append((row[-1], row[0]))
+            for upper, lower in edges:
                 for src, dst in ((upper, lower), (lower, upper)):
                     group = dist.new_group([upper, lower], timeout=timeout, backend=link_backend)
                     if rank in (src, dst):

@@ -150,12 +150,13 @@ def run(out: Path, spec: str) -> None:
         options.update(parallel_devices=[torch.device("cuda", 0)] * int(os.environ["LOCAL_WORLD_SIZE"]),
                        process_group_backend="gloo", p2p_backend="gloo")
     vocab = options.pop("vocab", 64)
+    layers = options.pop("layers", 4)
     optimizer_kind = options.pop("optimizer", "adamw")
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
     model_class = with_optimizer(NormLoggingGPT if gradnorm else TinyGPT, optimizer_kind)
     model = model_class(vocab_size=vocab, tie_weights=tie, use_cut_points=cut_points, dropout=dropout,
-                        sync_dist=True)
+                        sync_dist=True, n_layer=layers)
     if inject_inf_at is not None:
         # an overflow in one stage's gradients only (blocks.0 sits on stage 0): every stage must skip the step
         weight = model.blocks[0].mlp[0].weight

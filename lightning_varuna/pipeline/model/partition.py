@@ -108,20 +108,51 @@ class Plan:
     """What the stages were balanced by: ``"measured"``, ``"estimated"`` or ``"params"`` (:data:`BALANCED_BY`)."""
     microbatch: int = 1
     """The micro-batch size the costs are given for."""
+    stages_per_rank: int = 1
+    """Model chunks per rank ``v``: stage ``s`` runs on rank ``s % P`` (the looped placement)."""
+
+    @property
+    def num_ranks(self) -> int:
+        """``P``: the ranks of one pipeline."""
+        return len(self.stages) // self.stages_per_rank
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank (position in the pipeline, 0..P-1) that runs ``stage``."""
+        return stage % self.num_ranks
+
+    def rank_stages(self, rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``rank`` runs, in pipeline order."""
+        return tuple(range(rank, len(self.stages), self.num_ranks))
+
+    def rank_params(self, rank: int) -> tuple[str, ...]:
+        """The names of the parameters pipeline rank ``rank`` holds (of all its stages, each once)."""
+        held = {name for s in self.rank_stages(rank) for name in self.stages[s].params}
+        return tuple(name for name in self.trace.param_numel if name in held)
+
+    @property
+    def rank_tied(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The parameters held by several pipeline ranks, with those ranks (a parameter that several stages of
+        one rank share is one tensor there, and needs no synchronization)."""
+        tied = ((name, tuple(sorted({self.rank_of(s) for s in stages}))) for name, stages in self.tied)
+        return tuple((name, ranks) for name, ranks in tied if len(ranks) > 1)
 
     def table(self) -> str:
         """A printable table: per stage its segments, parameters, FLOPs, saved activations and cost."""
         unit = {"measured": "fwd ms", "estimated": "est. ms"}.get(self.balanced_by, "ms")
-        rows = [("stage", "segments", "parameters", "param MB", "GFLOP/mb", "act. MB/mb", unit)]
+        chunks = self.stages_per_rank > 1
+        rows = [("stage", *(("rank",) if chunks else ()), "segments", "parameters", "param MB", "GFLOP/mb",
+                 "act. MB/mb", unit)]
         for s, info in enumerate(self.stages):
             seg = f"{info.segments.start}-{info.segments.stop - 1}"
             cost = f"{info.seconds * 1e3:.2f}" if self.balanced_by != "params" else "-"
-            rows.append((str(s), seg, f"{info.param_numel:,}", f"{info.param_bytes / 2**20:.2f}",
+            rank = (str(self.rank_of(s)),) if chunks else ()
+            rows.append((str(s), *rank, seg, f"{info.param_numel:,}", f"{info.param_bytes / 2**20:.2f}",
                          f"{info.forward_flops / 1e9:.3f}", f"{info.saved_bytes / 2**20:.2f}", cost))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         lines.append(f"balanced by {BALANCED_BY[self.balanced_by]}; micro-batch of {self.microbatch};"
-                     f" dry run on {DRY_RUNS.get(self.trace.dry_run, self.trace.dry_run)}")
+                     f" dry run on {DRY_RUNS.get(self.trace.dry_run, self.trace.dry_run)}"
+                     + (f"; {self.stages_per_rank} stages per rank, looped" if chunks else ""))
         if self.tied:
             lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
         if self.trace.recomputed and len(self.stages) > 1:
@@ -129,9 +160,21 @@ class Plan:
         return "\n".join(lines)
 
 
-def check_pipeline_size(trace: Trace, num_stages: int) -> None:
-    """Raises a :class:`PartitionError` saying what to change if ``trace`` cannot be cut into ``num_stages``."""
+def check_pipeline_size(trace: Trace, num_stages: int, stages_per_rank: int = 1) -> None:
+    """Raises a :class:`PartitionError` saying what to change if ``trace`` cannot be cut into ``num_stages``.
+
+    With ``stages_per_rank`` ``v > 1``, ``num_stages`` is ``P v``.
+    """
     n = trace.num_segments
+    v = stages_per_rank
+    asked = f"pipeline_parallel_size={num_stages}" if v == 1 else (
+        f"pipeline_parallel_size={num_stages // v} x stages_per_rank={v} ({num_stages} stages)")
+
+    def fewer(most: int) -> str:
+        if v == 1:
+            return f"pipeline_parallel_size <= {most}"
+        return f"stages_per_rank <= {max(1, most // (num_stages // v))}"
+
     if num_stages > 1 and trace.skipped:
         raise PartitionError(
             "The dry run's step returned None before reaching any cut point, so it cannot see the model. It runs"
@@ -140,13 +183,13 @@ def check_pipeline_size(trace: Trace, num_stages: int) -> None:
         )
     if num_stages > 1 and not trace.cuts:
         raise PartitionError(
-            f"pipeline_parallel_size={num_stages} but the model has no CutPoint and no cut_at was given. Add"
+            f"{asked} but the model has no CutPoint and no cut_at was given. Add"
             " CutPoint() modules where the model may be split, or set cut_at='path.to.blocks'."
         )
     if num_stages > n:
         raise PartitionError(
-            f"pipeline_parallel_size={num_stages} but the model has {n} segment(s) ({len(trace.cuts)} cut"
-            f" point(s)). Use pipeline_parallel_size <= {n}, or add CutPoint()s / set cut_at."
+            f"{asked} but the model has {n} segment(s) ({len(trace.cuts)} cut"
+            f" point(s)). Use {fewer(n)}, or add CutPoint()s / set cut_at."
         )
     most = n - len(forbidden_boundaries(trace.crossings))
     if num_stages > most:
@@ -154,8 +197,8 @@ def check_pipeline_size(trace: Trace, num_stages: int) -> None:
         raise PartitionError(
             f"{what} is used in segment {dst} without passing through a CutPoint, so segments {src} to {dst} must"
             f" stay on one stage: on a later stage it would be zeros. The model can be split into at most {most}"
-            f" stage(s), not pipeline_parallel_size={num_stages}. Route the value through a cut point, or use"
-            f" pipeline_parallel_size <= {most}." + _others(trace.crossings)
+            f" stage(s), not {asked}. Route the value through a cut point, or use"
+            f" {fewer(most)}." + _others(trace.crossings)
         )
 
 
@@ -194,7 +237,7 @@ def segment_costs(
 
 def make_plan(
     trace: Trace, num_stages: int, by: str = "time", microbatch: int = 1, num_microbatches: int = 1,
-    rates: DeviceRates | None = None,
+    rates: DeviceRates | None = None, stages_per_rank: int = 1,
 ) -> Plan:
     """Groups the traced segments into ``num_stages`` stages.
 
@@ -206,12 +249,13 @@ def make_plan(
         microbatch: Samples per micro-batch (for estimates and the printed costs).
         num_microbatches: Micro-batches per step (for estimates).
         rates: The device speeds estimates assume (default: :meth:`DeviceRates.nominal` of a CPU).
+        stages_per_rank: ``v``: ``num_stages`` is then ``P v``, and stage ``s`` runs on rank ``s % P``.
 
     Returns:
         The plan. Raises :class:`PartitionError` if it cannot be made.
     """
     n = trace.num_segments
-    check_pipeline_size(trace, num_stages)
+    check_pipeline_size(trace, num_stages, stages_per_rank)
     kind, costs = segment_costs(trace, by, microbatch, num_microbatches, rates)
     ranges = balance(costs, num_stages, together=trace.crossings)
     stage_of = {seg: s for s, r in enumerate(ranges) for seg in r}
@@ -245,7 +289,8 @@ def make_plan(
         )
         for s, r in enumerate(ranges)
     )
-    return Plan(stages=stages, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch)
+    return Plan(stages=stages, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch,
+                stages_per_rank=stages_per_rank)
 
 
 _MOVED_TO_DRY_RUN = frozenset({"CutInfo", "TIMED_RUNS", "time_segments", "trace_step"})

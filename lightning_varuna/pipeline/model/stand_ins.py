@@ -71,7 +71,8 @@ def _signature(args: tuple, kwargs: dict) -> tuple | None:
 class StandIn:
     """Replaces a module's ``forward``: runs it for real in owned segments, by shape only elsewhere."""
 
-    def __init__(self, module: nn.Module, owned: range, segment: Callable[[], int], device: torch.device):
+    def __init__(self, module: nn.Module, owned: range | frozenset[int], segment: Callable[[], int],
+                 device: torch.device):
         self.module = module
         self.forward = module.forward
         # a compiled module (Module.compile) would compile this stand-in's Python too: it runs uncompiled
@@ -142,26 +143,31 @@ def _outermost(names: set[str]) -> list[str]:
 
 
 def apply_plan(
-    root: nn.Module, plan: Plan, stage: int, segment: Callable[[], int], device: torch.device
+    root: nn.Module, plan: Plan, rank: int, segment: Callable[[], int], device: torch.device
 ) -> list[StandIn]:
-    """Makes ``root`` hold only stage ``stage``'s parameters and stand-ins for earlier stages' modules.
+    """Makes ``root`` hold only pipeline rank ``rank``'s parameters and stand-ins for other stages' modules.
+
+    With several stages per rank, a module of one of the rank's earlier stages is stood in for during a later
+    stage's forward: ``segment`` returns -1 there (see
+    :meth:`~lightning_varuna.pipeline.runtime.executor.StageExecutor.segment`).
 
     Args:
         root: The full model (the LightningModule).
         plan: The partition plan (identical on every rank).
-        stage: This rank's stage.
-        segment: Returns the segment the running forward is in.
+        rank: This rank's position in the pipeline (its stage with one stage per rank).
+        segment: Returns the segment the running forward runs for real in (-1: none).
         device: Device of the stand-ins' outputs.
 
     Returns:
         The stand-ins installed.
     """
-    owned = plan.stages[stage].segments
-    keep = set(plan.stages[stage].params)
+    stages = plan.rank_stages(rank)
+    owned = frozenset(seg for s in stages for seg in plan.stages[s].segments)
+    keep = set(plan.rank_params(rank))
     for name, _ in list(root.named_parameters()):
         if name not in keep:
             free_parameter(root, name, device)
-    candidates = stand_in_candidates(plan.trace, owned.start)
+    candidates = stand_in_candidates(plan.trace, plan.stages[stages[-1]].segments.start)
     stand_ins = []
     for name in _outermost(candidates):
         module = root.get_submodule(name)

@@ -20,7 +20,8 @@ from torch import Tensor
 from lightning_varuna.pipeline.comm.transfers import P2P
 from lightning_varuna.pipeline.model.cut import CutPoint, StageForward
 from lightning_varuna.pipeline.runtime.events import EventHooks
-from lightning_varuna.pipeline.runtime.links import StageLinks
+from lightning_varuna.pipeline.runtime.links import Chunk, RankLinks, StageLinks
+from lightning_varuna.pipeline.runtime.rank_step import RankStep
 from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageStep
 from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology
@@ -41,50 +42,70 @@ class StageExecutor:
         first_cut: The cut point whose output this stage receives (None on the first stage).
         last_cut: The cut point where this stage's forward ends (None on the last stage).
         events: The event hook (the p2p layer's, so that one set of recorders sees tasks and transfers).
+        chunks: The stages this rank runs, when it runs several (``first_cut`` and ``last_cut`` are then the first
+            one's); default: one stage, this rank's, from ``first_cut`` to ``last_cut``.
+        stage_ranks: With several stages per rank, the pipeline rank of each stage of the model.
     """
 
     def __init__(self, topology: Topology, p2p: P2P, cuts: Sequence[CutPoint], first_cut: int | None,
-                 last_cut: int | None, events: EventHooks | None = None) -> None:
+                 last_cut: int | None, events: EventHooks | None = None, chunks: Sequence[Chunk] | None = None,
+                 stage_ranks: tuple[int, ...] | None = None) -> None:
         self.topology = topology
         self.p2p = p2p
         self.cuts = cuts
-        self.first_cut = first_cut
-        self.last_cut = last_cut
+        self.chunks: list[Chunk] = list(chunks) if chunks else [Chunk(topology.stage, first_cut, last_cut)]
+        """The stages this rank runs, in pipeline order."""
+        self.stage_ranks = stage_ranks
         self.events = events if events is not None else p2p.events
         self.boundary_dtype: torch.dtype | None = None
         """If set, floating-point activations and their gradients travel in this dtype."""
-        self.input_dtype: torch.dtype | None = None
-        """The dtype the model had at this stage's first cut (received activations are cast back to it)."""
         self.current: StageForward | None = None
         self.feed_next_stage = True
         """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
         (see :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`); False keeps Varuna's rule alone."""
         self.summary: Tensor | None = None
-        self._pool: dict[tuple[str, int], Tensor] = {}
-        self._links: dict[tuple[int, bool], tuple[Schedule, StageLinks]] = {}
+        self._pool: dict[tuple[str, int, int], Tensor] = {}
+        self._links: dict[tuple[int, bool], tuple[Schedule, StageLinks | RankLinks]] = {}
 
     # -- state visible to stand-ins -------------------------------------------------------------------------
+    @property
+    def first_cut(self) -> int | None:
+        """The cut point whose output this rank's (first) stage receives."""
+        return self.chunks[0].first_cut
+
+    @property
+    def last_cut(self) -> int | None:
+        """The cut point where this rank's (first) stage's forward ends."""
+        return self.chunks[0].last_cut
+
     def segment(self) -> int:
-        """The segment the running forward is in (the stage's first segment when none is running)."""
-        if self.current is None:
-            return 0 if self.first_cut is None else self.first_cut + 1
-        return self.current.segment
+        """The segment the running forward runs for real in: the segment it is in once it has reached its stage's
+        first segment, -1 before (where the rank's earlier stages, if any, are stood in for like any other); the
+        first stage's first segment when none is running."""
+        current = self.current
+        if current is None:
+            return self.chunks[0].first_segment
+        start = 0 if current.first is None else current.first + 1
+        return current.segment if current.segment >= start else -1
 
     # -- what lasts across steps ----------------------------------------------------------------------------
-    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        """A receive buffer, reused across steps while its shape stays the same."""
-        buffer = self._pool.get((kind, k))
+    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype, stage: int = 0) -> Tensor:
+        """A receive buffer for micro-batch ``k`` of a stage, reused across steps while its shape stays the same."""
+        key = (kind, stage, k)
+        buffer = self._pool.get(key)
         if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
             buffer = torch.empty(shape, dtype=dtype, device=self.topology.device)
-            self._pool[(kind, k)] = buffer
+            self._pool[key] = buffer
         return buffer
 
-    def links(self, schedule: Schedule, summary: bool) -> StageLinks:
-        """This stage's part of the p2p plan of ``schedule`` (lowered once per schedule)."""
+    def links(self, schedule: Schedule, summary: bool) -> StageLinks | RankLinks:
+        """This rank's part of the p2p plan of ``schedule`` (lowered once per schedule)."""
         key = (id(schedule), summary)
         cached = self._links.get(key)
         if cached is None or cached[0] is not schedule:
-            cached = self._links[key] = (schedule, StageLinks.build(schedule, self.topology, summary))
+            links = StageLinks.build(schedule, self.topology, summary) if self.stage_ranks is None else \
+                RankLinks.build(schedule, self.topology, summary, self.stage_ranks)
+            cached = self._links[key] = (schedule, links)
         return cached[1]
 
     # -- one step -------------------------------------------------------------------------------------------
@@ -124,5 +145,7 @@ class StageExecutor:
         summary = summary if train else None
         links = self.links(schedule, summary is not None)
         tasks = schedule[self.topology.stage]
+        if isinstance(links, RankLinks):
+            return RankStep(self, links, tasks, step, sizes, train, recompute, loss_of, summary, last_backward).run()
         return StageStep(self, links, tasks, step, sizes, batch_dims, train, recompute, loss_of, summary,
                          last_backward).run()

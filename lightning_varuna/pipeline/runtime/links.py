@@ -21,10 +21,30 @@ from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, 
 from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["Inbox", "Outbox", "Spec", "StageLinks"]
+__all__ = ["Boxes", "Chunk", "Inbox", "Outbox", "RankLinks", "Spec", "StageLinks"]
 
 Spec = tuple[torch.Size, torch.dtype]
 """The shape and dtype of a message's buffer."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stage a rank runs: where its forward starts and ends in the model, and what crosses its boundaries."""
+
+    stage: int
+    first_cut: int | None
+    """The cut point whose output this stage receives (None on the first stage)."""
+    last_cut: int | None
+    """The cut point where this stage's forward ends (None on the last stage)."""
+    input_dtype: torch.dtype | None = None
+    """The dtype the model has at ``first_cut`` (received activations are cast back to it)."""
+    batch_dims: tuple[int | None, int | None] = (None, None)
+    """Which dimension of the received and of the sent activation scales with the batch."""
+
+    @property
+    def first_segment(self) -> int:
+        """The first segment of the model this stage runs."""
+        return 0 if self.first_cut is None else self.first_cut + 1
 
 
 @dataclass(frozen=True)
@@ -40,14 +60,14 @@ class StageLinks:
 
     @classmethod
     def build(cls, schedule: Schedule, topology: Topology, summary: bool) -> StageLinks:
-        """Lowers ``schedule`` (one stage per rank) and keeps what this rank's stage takes part in."""
+        """Lowers ``schedule`` (one stage per rank) and keeps what this rank's stage takes part in.
+
+        A schedule whose tasks name their stages (several per rank) goes to :meth:`RankLinks.build`.
+        """
         for tasks in schedule:
             for task in tasks:
                 if task.stage is not None:
-                    raise PipelineError(
-                        f"The executor runs one stage per rank; {task!r} names a stage, which is for schedules"
-                        " to come (see lightning_varuna.pipeline.scheduling.lowering)."
-                    )
+                    raise PipelineError(f"{task!r} names a stage: schedules of several stages per rank use RankLinks")
         stage = topology.stage
         plan = rank_plan(link_messages(schedule, summary=summary), stage)
         prev = stage - 1 if stage > 0 else None
@@ -59,6 +79,55 @@ class StageLinks:
             from_next=plan.inbound.get(after, ()) if after is not None else (),
             to_prev=plan.outbound.get(prev, ()) if prev is not None else (),
             to_next=plan.outbound.get(after, ()) if after is not None else (),
+        )
+
+
+@dataclass(frozen=True)
+class RankLinks:
+    """One rank's part of a step's p2p plan when it runs several stages: each link's messages, by peer (global rank).
+
+    A link between two ranks carries the messages of every stage pair across it, in the sender's order.
+    """
+
+    inbound: dict[int, tuple[Message, ...]]
+    outbound: dict[int, tuple[Message, ...]]
+
+    @classmethod
+    def build(cls, schedule: Schedule, topology: Topology, summary: bool, stage_ranks: tuple[int, ...]) -> RankLinks:
+        """Lowers ``schedule`` (per pipeline rank, tasks naming their stages) and keeps this rank's links."""
+        plan = rank_plan(link_messages(schedule, stage_ranks, summary=summary), topology.stage)
+        return cls(
+            inbound={topology.rank_of(peer): messages for peer, messages in plan.inbound.items()},
+            outbound={topology.rank_of(peer): messages for peer, messages in plan.outbound.items()},
+        )
+
+
+@dataclass
+class Boxes:
+    """The inboxes and outboxes one stage's step uses (shared by the stages of a rank), and the sends in flight."""
+
+    prev: int | None
+    next: int | None
+    from_prev: Inbox | None
+    from_next: Inbox | None
+    to_prev: Outbox | None
+    to_next: Outbox | None
+    sends: list[Transfer]
+
+    @classmethod
+    def of_stage(cls, p2p: P2P, rank: int, links: StageLinks, watch: bool,
+                 spec: Callable[[Message], Spec | None], buffer: Callable[[Message, torch.Size, torch.dtype], Tensor]
+                 ) -> Boxes:
+        """The boxes of a rank that runs one stage: one per link of its part of the plan."""
+        sends: list[Transfer] = []
+        prev, after = links.prev, links.next
+        return cls(
+            prev=prev, next=after,
+            from_prev=Inbox(p2p, prev, rank, links.from_prev, spec, buffer, watch) if prev is not None else None,
+            from_next=Inbox(p2p, after, rank, links.from_next, spec, buffer, watch) if after is not None else None,
+            to_prev=Outbox(p2p, rank, prev, links.to_prev, sends) if prev is not None else None,
+            to_next=Outbox(p2p, rank, after, links.to_next, sends) if after is not None else None,
+            sends=sends,
         )
 
 

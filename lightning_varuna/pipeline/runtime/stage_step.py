@@ -47,7 +47,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     accumulating_in_place,
     holding_weight_grads,
 )
-from lightning_varuna.pipeline.runtime.links import Inbox, Outbox, Spec, StageLinks
+from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Inbox, Outbox, Spec, StageLinks
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
@@ -69,15 +69,14 @@ class StageContext(Protocol):
     p2p: P2P
     events: EventHooks
     cuts: Sequence[CutPoint]
-    first_cut: int | None
-    last_cut: int | None
+    chunks: Sequence[Chunk]
+    stage_ranks: tuple[int, ...] | None
     boundary_dtype: torch.dtype | None
-    input_dtype: torch.dtype | None
     current: StageForward | None
     feed_next_stage: bool
     summary: Tensor | None
 
-    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype, stage: int = 0) -> Tensor:
         """A receive buffer, reused across steps."""
         ...
 
@@ -87,11 +86,12 @@ class StageStep:
 
     Args:
         executor: The stage's executor (cut points, buffers, dtypes, the event hook).
-        links: This stage's part of the step's p2p plan.
+        links: This stage's part of the step's p2p plan (None with ``boxes``).
         tasks: This stage's task list.
         step: Runs the user's step on micro-batch ``k``.
         sizes: The batch size of each micro-batch.
-        batch_dims: Which dimension of the received and of the sent activation scales with the batch.
+        batch_dims: Which dimension of the received and of the sent activation scales with the batch (None: the
+            chunk's).
         train: Whether backward tasks run.
         recompute: Whether forwards of a non-last stage run without autograd (train only).
         loss_of: On the last stage, turns step output ``k`` into the scalar to differentiate.
@@ -100,20 +100,31 @@ class StageStep:
             backward: from the start of the last ``I`` to the end of the last ``W``; it is given ``held_back``, the
             parameters whose gradients still wait for ``W`` tasks, and yields a function to call with the
             parameters each ``W`` completes).
+        chunk: The stage this step runs (default: the executor's only one).
+        boxes: The rank's inboxes and outboxes, when the rank runs several stages
+            (:class:`~lightning_varuna.pipeline.runtime.rank_step.RankStep` drives the step then).
     """
 
     def __init__(
-        self, executor: StageContext, links: StageLinks, tasks: Sequence[Task], step: Callable[[int], Any],
-        sizes: Sequence[int], batch_dims: tuple[int | None, int | None], train: bool, recompute: bool,
+        self, executor: StageContext, links: StageLinks | None, tasks: Sequence[Task], step: Callable[[int], Any],
+        sizes: Sequence[int], batch_dims: tuple[int | None, int | None] | None, train: bool, recompute: bool,
         loss_of: Callable[[Any, int], Tensor] | None, summary: Callable[[list[Any]], Tensor] | None,
-        last_backward: Callable[..., AbstractContextManager[Any]] | None,
+        last_backward: Callable[..., AbstractContextManager[Any]] | None, chunk: Chunk | None = None,
+        boxes: Boxes | None = None,
     ) -> None:
         topo = executor.topology
-        self.executor, self.p2p, self.device, self.stage = executor, executor.p2p, topo.device, topo.stage
-        self.tasks, self.step, self.sizes, self.batch_dims = tasks, step, sizes, batch_dims
+        self.chunk = chunk = chunk if chunk is not None else executor.chunks[0]
+        self.executor, self.p2p, self.device, self.stage = executor, executor.p2p, topo.device, chunk.stage
+        self.tasks, self.step, self.sizes = tasks, step, sizes
+        self.batch_dims = batch_dims if batch_dims is not None else chunk.batch_dims
         self.train, self.with_recompute, self.loss_of, self.summary = train, recompute, loss_of, summary
         self.last_backward = last_backward
-        self.prev, self.next = links.prev, links.next
+        if boxes is None:
+            assert links is not None
+            # only a stage whose forwards stash asks whether a message has arrived (next_task)
+            watch = train and recompute and links.next is not None
+            boxes = Boxes.of_stage(self.p2p, topo.rank, links, watch, self._spec, self._buffer)
+        self.prev, self.next = boxes.prev, boxes.next
         self.no_grad_forward = (not train) or (recompute and self.next is not None)
         self.stashes = train and recompute and self.prev is not None and self.next is not None
         self.emit = executor.events.emit
@@ -132,22 +143,17 @@ class StageStep:
         self.output_specs: list[Spec] | None = None
         """The shapes agreed for this step's sent activations (from the header this stage sent)."""
         self.sent_specs: list[Spec | None] = [None] * m
-        self.sends: list[Transfer] = []
+        self.sends: list[Transfer] = boxes.sends
         self.skipped = [False] * m
         """Micro-batches whose step returned None before the model's forward."""
         self.skip_mode: bool | None = None
         """Whether this step's batch is skipped before the forward (None until the first forward tells)."""
         self.upstream_skipped = False
         """Whether the previous stage's header said it skipped the batch."""
-        # only a stage whose forwards stash asks whether a message has arrived (next_task)
-        watch = train and self.no_grad_forward
-        me = topo.rank
-        self.from_prev = Inbox(self.p2p, self.prev, me, links.from_prev, self._spec, self._buffer, watch) \
-            if self.prev is not None else None
-        self.from_next = Inbox(self.p2p, self.next, me, links.from_next, self._spec, self._buffer, watch) \
-            if self.next is not None else None
-        self.to_prev = Outbox(self.p2p, me, self.prev, links.to_prev, self.sends) if self.prev is not None else None
-        self.to_next = Outbox(self.p2p, me, self.next, links.to_next, self.sends) if self.next is not None else None
+        self.from_prev: Inbox | None = boxes.from_prev
+        self.from_next: Inbox | None = boxes.from_next
+        self.to_prev: Outbox | None = boxes.to_prev
+        self.to_next: Outbox | None = boxes.to_next
 
     # -- the step -------------------------------------------------------------------------------------------
     def run(self) -> list[Any]:
@@ -322,7 +328,8 @@ class StageStep:
         """The step's output; :data:`SKIPPED` if it returned None before reaching a cut point."""
         executor = self.executor
         fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
-        handler = StageForward(executor.cuts, executor.first_cut, executor.last_cut, fetch, k, recomputing)
+        chunk = self.chunk
+        handler = StageForward(executor.cuts, chunk.first_cut, chunk.last_cut, fetch, k, recomputing)
         executor.current = handler
         try:
             with forward_handler(handler), torch.set_grad_enabled(with_grad):
@@ -337,7 +344,7 @@ class StageStep:
                     if self.next is not None:
                         raise CutPointError(
                             f"Stage {self.stage}'s forward finished without reaching cut point"
-                            f" #{executor.last_cut}, where the stage ends. Cut points must run in every forward; a"
+                            f" #{chunk.last_cut}, where the stage ends. Cut points must run in every forward; a"
                             " step may return None (to skip its batch) only before the model's forward or after"
                             " the loss."
                         )
@@ -351,7 +358,7 @@ class StageStep:
         check_skipped_alike(self, k, False)  # checked before waiting: a stage that skipped sends nothing
         received = self.receive_input(k)
         received.requires_grad_(with_grad)
-        input_dtype = self.executor.input_dtype
+        input_dtype = self.chunk.input_dtype
         if input_dtype is not None and received.dtype != input_dtype:
             received = received.to(input_dtype)
         return received
@@ -460,7 +467,7 @@ class StageStep:
         return torch.Size([SUMMARY_SIZE]), torch.float64
 
     def _buffer(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        return self.executor.buffer(message.kind.value, message.microbatch or 0, shape, dtype)
+        return self.executor.buffer(message.kind.value, message.microbatch or 0, shape, dtype, message.stage)
 
 
 def _nbytes(tensor: Tensor | None) -> int:

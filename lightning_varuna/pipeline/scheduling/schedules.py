@@ -13,6 +13,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from lightning_varuna.pipeline.scheduling.interleaved import (
+    check_interleaved_sizes,
+    forward_only_looped,
+    interleaved_schedule,
+    looped_ranks,
+)
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 from lightning_varuna.pipeline.scheduling.validation import check_sizes, validate_schedule
 from lightning_varuna.pipeline.scheduling.zero_bubble import zero_bubble_schedule
@@ -31,11 +37,18 @@ __all__ = [
     "one_f_one_b_schedule",
     "varuna_schedule",
     "zero_bubble_schedule",
+    "interleaved_schedule",
     "SPLIT_BACKWARD",
+    "MULTI_CHUNK",
+    "check_schedule_shape",
+    "stage_ranks",
 ]
 
 
-SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe", "zero-bubble")
+SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe", "zero-bubble", "interleaved")
+
+MULTI_CHUNK: frozenset[str] = frozenset({"interleaved"})
+"""Schedules that run several model chunks per rank (``stages_per_rank >= 2``, the looped placement)."""
 
 SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble"})
 """Schedules whose backward runs as an input-gradient task ``I`` and a weight-gradient task ``W``."""
@@ -45,7 +58,8 @@ _UNIT_COST: dict[Kind, int] = {Kind.F: 1, Kind.R: 1, Kind.B: 2}
 
 
 def next_task(
-    pending: Sequence[Task], arrived: Callable[[Task], bool], forwards_stash: bool, feed_next_stage: bool = True
+    pending: Sequence[Task], arrived: Callable[[Task], bool], forwards_stash: bool | Callable[[Task], bool],
+    feed_next_stage: bool = True,
 ) -> int:
     """Which of a stage's pending tasks to run next: Varuna's opportunistic rule, and ours to feed the next stage.
 
@@ -79,7 +93,8 @@ def next_task(
         arrived: Whether the message a task waits for is there: the activation for ``F(k)`` (always on the
             first stage), the gradient for ``B(k)`` or ``I(k)`` (always on the last stage, and for one that has
             run). Not asked for ``R`` and ``W`` tasks.
-        forwards_stash: Whether the stage's forwards run without autograd (recompute on a non-last stage).
+        forwards_stash: Whether the stage's forwards run without autograd (recompute on a non-last stage); on a
+            rank with several stages, a function of the forward task (a forward that builds a graph never moves).
         feed_next_stage: Whether a forward also goes first when the next stage has nothing left to do.
 
     Returns:
@@ -87,6 +102,11 @@ def next_task(
     """
     head = pending[0]
     if head.kind in (Kind.F, Kind.W):
+        return 0
+    if callable(forwards_stash):
+        forward = _forward_first(pending, arrived, feed_next_stage)
+        if forward is not None and (head.kind is Kind.R or forwards_stash(head)) and forwards_stash(pending[forward]):
+            return forward
         return 0
     if head.kind is Kind.R or forwards_stash:
         forward = _forward_first(pending, arrived, feed_next_stage)
@@ -101,16 +121,37 @@ def _forward_first(pending: Sequence[Task], arrived: Callable[[Task], bool], fee
     forward = next((i for i, task in enumerate(pending) if task.kind is Kind.F), None)
     if forward is None or not arrived(pending[forward]):
         return None
-    if not arrived(Task(Kind.B, head.microbatch)):
+    if not arrived(Task(Kind.B, head.microbatch, head.stage)):
         return forward
-    previous = pending[forward].microbatch - 1
-    if feed_next_stage and previous >= 0 and arrived(Task(Kind.B, previous)):
+    first = pending[forward]
+    if feed_next_stage and first.microbatch > 0 and arrived(Task(Kind.B, first.microbatch - 1, first.stage)):
         return forward
     return None
 
 
+def stage_ranks(num_ranks: int, stages_per_rank: int) -> tuple[int, ...] | None:
+    """The rank of each stage when ranks hold several (the looped placement); None for one stage per rank."""
+    return looped_ranks(num_ranks, stages_per_rank) if stages_per_rank > 1 else None
+
+
+def check_schedule_shape(name: str, num_ranks: int, stages_per_rank: int, num_microbatches: int | None) -> None:
+    """Raises :class:`ScheduleError` naming the nearest valid choices if ``name`` cannot run this shape.
+
+    ``num_microbatches`` None: not known yet (only the number of chunks is checked).
+    """
+    if stages_per_rank < 1:
+        raise ScheduleError(f"stages_per_rank must be at least 1, got {stages_per_rank}")
+    if stages_per_rank > 1 and name not in MULTI_CHUNK:
+        raise ScheduleError(
+            f"schedule={name!r} runs one model chunk per rank, but stages_per_rank={stages_per_rank}; use"
+            f" schedule={sorted(MULTI_CHUNK)[0]!r} for several chunks per rank, or stages_per_rank=1."
+        )
+    if name in MULTI_CHUNK:
+        check_interleaved_sizes(num_ranks, stages_per_rank, num_microbatches or num_ranks)
+
+
 def make_schedule(
-    name: str, num_stages: int, num_microbatches: int, recompute: bool, train: bool = True
+    name: str, num_stages: int, num_microbatches: int, recompute: bool, train: bool = True, stages_per_rank: int = 1
 ) -> Schedule:
     """Build and validate the per-stage task lists of a pipeline schedule.
 
@@ -127,16 +168,29 @@ def make_schedule(
         num_microbatches: Number of micro-batches ``m`` per step (at least 1; may be smaller than ``P``).
         recompute: Whether non-last stages recompute their forward before the backward.
         train: ``False`` for a forward-only (evaluation) schedule.
+        stages_per_rank: Model chunks per rank ``v``; with ``v > 1`` ``num_stages`` is the number of ranks ``P``,
+            the model has ``P v`` stages in the looped placement (:func:`stage_ranks`), and every task names its
+            stage (``"interleaved"``, see :func:`~lightning_varuna.pipeline.scheduling.interleaved.interleaved_schedule`).
 
     Returns:
-        The validated schedule: one tuple of tasks per stage.
+        The validated schedule: one tuple of tasks per stage (per rank with ``stages_per_rank > 1``).
 
     Raises:
-        ScheduleError: For an unknown name or a size below 1.
+        ScheduleError: For an unknown name, a size below 1, or a shape the schedule cannot run (naming the
+            nearest valid choices).
     """
     check_sizes(num_stages, num_microbatches)
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
+    ranks = stage_ranks(num_stages, stages_per_rank)
+    if ranks is not None or name in MULTI_CHUNK:
+        if not train:
+            schedule = forward_only_looped(num_stages, stages_per_rank, num_microbatches)
+        else:
+            check_schedule_shape(name, num_stages, stages_per_rank, num_microbatches)
+            schedule = interleaved_schedule(num_stages, stages_per_rank, num_microbatches, recompute)
+        validate_schedule(schedule, num_microbatches, recompute, train=train, stage_ranks=ranks)
+        return schedule
     if not train:
         schedule = forward_only_schedule(num_stages, num_microbatches)
     elif name == "varuna":

@@ -117,6 +117,7 @@ def simulate(
     opportunistic: bool = False,
     feed_next_stage: bool = True,
     transfer: Sequence[float] | None = None,
+    stage_ranks: Sequence[int] | None = None,
 ) -> SimResult:
     """Simulate the execution of a schedule in continuous time.
 
@@ -144,84 +145,104 @@ def simulate(
             finished everything this stage sent it (see
             :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`).
         transfer: Optional seconds one message occupies each boundary's link (``P - 1`` values).
+        stage_ranks: With several stages per rank, the rank of each stage: ``schedule`` has one list per rank whose
+            tasks name their stage, ``costs`` one entry per stage; a message between two stages of one rank arrives
+            when it is sent.
 
     Returns:
-        The timing result.
+        The timing result (per rank).
 
     Raises:
         ValueError: If ``costs`` does not have one entry per stage.
         ScheduleError: If the schedule deadlocks.
     """
-    num_stages = len(schedule)
+    ranks = tuple(range(len(schedule))) if stage_ranks is None else tuple(stage_ranks)
+    num_stages, num_ranks = len(ranks), len(schedule)
     if len(costs) != num_stages:
         raise ValueError(f"need one StageCosts per stage: {num_stages} stages, {len(costs)} costs")
     if transfer is not None and len(transfer) != num_stages - 1:
         raise ValueError(f"need one transfer time per boundary: {num_stages - 1} boundaries, {len(transfer)} given")
-    links = _Links(transfer)
+    links = _Links(transfer, ranks)
     pending = [list(tasks) for tasks in schedule]
-    stashes = [any(task.kind is Kind.R for task in tasks) for tasks in schedule]
-    free_at = [0.0] * num_stages
+    recomputing = {_stage_of(t, r) for r, tasks in enumerate(schedule) for t in tasks if t.kind is Kind.R}
+    stashes: list[bool | Callable[[Task], bool]] = [
+        any(task.kind is Kind.R for task in tasks) if stage_ranks is None
+        else (lambda task, r=r: _stage_of(task, r) in recomputing)
+        for r, tasks in enumerate(schedule)
+    ]
+    free_at = [0.0] * num_ranks
     arrivals: _Arrivals = {}
-    order: list[list[Task]] = [[] for _ in range(num_stages)]
-    starts: list[list[float]] = [[] for _ in range(num_stages)]
+    order: list[list[Task]] = [[] for _ in range(num_ranks)]
+    starts: list[list[float]] = [[] for _ in range(num_ranks)]
     now = 0.0
     while True:
         started = True
         while started:
             started = False
-            for stage in range(num_stages):
-                if free_at[stage] > now or not pending[stage]:
+            for rank in range(num_ranks):
+                if free_at[rank] > now or not pending[rank]:
                     continue
-                index = _pick(
-                    stage, num_stages, pending[stage], arrivals, now, opportunistic, stashes[stage], feed_next_stage
-                )
+                index = _pick(rank, num_stages, pending[rank], arrivals, now, opportunistic, stashes[rank],
+                              feed_next_stage)
                 if index is None:
                     continue
-                task = pending[stage].pop(index)
+                task = pending[rank].pop(index)
+                stage = _stage_of(task, rank)
                 finish = now + costs[stage].cost(task.kind)
                 _send(stage, num_stages, task, finish, arrivals, comm, jitter, links)
-                free_at[stage] = finish
-                order[stage].append(task)
-                starts[stage].append(now)
+                free_at[rank] = finish
+                order[rank].append(task)
+                starts[rank].append(now)
                 started = True
         if not any(pending):
             break
         now = _next_event(now, free_at, arrivals, pending)
-    return _result(costs, free_at, order, starts)
+    return _result(costs, ranks, free_at, order, starts)
 
 
-def _ready(stage: int, num_stages: int, task: Task, arrivals: _Arrivals, now: float) -> bool:
-    """Whether the message ``task`` waits for (if any) has arrived at ``stage`` by ``now``."""
+def _stage_of(task: Task, rank: int) -> int:
+    return rank if task.stage is None else task.stage
+
+
+def _ready(rank: int, num_stages: int, task: Task, arrivals: _Arrivals, now: float) -> bool:
+    """Whether the message ``task`` waits for (if any) has arrived at its stage by ``now``."""
+    stage = _stage_of(task, rank)
     waits = (task.kind is Kind.F and stage > 0) or (task.kind in _GRADIENT_KINDS and stage < num_stages - 1)
     return not waits or arrivals.get((stage, _arrival_kind(task.kind), task.microbatch), math.inf) <= now
 
 
 def _pick(
-    stage: int, num_stages: int, tasks: list[Task], arrivals: _Arrivals, now: float, opportunistic: bool,
-    forwards_stash: bool, feed_next_stage: bool,
+    rank: int, num_stages: int, tasks: list[Task], arrivals: _Arrivals, now: float, opportunistic: bool,
+    forwards_stash: bool | Callable[[Task], bool], feed_next_stage: bool,
 ) -> int | None:
     """Index in ``tasks`` of the task to start now, or ``None`` to wait."""
     index = 0
     if opportunistic:
-        ready = lambda task: _ready(stage, num_stages, task, arrivals, now)  # noqa: E731
+        ready = lambda task: _ready(rank, num_stages, task, arrivals, now)  # noqa: E731
         index = next_task(tasks, ready, forwards_stash, feed_next_stage)
-    return index if _ready(stage, num_stages, tasks[index], arrivals, now) else None
+    return index if _ready(rank, num_stages, tasks[index], arrivals, now) else None
 
 
 class _Links:
     """When each boundary's link is free again, per direction (messages over one link go one after another)."""
 
-    def __init__(self, transfer: Sequence[float] | None) -> None:
+    def __init__(self, transfer: Sequence[float] | None, ranks: Sequence[int]) -> None:
         self.transfer = transfer
+        self.ranks = ranks
         self.free: dict[tuple[int, int], float] = {}
 
+    def local(self, source: int, destination: int) -> bool:
+        """Whether both stages run on one rank (the message is handed over, not sent)."""
+        return self.ranks[source] == self.ranks[destination]
+
     def send(self, source: int, destination: int, ready: float) -> float:
-        """The time a message ready to leave at ``ready`` has crossed the link."""
+        """The time a message ready to leave at ``ready`` has crossed the link (of the stages' ranks)."""
         if self.transfer is None:
             return ready
-        start = max(ready, self.free.get((source, destination), 0.0))
+        link = (self.ranks[source], self.ranks[destination])
+        start = max(ready, self.free.get(link, 0.0))
         done = start + self.transfer[min(source, destination)]
-        self.free[(source, destination)] = done
+        self.free[link] = done
         return done
 
 
@@ -242,6 +263,9 @@ def _send(
         destination = stage - 1
     else:
         return
+    if links.local(stage, destination):
+        arrivals[(destination, _arrival_kind(task.kind), task.microbatch)] = finish
+        return
     extra = 0.0 if jitter is None else jitter(stage, destination, task.kind, task.microbatch)
     crossed = links.send(stage, destination, finish)
     arrivals[(destination, _arrival_kind(task.kind), task.microbatch)] = crossed + max(0.0, comm + extra)
@@ -261,11 +285,14 @@ def _next_event(now: float, free_at: list[float], arrivals: _Arrivals, pending: 
 
 
 def _result(
-    costs: Sequence[StageCosts], free_at: list[float], order: list[list[Task]], starts: list[list[float]]
+    costs: Sequence[StageCosts], ranks: Sequence[int], free_at: list[float], order: list[list[Task]],
+    starts: list[list[float]],
 ) -> SimResult:
-    """Summarise a finished simulation."""
+    """Summarise a finished simulation (per rank)."""
     makespan = max(free_at, default=0.0)
-    busy = tuple(float(sum(c.cost(t.kind) for t in tasks)) for c, tasks in zip(costs, order, strict=True))
+    busy = tuple(
+        float(sum(costs[_stage_of(t, r)].cost(t.kind) for t in tasks)) for r, tasks in enumerate(order)
+    )
     if makespan > 0:
         idle = tuple(1.0 - b / makespan for b in busy)
         bubble = 1.0 - sum(busy) / (len(busy) * makespan)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
@@ -18,7 +19,8 @@ def check_sizes(num_stages: int, num_microbatches: int) -> None:
 
 
 def validate_schedule(
-    schedule: Schedule, num_microbatches: int, recompute: bool, train: bool = True, split_backward: bool = False
+    schedule: Schedule, num_microbatches: int, recompute: bool, train: bool = True, split_backward: bool = False,
+    stage_ranks: Sequence[int] | None = None,
 ) -> None:
     """Check that a schedule is complete, correctly ordered and free of deadlock.
 
@@ -36,19 +38,39 @@ def validate_schedule(
         recompute: Whether non-last stages must recompute.
         train: ``False`` for a forward-only schedule.
         split_backward: Whether backwards are split into ``I`` and ``W`` tasks.
+        stage_ranks: With several stages per rank, the rank of each stage (``schedule`` then has one task list per
+            rank, whose tasks name their stage); the checks above apply to each stage's tasks, and the symbolic
+            execution runs the ranks' lists.
 
     Raises:
         ScheduleError: Naming the stage and task at fault.
     """
     if len(schedule) < 1:
         raise ScheduleError("a schedule needs at least one stage")
-    check_sizes(len(schedule), num_microbatches)
-    num_stages = len(schedule)
-    for stage, tasks in enumerate(schedule):
+    ranks = tuple(range(len(schedule))) if stage_ranks is None else tuple(stage_ranks)
+    check_sizes(len(ranks), num_microbatches)
+    num_stages = len(ranks)
+    per_stage = _tasks_per_stage(schedule, ranks, named=stage_ranks is not None)
+    for stage, tasks in enumerate(per_stage):
         expected = _expected_tasks(stage, num_stages, num_microbatches, recompute, train, split_backward)
         _check_task_set(stage, tasks, expected, recompute, train)
         _check_order(stage, tasks)
-    _check_deadlock(schedule)
+    _check_deadlock(schedule, ranks)
+
+
+def _tasks_per_stage(schedule: Schedule, ranks: tuple[int, ...], named: bool) -> list[tuple[Task, ...]]:
+    """Each stage's tasks in its rank's order, without their stage names; checks every task's rank."""
+    if not named:
+        return [tuple(tasks) for tasks in schedule]
+    if max(ranks, default=-1) >= len(schedule):
+        raise ScheduleError(f"stage_ranks names rank {max(ranks)}, but the schedule has {len(schedule)} rank(s)")
+    per_stage: list[list[Task]] = [[] for _ in ranks]
+    for rank, tasks in enumerate(schedule):
+        for task in tasks:
+            if task.stage is None or not 0 <= task.stage < len(ranks) or ranks[task.stage] != rank:
+                raise ScheduleError(f"rank {rank} lists {task!r}, whose stage does not run on rank {rank}")
+            per_stage[task.stage].append(Task(task.kind, task.microbatch))
+    return [tuple(tasks) for tasks in per_stage]
 
 
 def _expected_tasks(
@@ -121,30 +143,37 @@ def _check_order(stage: int, tasks: tuple[Task, ...]) -> None:
             raise ScheduleError(f"stage {stage}: {task!r} must come after I{k}")
 
 
-def _check_deadlock(schedule: Schedule) -> None:
-    """Run every stage's list in order symbolically; raise naming the blocked tasks if none can progress."""
-    num_stages = len(schedule)
-    done: set[tuple[int, Task]] = set()
-    heads = [0] * num_stages
+def _check_deadlock(schedule: Schedule, ranks: tuple[int, ...]) -> None:
+    """Run every rank's list in order symbolically; raise naming the blocked tasks if none can progress."""
+    num_stages = len(ranks)
+    done: set[tuple[int, Kind, int]] = set()
+    heads = [0] * len(schedule)
     progressed = True
     while progressed:
         progressed = False
-        for stage, tasks in enumerate(schedule):
-            while heads[stage] < len(tasks) and _dependency_met(stage, tasks[heads[stage]], num_stages, done):
-                done.add((stage, tasks[heads[stage]]))
-                heads[stage] += 1
+        for rank, tasks in enumerate(schedule):
+            while heads[rank] < len(tasks) and _dependency_met(rank, tasks[heads[rank]], num_stages, done):
+                task = tasks[heads[rank]]
+                done.add((_stage(task, rank), task.kind, task.microbatch))
+                heads[rank] += 1
                 progressed = True
     blocked = [
-        f"stage {s} at {schedule[s][heads[s]]!r}" for s in range(num_stages) if heads[s] < len(schedule[s])
+        f"{'stage' if len(schedule) == num_stages else 'rank'} {r} at {schedule[r][heads[r]]!r}"
+        for r in range(len(schedule)) if heads[r] < len(schedule[r])
     ]
     if blocked:
         raise ScheduleError("deadlock: no stage can progress; blocked " + ", ".join(blocked))
 
 
-def _dependency_met(stage: int, task: Task, num_stages: int, done: set[tuple[int, Task]]) -> bool:
+def _stage(task: Task, rank: int) -> int:
+    return rank if task.stage is None else task.stage
+
+
+def _dependency_met(rank: int, task: Task, num_stages: int, done: set[tuple[int, Kind, int]]) -> bool:
     """Whether the message ``task`` waits for (if any) has been sent."""
+    stage = _stage(task, rank)
     if task.kind is Kind.F and stage > 0:
-        return (stage - 1, task) in done
+        return (stage - 1, task.kind, task.microbatch) in done
     if task.kind in _BACKWARD and stage < num_stages - 1:
-        return (stage + 1, task) in done
+        return (stage + 1, task.kind, task.microbatch) in done
     return True

@@ -1,0 +1,175 @@
+"""One step of a rank that runs several stages (model chunks): their tasks in one list, their links shared.
+
+With ``stages_per_rank > 1`` a rank's task list names the stage of each task. :class:`RankStep` keeps one
+:class:`~lightning_varuna.pipeline.runtime.stage_step.StageStep` per stage (its received inputs, kept outputs, RNG
+states) and one inbox or outbox per link of the rank: the stages on either side of a link share it, and its
+messages keep the sender's order (:mod:`~lightning_varuna.pipeline.scheduling.lowering`). A received message is
+routed to the stage it is for by the stage that sent it.
+
+The run-time rules apply as with one stage per rank, with two limits: a forward goes ahead of a recompute or backward
+only if its own stage runs forwards without autograd (it adds no graph), and not at all when one link carries both
+activations and gradients from this rank (``P = 2``: the move would reorder that link's messages).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_varuna.pipeline.runtime.events import Event, EventKind
+from lightning_varuna.pipeline.runtime.links import Boxes, Inbox, Outbox, RankLinks, Spec
+from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageContext, StageStep
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
+from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
+
+__all__ = ["RankStep"]
+
+
+class RankStep:
+    """Runs one rank's task list over the stages it holds, for one step.
+
+    Args:
+        executor: The rank's executor (its chunks, cut points, buffers, the event hook).
+        links: The rank's part of the step's p2p plan.
+        tasks: The rank's task list (each task names its stage).
+        step: Runs the user's step on micro-batch ``k``.
+        sizes: The batch size of each micro-batch.
+        train: Whether backward tasks run.
+        recompute: Whether forwards of non-last stages run without autograd (train only).
+        loss_of: On the last stage, turns step output ``k`` into the scalar to differentiate.
+        summary: On the last stage, turns the outputs into at most ``SUMMARY_SIZE`` float64 values.
+        last_backward: A context manager factory for the rank's last backward task of the step.
+    """
+
+    def __init__(
+        self, executor: StageContext, links: RankLinks, tasks: Sequence[Task], step: Callable[[int], Any],
+        sizes: Sequence[int], train: bool, recompute: bool, loss_of: Callable[[Any, int], Tensor] | None,
+        summary: Callable[[list[Any]], Tensor] | None, last_backward: Callable[..., AbstractContextManager[Any]] | None,
+    ) -> None:
+        topo = executor.topology
+        self.executor, self.p2p, self.tasks, self.train = executor, executor.p2p, tasks, train
+        self.summary, self.emit = summary, executor.events.emit
+        self.rank = topo.rank
+        self.sends: list[Any] = []
+        ranks = executor.stage_ranks
+        assert ranks is not None, "a rank of several stages knows the rank of every stage"
+        self.last_stage = len(ranks) - 1
+        watch = train and recompute
+        me = topo.rank
+        self.inboxes = {peer: Inbox(self.p2p, peer, me, messages, self._spec, self._buffer, watch)
+                        for peer, messages in links.inbound.items()}
+        self.outboxes = {peer: Outbox(self.p2p, me, peer, messages, self.sends)
+                         for peer, messages in links.outbound.items()}
+        self.steps: dict[int, StageStep] = {}
+        for chunk in executor.chunks:
+            s = chunk.stage
+            prev = topo.rank_of(ranks[s - 1]) if s > 0 else None
+            after = topo.rank_of(ranks[s + 1]) if s < self.last_stage else None
+            boxes = Boxes(
+                prev=prev, next=after,
+                from_prev=self.inboxes.get(prev) if prev is not None else None,
+                from_next=self.inboxes.get(after) if after is not None else None,
+                to_prev=self.outboxes.get(prev) if prev is not None else None,
+                to_next=self.outboxes.get(after) if after is not None else None,
+                sends=self.sends,
+            )
+            self.steps[s] = StageStep(executor, None, (), step, sizes, None, train, recompute, loss_of, summary,
+                                      last_backward, chunk=chunk, boxes=boxes)
+        mixed = any({m.kind for m in messages} >= {MessageKind.ACTIVATION, MessageKind.GRADIENT}
+                    for messages in links.outbound.values())
+        self.moves = train and not mixed
+
+    def _forwards_stash(self, task: Task) -> bool:
+        return self.steps[task.stage].no_grad_forward  # type: ignore[index]
+
+    def arrived(self, task: Task) -> bool:
+        """Whether the message ``task`` waits for is here (asked by the run-time rules)."""
+        return self.steps[task.stage].arrived(task)  # type: ignore[index]
+
+    def run(self) -> list[Any]:
+        """Runs the tasks (the run-time rules may move forwards ahead), passes the summary on, waits for sends."""
+        emit = self.emit
+        if emit is not None:
+            emit(Event(EventKind.STEP_START, time.perf_counter(), train=self.train,
+                       microbatches=len(next(iter(self.steps.values())).sizes)))
+        for inbox in self.inboxes.values():
+            inbox.advance()
+        last_b = next((t for t in reversed(self.tasks) if t.kind in (Kind.B, Kind.I)), None) if self.train else None
+        last_w = next((t for t in reversed(self.tasks) if t.kind is Kind.W), None)
+        pending = list(self.tasks)
+        completed = False
+        try:
+            while pending:
+                index = next_task(pending, self.arrived, self._forwards_stash, self.executor.feed_next_stage) \
+                    if self.moves else 0
+                task = pending.pop(index)
+                if emit is not None:
+                    emit(Event(EventKind.TASK_START, time.perf_counter(), task=task, moved=index > 0))
+                chunk = self.steps[task.stage]  # type: ignore[index]
+                last_w_here = last_w.microbatch if last_w is not None and last_w.stage == task.stage else None
+                graphs, stash = chunk.run_task(task, last_b, last_w_here)
+                if emit is not None:
+                    emit(Event(EventKind.TASK_END, time.perf_counter(), task=task, graphs=graphs, stash_bytes=stash))
+                if self.sends:  # let go of tensors whose send is done, so memory follows the schedule
+                    self.sends[:] = [t for t in self.sends if not self.p2p.finished(t)]
+            if self.summary is not None:
+                self.pass_summary()
+            self.finish()
+            completed = True
+        finally:
+            for chunk in self.steps.values():
+                chunk.last_region.close()
+            self.executor.current = None
+            self.p2p.close(join=completed)
+        if emit is not None:
+            emit(Event(EventKind.STEP_END, time.perf_counter()))
+        last = self.steps.get(self.last_stage)
+        if last is None:
+            return []
+        return [r.detach() if isinstance(r, Tensor) else r for r in last.results]
+
+    def pass_summary(self) -> None:
+        """Passes the step summary on: made on the last stage's rank, received from the next rank on the others."""
+        topo = self.executor.topology
+        position = topo.stage
+        last = self.steps.get(self.last_stage)
+        if last is not None:
+            values = self.summary(last.results)  # type: ignore[misc]
+            buffer = self.executor.buffer("summary", 0, torch.Size([SUMMARY_SIZE]), torch.float64)
+            buffer.zero_()
+            buffer[: values.numel()].copy_(values)
+        else:
+            inbox = self.inboxes[topo.rank_of(position + 1)]
+            buffer = inbox.take(Message(MessageKind.SUMMARY, position + 1), "receiving the step summary")
+        if position > 0:
+            outbox = self.outboxes[topo.rank_of(position - 1)]
+            outbox.send(Message(MessageKind.SUMMARY, position), buffer, position)
+        self.executor.summary = buffer
+
+    def finish(self) -> None:
+        """Waits for this step's sends; checks that every message of the plan went and came."""
+        for transfer in self.sends:
+            self.p2p.wait(transfer, f"sending {transfer.message!r}")
+        self.sends.clear()
+        position = self.executor.topology.stage
+        for box in (*self.inboxes.values(), *self.outboxes.values()):
+            box.check_complete(position)
+
+    # -- routing of received messages to their stage --------------------------------------------------------
+    def _receiver(self, message: Message) -> StageStep:
+        if message.kind is MessageKind.GRADIENT:
+            return self.steps[message.stage - 1]
+        return self.steps[message.stage + 1]
+
+    def _spec(self, message: Message) -> Spec | None:
+        if message.kind is MessageKind.SUMMARY:
+            return torch.Size([SUMMARY_SIZE]), torch.float64
+        return self._receiver(message)._spec(message)
+
+    def _buffer(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        return self.executor.buffer(message.kind.value, message.microbatch or 0, shape, dtype, message.stage)
