@@ -38,9 +38,9 @@ from lightning_varuna.pipeline.model.stand_ins import apply_plan
 from lightning_varuna.pipeline.planning.choice import OptimizerSpec, choose
 from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, P2PTraceWriter
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
+from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
 from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
-from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 

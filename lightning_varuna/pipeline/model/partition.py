@@ -131,8 +131,10 @@ class Plan:
 
     @property
     def rank_tied(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The parameters held by several pipeline ranks, with those ranks (a parameter that several stages of
-        one rank share is one tensor there, and needs no synchronization)."""
+        """The parameters held by several pipeline ranks, with those ranks.
+
+        A parameter that several stages of one rank share is one tensor there, and needs no synchronization.
+        """
         tied = ((name, tuple(sorted({self.rank_of(s) for s in stages}))) for name, stages in self.tied)
         return tuple((name, ranks) for name, ranks in tied if len(ranks) > 1)
 

@@ -79,9 +79,11 @@ class StageExecutor:
         return self.chunks[0].last_cut
 
     def segment(self) -> int:
-        """The segment the running forward runs for real in: the segment it is in once it has reached its stage's
-        first segment, -1 before (where the rank's earlier stages, if any, are stood in for like any other); the
-        first stage's first segment when none is running."""
+        """The segment the running forward runs for real in (-1: none).
+
+        The segment it is in once it has reached its stage's first segment, -1 before (where the rank's earlier
+        stages, if any, are stood in for like any other); the first stage's first segment when none is running.
+        """
         current = self.current
         if current is None:
             return self.chunks[0].first_segment

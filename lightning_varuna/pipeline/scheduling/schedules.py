@@ -170,7 +170,7 @@ def make_schedule(
         train: ``False`` for a forward-only (evaluation) schedule.
         stages_per_rank: Model chunks per rank ``v``; with ``v > 1`` ``num_stages`` is the number of ranks ``P``,
             the model has ``P v`` stages in the looped placement (:func:`stage_ranks`), and every task names its
-            stage (``"interleaved"``, see :func:`~lightning_varuna.pipeline.scheduling.interleaved.interleaved_schedule`).
+            stage (``"interleaved"``, see :func:`~.interleaved.interleaved_schedule`).
 
     Returns:
         The validated schedule: one tuple of tasks per stage (per rank with ``stages_per_rank > 1``).
