@@ -188,6 +188,11 @@ def _check_chunks_of(config: EngineConfig) -> None:
         raise ValueError(f"stages_per_rank must be an int >= 1, got {v!r}.")
     if v == 1 and config.schedule not in MULTI_CHUNK:
         return
+    if config.schedule != AUTO:
+        try:
+            check_schedule_shape(config.schedule, 1, v, None)
+        except ScheduleError as err:
+            raise ValueError(str(err)) from None
     for name in ("schedule", "recompute", "pipeline_parallel_size", "microbatch_size"):
         if getattr(config, name) == AUTO and (v > 1 or name == "schedule"):
             raise ValueError(
