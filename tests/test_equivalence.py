@@ -1,8 +1,13 @@
-"""Pipelined training equals the plain single-process Lightning run: losses per step and gradients per name."""
+"""Pipelined training equals the plain single-process Lightning run: losses per step and gradients per name.
+
+The whole matrix of several model chunks per rank (P in {2, 4} x recompute on/off x D in {1, 2}) runs with
+``VARUNA_SCHEDULES=full``; CI runs one configuration of each kind.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -43,7 +48,29 @@ CONFIGS = {
     "bf16-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,precision=bf16-mixed,overlap=false",
     # fp16 with a loss scaler; an inf injected into stage 0's gradients at step 2 must make every stage skip
     "fp16-inf-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,precision=16-mixed,inf=2",
+    # several model chunks per rank (interleaved 1F1B over the looped placement): P=2 (one link each way carries
+    # both directions), P=4 with 8 blocks (the wrap-around link), tied embedding + clipping with every bucket
+    # reduced in the last backward of the stage that makes its gradients final
+    "p2-il-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=interleaved,stages_per_rank=2,"
+    "recompute=false,batch=8",
+    "p4-il-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=interleaved,stages_per_rank=2,layers=8",
+    "tied-clip-p2d2-il": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=interleaved,stages_per_rank=2,bucket=4096,partition=params",
 }
+FULL_MATRIX = {
+    "p2-il-m8": "pipeline_parallel_size=2,num_microbatches=8,schedule=interleaved,stages_per_rank=2,batch=8",
+    "p4-il-norecompute-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=interleaved,stages_per_rank=2,"
+    "recompute=false,layers=8",
+    "p4-il-m4-l8": "pipeline_parallel_size=4,num_microbatches=4,schedule=interleaved,stages_per_rank=2,layers=8",
+    "tied-clip-p2d2-il-norecompute": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,"
+    "gradnorm=true,schedule=interleaved,stages_per_rank=2,recompute=false",
+    "tied-clip-p4d1-il-l8": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true,layers=8,"
+    "schedule=interleaved,stages_per_rank=2",
+}
+
+
+if os.environ.get("VARUNA_SCHEDULES") == "full":
+    CONFIGS.update(FULL_MATRIX)
 REFERENCES = {
     "reference": "",
     "reference-tied-clip": "tie=true,clip=0.5,gradnorm=true",
@@ -51,10 +78,14 @@ REFERENCES = {
     "reference-accum": "tie=true,clip=0.5,gradnorm=true,accumulate=2",
     "reference-bf16": "tie=true,precision=bf16-mixed",
     "reference-fp16-inf": "tie=true,clip=0.5,precision=16-mixed,inf=2",
+    "reference-l8": "layers=8",
+    "reference-tied-clip-l8": "tie=true,clip=0.5,gradnorm=true,layers=8",
 }
 
 
 def reference_of(name: str) -> str:
+    if name.endswith("-l8"):
+        return "reference-tied-clip-l8" if name.startswith("tied-clip") else "reference-l8"
     if name.startswith("tied-clip"):
         return "reference-tied-clip"
     if name.startswith("accum"):
@@ -200,7 +231,7 @@ def test_buckets_reduce_during_the_last_backward(results: Path, name: str) -> No
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
         assert run["data_size"] > 1 and run["overlapped"]
-        if name.startswith("accum") or name.endswith("-zb"):
+        if name.startswith("accum") or name.endswith(("-zb", "-il")):
             assert run["buckets"] > 2, "bucket=4096 makes several buckets per stage"
         expected = run["buckets"] if overlap else 0
         assert run["overlapped"] == [expected] * len(run["overlapped"]), f"rank {rank}"

@@ -11,6 +11,7 @@ import os
 import uuid
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -110,6 +111,10 @@ class SetupPhase:
                                       stage_ranks=stage_ranks(topo.pipeline_size, v))
         self.executor.boundary_dtype = self.config.boundary_dtype
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
+        held = dict(self.module.named_parameters())
+        self.executor.chunks = [
+            replace(c, params=tuple(held[n] for n in self.plan.stages[c.stage].params if n in held)) for c in chunks
+        ]
         if self.config.fuse_grad_accumulation:
             self._accumulating = install_grad_accumulation(self.module)
         self._batch_dims = chunks[0].batch_dims

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,6 +41,8 @@ class Chunk:
     """The dtype the model has at ``first_cut`` (received activations are cast back to it)."""
     batch_dims: tuple[int | None, int | None] = (None, None)
     """Which dimension of the received and of the sent activation scales with the batch."""
+    params: tuple[Any, ...] = ()
+    """The parameters this stage uses (whose gradients its backward makes)."""
 
     @property
     def first_segment(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ class RankStep:
     ) -> None:
         topo = executor.topology
         self.executor, self.p2p, self.tasks, self.train = executor, executor.p2p, tasks, train
-        self.summary, self.emit = summary, executor.events.emit
+        self.summary, self.emit, self.last_backward = summary, executor.events.emit, last_backward
         self.rank = topo.rank
         self.sends: list[Any] = []
         ranks = executor.stage_ranks
@@ -84,6 +84,25 @@ class RankStep:
                     for messages in links.outbound.values())
         self.moves = train and not mixed
 
+    def _final_backwards(self) -> dict[Task, set[Any]]:
+        """Each stage's last backward, with the parameters whose gradients are final after it.
+
+        A parameter two stages of this rank share (one tensor) is final after the later of their last backwards.
+        The gradient reductions' region opens at the first of them: each bucket starts once all its parameters are
+        final, and a parameter counts only in the last backward that accumulates into it.
+        """
+        last = {t.stage: t for t in self.tasks if t.kind is Kind.B}
+        position = {task: i for i, task in enumerate(self.tasks)}
+        final_in: dict[Any, Task] = {}
+        for stage, task in last.items():
+            for param in self.steps[stage].chunk.params:  # type: ignore[index]
+                if param not in final_in or position[task] > position[final_in[param]]:
+                    final_in[param] = task
+        finals: dict[Task, set[Any]] = {task: set() for task in last.values()}
+        for param, task in final_in.items():
+            finals[task].add(param)
+        return finals
+
     def _forwards_stash(self, task: Task) -> bool:
         return self.steps[task.stage].no_grad_forward  # type: ignore[index]
 
@@ -99,8 +118,9 @@ class RankStep:
                        microbatches=len(next(iter(self.steps.values())).sizes)))
         for inbox in self.inboxes.values():
             inbox.advance()
-        last_b = next((t for t in reversed(self.tasks) if t.kind in (Kind.B, Kind.I)), None) if self.train else None
-        last_w = next((t for t in reversed(self.tasks) if t.kind is Kind.W), None)
+        finals = self._final_backwards() if self.train and self.last_backward is not None else {}
+        region, held_back, opened = ExitStack(), set().union(*finals.values()) if finals else set(), False
+        last_b = next((t for t in reversed(self.tasks) if t.kind is Kind.B), None)
         pending = list(self.tasks)
         completed = False
         try:
@@ -108,13 +128,18 @@ class RankStep:
                 index = next_task(pending, self.arrived, self._forwards_stash, self.executor.feed_next_stage) \
                     if self.moves else 0
                 task = pending.pop(index)
+                if task in finals:  # a stage's last backward: its parameters' gradients become final in it
+                    if not opened:
+                        region.enter_context(self.last_backward(held_back=held_back))  # type: ignore[misc]
+                        opened = True
+                    held_back -= finals[task]
                 if emit is not None:
                     emit(Event(EventKind.TASK_START, time.perf_counter(), task=task, moved=index > 0))
-                chunk = self.steps[task.stage]  # type: ignore[index]
-                last_w_here = last_w.microbatch if last_w is not None and last_w.stage == task.stage else None
-                graphs, stash = chunk.run_task(task, last_b, last_w_here)
+                graphs, stash = self.steps[task.stage].run_task(task, None, None)  # type: ignore[index]
                 if emit is not None:
                     emit(Event(EventKind.TASK_END, time.perf_counter(), task=task, graphs=graphs, stash_bytes=stash))
+                if task == last_b:
+                    region.close()
                 if self.sends:  # let go of tensors whose send is done, so memory follows the schedule
                     self.sends[:] = [t for t in self.sends if not self.p2p.finished(t)]
             if self.summary is not None:
@@ -122,8 +147,7 @@ class RankStep:
             self.finish()
             completed = True
         finally:
-            for chunk in self.steps.values():
-                chunk.last_region.close()
+            region.close()
             self.executor.current = None
             self.p2p.close(join=completed)
         if emit is not None:

@@ -17,7 +17,7 @@ once (a chunk is ``1/v`` of a stage): without recompute ``min(w + 1, m v)`` auto
 ``2 (P - 1) + (v - 1) P + 1`` chunk graphs, ``(1 + (v - 1) / (2 v))`` times 1F1B's first stage for ``v`` chunks
 of equal size, up to 1.5x for large ``v``; with recompute (every stage but the last runs its forwards without
 autograd, keeping only its input, and recomputes right before its backward) one graph, two on the rank of the last
-stage, plus the stashed inputs.
+stage (``P`` when ``m = P``: every forward runs before the first backward), plus the stashed inputs.
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ def interleaved_memory_bound(
 ) -> int:
     """The most autograd graphs (micro-batches of one chunk) rank ``rank`` holds at once (module docstring)."""
     if recompute:
-        return 2 if rank == num_ranks - 1 else 1
+        if rank < num_ranks - 1:
+            return 1
+        # the last stage keeps its forwards' graphs: all of one round's when the warm-up is every forward (m = P)
+        return num_ranks if num_microbatches == num_ranks else 2
     total = num_microbatches * stages_per_rank
     return min(interleaved_warmup(rank, num_ranks, stages_per_rank, num_microbatches) + 1, total)
 
