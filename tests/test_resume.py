@@ -33,10 +33,31 @@ def test_mid_epoch_checkpoint_from_p2d2_resumes_under_p4d1_and_on_two_processes(
              f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt}")
     torchrun("equivalence.py", str(tmp_path),
              f"two:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt}", nproc=2)
+    # one chunk per rank -> two (interleaved, P=2 x D=2: four stages on two ranks)
+    torchrun("equivalence.py", str(tmp_path),
+             f"chunks:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},"
+             "schedule=interleaved,stages_per_rank=2")
     reference = _losses(tmp_path, "reference")
     assert len(reference) == 8
     assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
-    for name in ("p4", "two"):
+    for name in ("p4", "two", "chunks"):
         resumed = _losses(tmp_path, name)
         assert len(resumed) == 4, name
         assert resumed == pytest.approx(reference[4:], abs=5e-4), name
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_with_two_chunks_per_rank_resumes_with_one(tmp_path: Path) -> None:
+    """Written at P=2 x D=2 with two model chunks per rank (interleaved), resumed at P=4 x D=1 with one (1F1B)."""
+    ckpt_dir = tmp_path / "ckpt"
+    python("equivalence.py", str(tmp_path), "reference:epoch_steps=8")
+    torchrun("equivalence.py", str(tmp_path),
+             f"first:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,steps=4,"
+             f"save_every=4,save_dir={ckpt_dir},schedule=interleaved,stages_per_rank=2")
+    ckpt = ckpt_dir / "ckpt.ckpt"
+    assert is_complete(ckpt)
+    torchrun("equivalence.py", str(tmp_path),
+             f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},schedule=1f1b")
+    reference = _losses(tmp_path, "reference")
+    assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
+    assert _losses(tmp_path, "p4") == pytest.approx(reference[4:], abs=5e-4)
