@@ -126,8 +126,8 @@ def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: Pipelin
     if engine.autoconfig is not None:
         report_choice(trainer, engine.autoconfig)
     rank_zero_info(
-        f"VarunaStrategy: {topology.pipeline_size} stage(s) x {topology.data_size} replica(s), schedule"
-        f" {engine.config.schedule!r}, recompute={engine.config.recompute}\n{plan.table()}"
+        f"VarunaStrategy: {_shape(topology.pipeline_size, plan.stages_per_rank)} x {topology.data_size} replica(s),"
+        f" schedule {engine.config.schedule!r}, recompute={engine.config.recompute}\n{plan.table()}"
     )
     timeline = None
     if timeline_dir is not None and trainer.state.fn == TrainerFn.FITTING:
@@ -145,3 +145,10 @@ def _load_initial_weights(strategy: ParallelStrategy, trainer: Trainer, weights:
                        " which holds the weights.")
         return
     weights.load(strategy.lightning_module, layout)
+
+
+def _shape(pipeline_size: int, stages_per_rank: int) -> str:
+    if stages_per_rank == 1:
+        return f"{pipeline_size} stage(s)"
+    total = pipeline_size * stages_per_rank
+    return f"{pipeline_size} pipeline ranks with {stages_per_rank} stages each ({total} stages)"

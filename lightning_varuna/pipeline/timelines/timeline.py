@@ -56,6 +56,8 @@ class TimelineEvent:
         microbatch: The micro-batch of a task, wait or send.
         replica: The data-parallel replica.
         step: The training step the event belongs to.
+        chunk: With several model chunks per rank, the model stage of a task (``stage`` is then the rank's position in
+            the pipeline).
     """
 
     stage: int
@@ -65,13 +67,16 @@ class TimelineEvent:
     microbatch: int | None = None
     replica: int = 0
     step: int = 0
+    chunk: int | None = None
 
     @property
     def name(self) -> str:
-        """``F3`` for a task, else the kind (with the micro-batch, if any)."""
+        """``F3`` for a task (``F3@5`` on stage 5 of several per rank), else the kind (with the micro-batch, if any)."""
         if self.microbatch is None:
             return self.kind
-        return f"{self.kind}{self.microbatch}" if self.kind in TASKS else f"{self.kind} {self.microbatch}"
+        if self.kind not in TASKS:
+            return f"{self.kind} {self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f"@{self.chunk}" if self.chunk is not None else "")
 
 
 def predicted_events(prediction: Prediction) -> list[TimelineEvent]:
@@ -115,6 +120,8 @@ def chrome_trace(events: Iterable[TimelineEvent], title: str = "pipeline") -> di
         args: dict[str, Any] = {"step": e.step}
         if e.microbatch is not None:
             args["microbatch"] = e.microbatch
+        if e.chunk is not None:
+            args["model_stage"] = e.chunk
         trace.append({"name": e.name, "cat": e.kind, "ph": "X", "ts": round((e.start - origin) * 1e6, 3),
                       "dur": round(max(0.0, e.end - e.start) * 1e6, 3), "pid": e.replica, "tid": _track(e),
                       "args": args})
@@ -220,7 +227,7 @@ class TimelineRecorder:
             self._started[("task", 0)] = event.time
         elif kind is EventKind.TASK_END and event.task is not None:
             start = self._started.pop(("task", 0), event.time)
-            self.add(event.task.kind.value, start, event.time, event.task.microbatch)
+            self.add(event.task.kind.value, start, event.time, event.task.microbatch, event.task.stage)
         elif event.op is not None:
             self._transfer(kind, event.time, event.op)
 
@@ -239,10 +246,10 @@ class TimelineRecorder:
         self._close()
         self.step += 1
 
-    def add(self, kind: str, start: float, end: float, microbatch: int | None = None) -> None:
+    def add(self, kind: str, start: float, end: float, microbatch: int | None = None, chunk: int | None = None) -> None:
         """Records an event of the current step (``time.perf_counter`` times)."""
         self._current.append(TimelineEvent(self.stage, kind, start + self.offset, end + self.offset, microbatch,
-                                           self.replica, self.step))
+                                           self.replica, self.step, chunk))
 
     def take_spans(self) -> list[StepSpan]:
         """This stage's span of every step finished since the last call (the current one counts as finished)."""
