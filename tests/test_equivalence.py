@@ -56,6 +56,11 @@ CONFIGS = {
     "p4-il-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=interleaved,stages_per_rank=2,layers=8",
     "tied-clip-p2d2-il": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=interleaved,stages_per_rank=2,bucket=4096,partition=params",
+    # zero-bubble over the looped placement: I/W split on ranks of two chunks (weights shared across a rank's
+    # chunks final after the last W of either; every bucket released by the W that makes it final)
+    "p4-lzb-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,stages_per_rank=2,layers=8",
+    "tied-clip-p2d2-lzb": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=zero-bubble,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
 }
 FULL_MATRIX = {
     "p2-il-m8": "pipeline_parallel_size=2,num_microbatches=8,schedule=interleaved,stages_per_rank=2,batch=8",
@@ -66,6 +71,13 @@ FULL_MATRIX = {
     "gradnorm=true,schedule=interleaved,stages_per_rank=2,recompute=false",
     "tied-clip-p4d1-il-l8": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true,layers=8,"
     "schedule=interleaved,stages_per_rank=2",
+    "p2-lzb-m5": "pipeline_parallel_size=2,num_microbatches=5,schedule=zero-bubble,stages_per_rank=2,batch=8",
+    "p4-lzb-norecompute-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,stages_per_rank=2,"
+    "recompute=false,layers=8",
+    "tied-clip-p2d2-lzb-recompute": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,"
+    "gradnorm=true,schedule=zero-bubble,stages_per_rank=2,bucket=4096,partition=params",
+    "tied-clip-p4d1-lzb-l8": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true,layers=8,"
+    "schedule=zero-bubble,stages_per_rank=2,recompute=false",
 }
 
 
@@ -231,7 +243,7 @@ def test_buckets_reduce_during_the_last_backward(results: Path, name: str) -> No
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
         assert run["data_size"] > 1 and run["overlapped"]
-        if name.startswith("accum") or name.endswith(("-zb", "-il")):
+        if name.startswith("accum") or name.endswith(("-zb", "-il", "-lzb", "-lzb-recompute")):
             assert run["buckets"] > 2, "bucket=4096 makes several buckets per stage"
         expected = run["buckets"] if overlap else 0
         assert run["overlapped"] == [expected] * len(run["overlapped"]), f"rank {rank}"

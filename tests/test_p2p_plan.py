@@ -23,9 +23,9 @@ from lightning_varuna.pipeline.scheduling.nccl_replay import (
     plan_trace,
     replay,
 )
-from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, SCHEDULES, Kind, Task, make_schedule
+from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, Kind, Task, make_schedule
 
-ONE_CHUNK = [name for name in SCHEDULES if name not in MULTI_CHUNK]
+ONE_CHUNK = [name for name in SCHEDULES if name not in CHUNKS_REQUIRED]
 
 
 OLD_ORDER = Path(__file__).parent / "data" / "p2p_old_order.json"

@@ -11,7 +11,7 @@ import pytest
 from launch import torchrun
 
 from lightning_varuna.pipeline.scheduling.schedules import (
-    MULTI_CHUNK,
+    CHUNKS_REQUIRED,
     SCHEDULES,
     SPLIT_BACKWARD,
     Kind,
@@ -25,7 +25,7 @@ from lightning_varuna.pipeline.scheduling.schedules import (
 from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
 from lightning_varuna.pipeline.scheduling.zero_bubble import memory_bound
 
-ONE_CHUNK = [name for name in SCHEDULES if name not in MULTI_CHUNK]
+ONE_CHUNK = [name for name in SCHEDULES if name not in CHUNKS_REQUIRED]
 
 
 

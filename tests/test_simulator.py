@@ -5,7 +5,7 @@ import random
 import pytest
 
 from lightning_varuna.pipeline.scheduling.schedules import (
-    MULTI_CHUNK,
+    CHUNKS_REQUIRED,
     SCHEDULES,
     SPLIT_BACKWARD,
     Kind,
@@ -16,7 +16,7 @@ from lightning_varuna.pipeline.scheduling.schedules import (
 )
 from lightning_varuna.pipeline.scheduling.simulator import Jitter, SimResult, StageCosts, ideal_bubble, simulate
 
-ONE_CHUNK = [name for name in SCHEDULES if name not in MULTI_CHUNK]
+ONE_CHUNK = [name for name in SCHEDULES if name not in CHUNKS_REQUIRED]
 
 
 UNIT = StageCosts(forward=1.0, backward=2.0)

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from lightning_varuna.pipeline.planning.memory_model import parse_bytes
-from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, SCHEDULES, check_schedule_shape
+from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, check_schedule_shape
 from lightning_varuna.pipeline.scheduling.tasks import ScheduleError
 
 __all__ = ["AUTO", "P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
@@ -186,7 +186,7 @@ def _check_chunks_of(config: EngineConfig) -> None:
     v = config.stages_per_rank
     if not _is_int(v) or v < 1:
         raise ValueError(f"stages_per_rank must be an int >= 1, got {v!r}.")
-    if v == 1 and config.schedule not in MULTI_CHUNK:
+    if v == 1 and config.schedule not in CHUNKS_REQUIRED:
         return
     if config.schedule != AUTO:
         try:

@@ -34,7 +34,7 @@ from lightning_varuna.pipeline.model.dry_run import PartitionError
 from lightning_varuna.pipeline.model.partition import balance
 from lightning_varuna.pipeline.planning.memory_model import StageMemory, format_bytes, graphs_in_flight, stage_memory
 from lightning_varuna.pipeline.planning.profile_data import Profile
-from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, SCHEDULES, Kind, make_schedule
+from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, Kind, make_schedule
 from lightning_varuna.pipeline.scheduling.simulator import SimResult, StageCosts, simulate
 
 __all__ = ["Candidate", "Choices", "Cluster", "PlanError", "Prediction", "format_table", "predict", "search",
@@ -381,7 +381,8 @@ def _microbatch_counts(batch: int, P: int, choices: Choices) -> list[int]:
 
 def _schedules(P: int, choices: Choices) -> list[tuple[str, bool]]:
     # several chunks per rank are not planned yet (the configuration refuses "auto" with stages_per_rank > 1)
-    schedules = [choices.schedule] if choices.schedule is not None else [s for s in SCHEDULES if s not in MULTI_CHUNK]
+    one_chunk = [s for s in SCHEDULES if s not in CHUNKS_REQUIRED]
+    schedules = [choices.schedule] if choices.schedule is not None else one_chunk
     if P == 1 and choices.schedule is None:
         schedules = ["varuna", "gpipe"]  # one stage: 1f1b runs the same order as varuna
     recomputes = [choices.recompute] if choices.recompute is not None else ([False] if P == 1 else [True, False])

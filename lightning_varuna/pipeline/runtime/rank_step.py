@@ -9,6 +9,9 @@ routed to the stage it is for by the stage that sent it.
 The run-time rules apply as with one stage per rank, with two limits: a forward goes ahead of a recompute or backward
 only if its own stage runs forwards without autograd (it adds no graph), and not at all when one link carries both
 activations and gradients from this rank (``P = 2``: the move would reorder that link's messages).
+
+With a split backward (``I`` and ``W`` tasks) the rank's stages share one count of held-back weight gradients, so a
+weight two of its stages share is final only after the last ``W`` of either.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_varuna.pipeline.runtime.events import Event, EventKind
+from lightning_varuna.pipeline.runtime.fused_linear_grad import PendingWeightGrads
 from lightning_varuna.pipeline.runtime.links import Boxes, Inbox, Outbox, RankLinks, Spec
 from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageContext, StageStep
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
@@ -80,18 +84,22 @@ class RankStep:
             )
             self.steps[s] = StageStep(executor, None, (), step, sizes, None, train, recompute, loss_of, summary,
                                       last_backward, chunk=chunk, boxes=boxes)
+        self.held_back = PendingWeightGrads()
+        for stage_step in self.steps.values():
+            stage_step.held_back = self.held_back
         mixed = any({m.kind for m in messages} >= {MessageKind.ACTIVATION, MessageKind.GRADIENT}
                     for messages in links.outbound.values())
         self.moves = train and not mixed
 
     def _final_backwards(self) -> dict[Task, set[Any]]:
-        """Each stage's last backward, with the parameters whose gradients are final after it.
+        """Each stage's last backward (``B`` or ``I``), with the parameters whose gradients are final after it.
 
         A parameter two stages of this rank share (one tensor) is final after the later of their last backwards.
         The gradient reductions' region opens at the first of them: each bucket starts once all its parameters are
-        final, and a parameter counts only in the last backward that accumulates into it.
+        final, and a parameter counts only in the last backward that accumulates into it. With a split backward a
+        held-back weight is final only once its last ``W`` ran, too (:class:`_NotFinal`).
         """
-        last = {t.stage: t for t in self.tasks if t.kind is Kind.B}
+        last = {t.stage: t for t in self.tasks if t.kind in (Kind.B, Kind.I)}
         position = {task: i for i, task in enumerate(self.tasks)}
         final_in: dict[Any, Task] = {}
         for stage, task in last.items():
@@ -119,8 +127,9 @@ class RankStep:
         for inbox in self.inboxes.values():
             inbox.advance()
         finals = self._final_backwards() if self.train and self.last_backward is not None else {}
-        region, held_back, opened = ExitStack(), set().union(*finals.values()) if finals else set(), False
-        last_b = next((t for t in reversed(self.tasks) if t.kind is Kind.B), None)
+        region, opened = ExitStack(), False
+        held_back = _NotFinal(set().union(*finals.values()) if finals else set(), self.held_back)
+        last_b = next((t for t in reversed(self.tasks) if t.kind in (Kind.B, Kind.W)), None)
         pending = list(self.tasks)
         completed = False
         try:
@@ -130,9 +139,11 @@ class RankStep:
                 task = pending.pop(index)
                 if task in finals:  # a stage's last backward: its parameters' gradients become final in it
                     if not opened:
-                        region.enter_context(self.last_backward(held_back=held_back))  # type: ignore[misc]
+                        release = region.enter_context(self.last_backward(held_back=held_back))  # type: ignore[misc]
+                        for stage_step in self.steps.values():
+                            stage_step.release = held_back.releasing(release)
                         opened = True
-                    held_back -= finals[task]
+                    held_back.waiting -= finals[task]
                 if emit is not None:
                     emit(Event(EventKind.TASK_START, time.perf_counter(), task=task, moved=index > 0))
                 graphs, stash = self.steps[task.stage].run_task(task, None, None)  # type: ignore[index]
@@ -148,6 +159,8 @@ class RankStep:
             completed = True
         finally:
             region.close()
+            for stage_step in self.steps.values():
+                stage_step.release = None
             self.executor.current = None
             self.p2p.close(join=completed)
         if emit is not None:
@@ -197,3 +210,23 @@ class RankStep:
 
     def _buffer(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         return self.executor.buffer(message.kind.value, message.microbatch or 0, shape, dtype, message.stage)
+
+
+class _NotFinal:
+    """The parameters whose gradients are not final yet in the rank's last backwards.
+
+    Those of stages whose last backward has not started (``waiting``) and those with held-back weight-gradient work
+    (``weights``).
+    """
+
+    def __init__(self, waiting: set[Any], weights: PendingWeightGrads) -> None:
+        self.waiting, self.weights = waiting, weights
+
+    def __contains__(self, param: object) -> bool:
+        return param in self.waiting or param in self.weights
+
+    def releasing(self, release: Callable[[Sequence[Any]], None]) -> Callable[[Sequence[Any]], None]:
+        """``release`` for the parameters a ``W`` finished, except those whose stage has a backward to come."""
+        def release_final(params: Sequence[Any]) -> None:
+            release([p for p in params if p not in self.waiting])
+        return release_final

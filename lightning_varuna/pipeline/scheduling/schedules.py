@@ -19,6 +19,7 @@ from lightning_varuna.pipeline.scheduling.interleaved import (
     interleaved_schedule,
     looped_ranks,
 )
+from lightning_varuna.pipeline.scheduling.looped_zero_bubble import looped_zero_bubble_schedule
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 from lightning_varuna.pipeline.scheduling.validation import check_sizes, validate_schedule
 from lightning_varuna.pipeline.scheduling.zero_bubble import zero_bubble_schedule
@@ -40,6 +41,7 @@ __all__ = [
     "interleaved_schedule",
     "SPLIT_BACKWARD",
     "MULTI_CHUNK",
+    "CHUNKS_REQUIRED",
     "check_schedule_shape",
     "stage_ranks",
 ]
@@ -47,8 +49,11 @@ __all__ = [
 
 SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe", "zero-bubble", "interleaved")
 
-MULTI_CHUNK: frozenset[str] = frozenset({"interleaved"})
+MULTI_CHUNK: frozenset[str] = frozenset({"interleaved", "zero-bubble"})
 """Schedules that run several model chunks per rank (``stages_per_rank >= 2``, the looped placement)."""
+
+CHUNKS_REQUIRED: frozenset[str] = frozenset({"interleaved"})
+"""Schedules that run only with several model chunks per rank."""
 
 SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble"})
 """Schedules whose backward runs as an input-gradient task ``I`` and a weight-gradient task ``W``."""
@@ -144,9 +149,14 @@ def check_schedule_shape(name: str, num_ranks: int, stages_per_rank: int, num_mi
     if stages_per_rank > 1 and name not in MULTI_CHUNK:
         raise ScheduleError(
             f"schedule={name!r} runs one model chunk per rank, but stages_per_rank={stages_per_rank}; use"
-            f" schedule={sorted(MULTI_CHUNK)[0]!r} for several chunks per rank, or stages_per_rank=1."
+            f" one of {sorted(MULTI_CHUNK)} for several chunks per rank, or stages_per_rank=1."
         )
-    if name in MULTI_CHUNK:
+    if name == "zero-bubble" and stages_per_rank > 2:
+        raise ScheduleError(
+            f"schedule='zero-bubble' runs one or two model chunks per rank, but stages_per_rank={stages_per_rank}"
+            " (its memory bound is stated for those); use stages_per_rank=2, or schedule='interleaved'."
+        )
+    if name in CHUNKS_REQUIRED:
         check_interleaved_sizes(num_ranks, stages_per_rank, num_microbatches or num_ranks)
 
 
@@ -170,7 +180,8 @@ def make_schedule(
         train: ``False`` for a forward-only (evaluation) schedule.
         stages_per_rank: Model chunks per rank ``v``; with ``v > 1`` ``num_stages`` is the number of ranks ``P``,
             the model has ``P v`` stages in the looped placement (:func:`stage_ranks`), and every task names its
-            stage (``"interleaved"``, see :func:`~.interleaved.interleaved_schedule`).
+            stage (``"interleaved"``, see :func:`~.interleaved.interleaved_schedule`, or ``"zero-bubble"``, see
+            :func:`~.looped_zero_bubble.looped_zero_bubble_schedule`).
 
     Returns:
         The validated schedule: one tuple of tasks per stage (per rank with ``stages_per_rank > 1``).
@@ -183,13 +194,16 @@ def make_schedule(
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
     ranks = stage_ranks(num_stages, stages_per_rank)
-    if ranks is not None or name in MULTI_CHUNK:
+    split = train and name in SPLIT_BACKWARD
+    if ranks is not None or name in CHUNKS_REQUIRED:
         if not train:
             schedule = forward_only_looped(num_stages, stages_per_rank, num_microbatches)
         else:
             check_schedule_shape(name, num_stages, stages_per_rank, num_microbatches)
-            schedule = interleaved_schedule(num_stages, stages_per_rank, num_microbatches, recompute)
-        validate_schedule(schedule, num_microbatches, recompute, train=train, stage_ranks=ranks)
+            generate = looped_zero_bubble_schedule if name == "zero-bubble" else interleaved_schedule
+            schedule = generate(num_stages, stages_per_rank, num_microbatches, recompute)
+        validate_schedule(schedule, num_microbatches, recompute, train=train, split_backward=split,
+                          stage_ranks=ranks)
         return schedule
     if not train:
         schedule = forward_only_schedule(num_stages, num_microbatches)
@@ -201,7 +215,6 @@ def make_schedule(
         schedule = zero_bubble_schedule(num_stages, num_microbatches, recompute)
     else:
         schedule = gpipe_schedule(num_stages, num_microbatches, recompute)
-    split = train and name in SPLIT_BACKWARD
     validate_schedule(schedule, num_microbatches, recompute, train=train, split_backward=split)
     return schedule
 
