@@ -86,7 +86,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             planner).
         recompute: Non-last stages keep only their input during forwards and rerun the forward with
             autograd just before backward (activation memory of one micro-batch per stage); ``"auto"``: chosen
-            by the planner.
+            by the planner. A number ``n``: only each non-last stage's first ``n`` segments recompute, the rest
+            keep their activations (recompute by degree: memory between ``True`` and ``False``).
         cut_at: Dotted path (from the LightningModule) of an ``nn.ModuleList``/``nn.Sequential`` whose
             children are cut apart, for models without ``CutPoint`` modules, e.g. ``"model.blocks"``.
         partition: Balance stages by measured forward ``"time"`` (dry run) or by ``"params"``.
@@ -171,7 +172,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         num_microbatches: int | None = None,
         microbatch_size: int | Literal["auto"] | None = None,
         schedule: Literal["varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "auto"] = "varuna",
-        recompute: bool | Literal["auto"] = True,
+        recompute: bool | int | Literal["auto"] = True,
         cut_at: str | None = None,
         partition: Literal["time", "params"] = "time",
         p2p_timeout: float = 300.0,

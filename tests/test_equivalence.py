@@ -61,6 +61,10 @@ CONFIGS = {
     "p4-lzb-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,stages_per_rank=2,layers=8",
     "tied-clip-p2d2-lzb": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
+    # recompute by degree: each non-last stage recomputes its first segment, the rest keeps its graph
+    "p2-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,recompute=1,partition=params",
+    "tied-clip-p2d2-zb-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=zero-bubble,recompute=1,bucket=4096,partition=params",
 }
 FULL_MATRIX = {
     "p2-il-m8": "pipeline_parallel_size=2,num_microbatches=8,schedule=interleaved,stages_per_rank=2,batch=8",
@@ -78,6 +82,11 @@ FULL_MATRIX = {
     "gradnorm=true,schedule=zero-bubble,stages_per_rank=2,bucket=4096,partition=params",
     "tied-clip-p4d1-lzb-l8": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true,layers=8,"
     "schedule=zero-bubble,stages_per_rank=2,recompute=false",
+    "p4-1f1b-rc1-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=1f1b,recompute=1,layers=8,partition=params",
+    "p2-il-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=interleaved,stages_per_rank=2,"
+    "recompute=1,layers=8,partition=params",
+    "p2-lzb-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble,stages_per_rank=2,"
+    "recompute=1,layers=8,partition=params",
 }
 
 
@@ -243,7 +252,7 @@ def test_buckets_reduce_during_the_last_backward(results: Path, name: str) -> No
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
         assert run["data_size"] > 1 and run["overlapped"]
-        if name.startswith("accum") or name.endswith(("-zb", "-il", "-lzb", "-lzb-recompute")):
+        if name.startswith("accum") or name.endswith(("-zb", "-il", "-lzb", "-lzb-recompute", "-zb-rc1")):
             assert run["buckets"] > 2, "bucket=4096 makes several buckets per stage"
         expected = run["buckets"] if overlap else 0
         assert run["overlapped"] == [expected] * len(run["overlapped"]), f"rank {rank}"

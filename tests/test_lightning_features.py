@@ -38,6 +38,9 @@ CONFIGS = {
     # the same stages in both (a "time" partition may differ between runs, and so would the dropout masks)
     "dropout-recompute": f"kind=steps,{P4},dropout=0.1,partition=params",
     "dropout-norecompute": f"kind=steps,{P4},dropout=0.1,partition=params,recompute=false",
+    # recompute by degree: stages of two segments, the first recomputed, the second's graph kept from the forward
+    "dropout-rc1-l8": f"kind=steps,{P4},dropout=0.1,partition=params,recompute=1,layers=8",
+    "dropout-norecompute-l8": f"kind=steps,{P4},dropout=0.1,partition=params,recompute=false,layers=8",
     "gpipe-norecompute": f"kind=steps,{P4},schedule=gpipe,recompute=false",
     "varlen-p4": f"kind=steps,{P4},varlen=true",
 }
@@ -159,14 +162,19 @@ def test_validate_test_predict_on_fitted_model_match_plain_run(results: Path, na
 
 
 @pytest.mark.slow
-def test_dropout_same_losses_with_and_without_recompute(results: Path) -> None:
-    with_recompute, without = _ranks(results, "dropout-recompute"), _ranks(results, "dropout-norecompute")
+@pytest.mark.parametrize("recomputed", ["dropout-recompute", "dropout-rc1-l8"])
+def test_dropout_same_losses_with_and_without_recompute(results: Path, recomputed: str) -> None:
+    plain = recomputed.replace("-recompute", "-norecompute").replace("-rc1", "-norecompute")
+    with_recompute, without = _ranks(results, recomputed), _ranks(results, plain)
     assert with_recompute[0]["plan_segments"] == without[0]["plan_segments"], "the same stages in both"
+    if "rc1" in recomputed:  # each non-last stage has a part recomputed and a part kept
+        assert all(stop - start >= 2 for start, stop in with_recompute[0]["plan_segments"][:-1])
     for rank, (a, b) in enumerate(zip(with_recompute, without, strict=True)):
         _close(a["losses"], b["losses"], f"rank {rank} loss with recompute vs without", tolerance=1e-6)
     # dropout did act: the losses are not those of the same run without dropout
     no_dropout = _load(results, "reference-steps")["losses"]
-    assert max(abs(a - b) for a, b in zip(with_recompute[0]["losses"], no_dropout, strict=True)) > TOLERANCE
+    if "l8" not in recomputed:
+        assert max(abs(a - b) for a, b in zip(with_recompute[0]["losses"], no_dropout, strict=True)) > TOLERANCE
 
 
 @pytest.mark.slow

@@ -235,7 +235,7 @@ def _decode_png(data: bytes) -> tuple[int, int, object]:
 
 # -- options and errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("options", "match"), [
-    ({"recompute": "maybe"}, "recompute must be True, False or 'auto'"),
+    ({"recompute": "maybe"}, "recompute must be True, False, 'auto' or a number of segments"),
     ({"microbatch_size": "auto", "num_microbatches": 4}, "microbatch_size='auto' chooses the number"),
     ({"memory_limit": "lots"}, "memory size 'lots'"),
     ({"microbatch_size": "big"}, "microbatch_size must be an int or 'auto'"),

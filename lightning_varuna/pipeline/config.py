@@ -38,7 +38,9 @@ class EngineConfig:
         schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"``, ``"zero-bubble"``, ``"interleaved"`` (with
             ``stages_per_rank >= 2``) or ``"auto"``.
         recompute: Non-last stages keep only their inputs during forwards and recompute before backward
-            (``"auto"``: chosen by the planner).
+            (``"auto"``: chosen by the planner). A number ``n``: only the first ``n`` segments of each non-last
+            stage recompute, the rest keep their autograd graph as without recompute (recompute by degree; a stage
+            of at most ``n`` segments recomputes whole).
         cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
@@ -83,7 +85,7 @@ class EngineConfig:
     num_microbatches: int | None = None
     microbatch_size: int | Literal["auto"] | None = None
     schedule: str = "varuna"
-    recompute: bool | Literal["auto"] = True
+    recompute: bool | int | Literal["auto"] = True
     cut_at: str | None = None
     partition: str = "time"
     p2p_timeout: float = 300.0
@@ -117,9 +119,15 @@ class EngineConfig:
             raise ValueError(f"pipeline_parallel_size must be a positive int or 'auto', got {size!r}.")
         if self.schedule not in (*SCHEDULES, AUTO):
             raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES} or 'auto'.")
-        if self.recompute not in (True, False, AUTO):
-            raise ValueError(f"recompute must be True, False or 'auto', got {self.recompute!r}.")
+        if not (isinstance(self.recompute, bool) or self.recompute == AUTO
+                or (_is_int(self.recompute) and self.recompute >= 1)):
+            raise ValueError(f"recompute must be True, False, 'auto' or a number of segments >= 1 (recompute by"
+                             f" degree), got {self.recompute!r}.")
         _check_chunks_of(self)
+        if self.recompute_segments is not None and self.searches:
+            raise ValueError(f"recompute={self.recompute} (recompute by degree) is not searched by auto-configuration:"
+                             " set pipeline_parallel_size, the micro-batches and the schedule without 'auto' and"
+                             " without a profile, or use recompute=True, False or 'auto'.")
         micro = self.microbatch_size
         if self.num_microbatches is not None and micro is not None and micro != AUTO:
             raise ValueError("Give num_microbatches or microbatch_size, not both.")
@@ -153,6 +161,16 @@ class EngineConfig:
         timeout = self.p2p_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"p2p_timeout must be a positive number of seconds, got {timeout!r}.")
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether non-last stages recompute (all or some of their segments); not for ``"auto"``."""
+        return self.recompute is not False
+
+    @property
+    def recompute_segments(self) -> int | None:
+        """With recompute by degree, how many of each non-last stage's first segments recompute; else None."""
+        return None if isinstance(self.recompute, (bool, str)) else self.recompute
 
     @property
     def searches(self) -> bool:

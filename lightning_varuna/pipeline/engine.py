@@ -75,7 +75,8 @@ class PipelineEngine(SetupPhase):
         num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
         microbatch_size: Alternatively, the size of each micro-batch.
         schedule: ``"varuna"``, ``"1f1b"`` or ``"gpipe"``.
-        recompute: Non-last stages keep only their inputs during forwards and recompute before backward.
+        recompute: Non-last stages keep only their inputs during forwards and recompute before backward; a number
+            ``n``: only their first ``n`` segments.
         cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
@@ -121,7 +122,7 @@ class PipelineEngine(SetupPhase):
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
         schedule: str = "varuna",
-        recompute: bool = True,
+        recompute: bool | int | str = True,
         cut_at: str | None = None,
         partition: str = "time",
         p2p_timeout: float = 300.0,
@@ -209,7 +210,7 @@ class PipelineEngine(SetupPhase):
         key = (m, train)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(
-                self.config.schedule, self.pipeline_size, m, recompute=self.config.recompute and train, train=train,
+                self.config.schedule, self.pipeline_size, m, recompute=self.config.recomputes and train, train=train,
                 stages_per_rank=self.config.stages_per_rank,
             )
         return self._schedules[key]
@@ -288,7 +289,7 @@ class PipelineEngine(SetupPhase):
             sizes,
             self._batch_dims,
             train=train,
-            recompute=self.config.recompute,
+            recompute=self.config.recomputes,
             loss_of=weighted_loss,
             summary=(lambda results: summary(results, sizes)) if summary is not None else None,
             last_backward=functools.partial(sync.overlapping, accumulated) if sync is not None else None,

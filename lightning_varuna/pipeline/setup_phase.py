@@ -41,6 +41,7 @@ from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, P2PTraceWrit
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
+from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
@@ -103,6 +104,10 @@ class SetupPhase:
         self.plan = make_plan(trace, topo.pipeline_size * v, by=self.config.partition,
                               microbatch=max(1, size // m), num_microbatches=m, rates=DeviceRates.nominal(self.device),
                               stages_per_rank=v)
+        if self.config.recompute_segments is not None:  # every rank checks every stage: each raises the error
+            for s, stage in enumerate(self.plan.stages[:-1]):
+                grad_from_cut(stage.segments.start - 1 if s else None, stage.segments.stop - 1,
+                              self.config.recompute_segments, trace.crossings)
         if self.built_on_meta:
             self._materialize(self.plan.rank_params(topo.stage), seed)
         chunks = self._chunks(trace)
@@ -136,6 +141,7 @@ class SetupPhase:
             last = segments.stop - 1 if s < last_stage else None
             chunks.append(Chunk(
                 stage=s, first_cut=first, last_cut=last,
+                grad_from=grad_from_cut(first, last, self.config.recompute_segments, trace.crossings),
                 input_dtype=trace.cuts[first].dtype if first is not None else None,
                 batch_dims=(trace.cuts[first].batch_dim if first is not None else None,
                             trace.cuts[last].batch_dim if last is not None else None),

@@ -176,8 +176,9 @@ def steps(out: Path, name: str, options: dict, reference: bool) -> dict:
     batch = options.pop("batch", 16)
     dropout = options.pop("dropout", 0.0)
     varlen = options.pop("varlen", False)
+    layers = options.pop("layers", 4)
     torch.manual_seed(0)
-    model = FeatureGPT(dropout=dropout, sync_dist=True, use_cut_points=options.get("cut_at") is None)
+    model = FeatureGPT(dropout=dropout, sync_dist=True, use_cut_points=options.get("cut_at") is None, n_layer=layers)
     full_numel = sum(p.numel() for p in model.parameters())
     recorder = Recorder()
     trainer = trainer_for(

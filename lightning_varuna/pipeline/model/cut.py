@@ -93,11 +93,16 @@ class StageForward:
 
     ``receive`` returns the activation received from the previous stage: it is waited for only when the forward
     reaches the stage's first cut point (a step that returns None before the model's forward waits for nothing).
+    With ``grad_from`` (recompute by degree) the forward turns autograd on at that cut point, where the activation
+    continues as a new leaf (``boundary``) that the backward of the rest of the stage gives a gradient.
     """
 
     def __init__(self, cuts: Sequence[CutPoint], first: int | None, last: int | None,
-                 receive: Callable[[], Tensor] | None, microbatch: int, recomputing: bool):
+                 receive: Callable[[], Tensor] | None, microbatch: int, recomputing: bool,
+                 grad_from: int | None = None):
         self.microbatch = microbatch
+        self.grad_from = grad_from
+        self.boundary: Tensor | None = None
         self.recomputing = recomputing
         self.cuts = cuts
         self.first = first
@@ -126,6 +131,11 @@ class StageForward:
         if index == self.last:
             self.output = x
             raise StageOutputReady
+        if index == self.grad_from:
+            # a plain call, not a context: the stage's own grad-mode context restores the mode when its forward ends
+            torch.set_grad_enabled(True)
+            self.boundary = x.detach().requires_grad_(x.is_floating_point())
+            return self.boundary
         return x
 
 

@@ -104,8 +104,9 @@ class AutoConfig:
         """``config`` with the chosen values in place of ``"auto"``."""
         c = self.chosen
         micro = c.microbatch_size if config.microbatch_size == AUTO else config.microbatch_size
+        recompute = c.recompute if config.recompute == AUTO else config.recompute
         return replace(config, pipeline_parallel_size=c.pipeline_size, microbatch_size=micro, schedule=c.schedule,
-                       recompute=c.recompute)
+                       recompute=recompute)
 
 
 def choose(

@@ -43,6 +43,9 @@ class Chunk:
     """Which dimension of the received and of the sent activation scales with the batch."""
     params: tuple[Any, ...] = ()
     """The parameters this stage uses (whose gradients its backward makes)."""
+    grad_from: int | None = None
+    """With recompute by degree: the cut point from which the stage's forward keeps its autograd graph (the segments
+    before it run without autograd and are recomputed before the backward); None: the whole stage or nothing."""
 
     @property
     def first_segment(self) -> int:
@@ -234,3 +237,19 @@ class Outbox:
                 f"Stage {stage} ended its step without sending {list(self.messages[self.sent:])} to rank"
                 f" {self.link.dst}."
             )
+
+
+def nbytes(tensor: Tensor | None) -> int:
+    """The bytes of a tensor's elements (0 for None)."""
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def scaled_shape(shape: torch.Size, dim: int | None, reference: int, size: int) -> torch.Size:
+    """``shape`` of a micro-batch of ``reference`` samples, scaled in dimension ``dim`` to ``size`` samples."""
+    if dim is None or size == reference:
+        return shape
+    if shape[dim] % reference:
+        raise PipelineError(f"Activation shape {tuple(shape)} does not scale with micro-batch size {reference}.")
+    dims = list(shape)
+    dims[dim] = shape[dim] // reference * size
+    return torch.Size(dims)

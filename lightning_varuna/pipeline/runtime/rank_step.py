@@ -112,7 +112,7 @@ class RankStep:
         return finals
 
     def _forwards_stash(self, task: Task) -> bool:
-        return self.steps[task.stage].no_grad_forward  # type: ignore[index]
+        return self.steps[task.stage].forwards_add_no_graph  # type: ignore[index]
 
     def arrived(self, task: Task) -> bool:
         """Whether the message ``task`` waits for is here (asked by the run-time rules)."""

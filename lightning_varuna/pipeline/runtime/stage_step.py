@@ -47,7 +47,8 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     accumulating_in_place,
     holding_weight_grads,
 )
-from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Inbox, Outbox, Spec, StageLinks
+from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Inbox, Outbox, Spec, StageLinks, nbytes, scaled_shape
+from lightning_varuna.pipeline.runtime.recompute import backward_recomputed, rng_devices, rng_state, set_rng_state
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
@@ -127,12 +128,17 @@ class StageStep:
         self.prev, self.next = boxes.prev, boxes.next
         self.no_grad_forward = (not train) or (recompute and self.next is not None)
         self.stashes = train and recompute and self.prev is not None and self.next is not None
+        self.grad_from = chunk.grad_from if train and recompute and self.next is not None else None
+        self.forwards_add_no_graph = self.no_grad_forward and self.grad_from is None
         self.emit = executor.events.emit
         m = len(sizes)
         self.inputs: list[Tensor | None] = [None] * m
         self.outputs: list[Any] = [None] * m
         self.rng: list[Any] = [None] * m
         self.results: list[Any] = [None] * m
+        # recompute by degree: each forward's activation at grad_from (a leaf), and its recomputed value
+        self.boundaries: list[Tensor | None] = [None] * m
+        self.recomputed: list[Tensor | None] = [None] * m
         self.held_back = PendingWeightGrads()
         self.weight_work: list[WeightGradWork | None] = [None] * m
         self.last_region = ExitStack()
@@ -170,7 +176,7 @@ class StageStep:
         completed = False
         try:
             while pending:
-                index = next_task(pending, self.arrived, self.no_grad_forward, self.executor.feed_next_stage) \
+                index = next_task(pending, self.arrived, self.forwards_add_no_graph, self.executor.feed_next_stage) \
                     if self.train else 0
                 task = pending.pop(index)
                 if emit is not None:
@@ -245,7 +251,7 @@ class StageStep:
         """``F(k)``: the stage's forward on micro-batch ``k``; sends its output to the next stage."""
         train = self.train
         if train and self.with_recompute and self.next is not None:
-            self.rng[k] = _rng_state(self.device)
+            self.rng[k] = rng_state(self.device)
         out = self._stage_forward(k, with_grad=not self.no_grad_forward)
         if out is SKIPPED:  # on every stage alike: no message of this micro-batch, no recompute, no backward
             self.skipped[k] = True
@@ -256,11 +262,11 @@ class StageStep:
                 raise CutPointError("A stage output must be a tensor.")
             self.send_output(k, out)
         graphs = stash = 0
-        if train and not self.no_grad_forward:
+        if train and (not self.no_grad_forward or self.grad_from is not None):
             self.outputs[k] = out
             graphs = 1
         if self.stashes:
-            stash = _nbytes(self.inputs[k])
+            stash = nbytes(self.inputs[k])
         if self.next is None:
             self.results[k] = out
         if not train and self.prev is not None:
@@ -271,9 +277,13 @@ class StageStep:
         """``R(k)``: the forward again, with autograd and the RNG state of ``F(k)``."""
         if self.skipped[k]:
             return 0, 0
-        with torch.random.fork_rng(devices=_rng_devices(self.device)):
-            _set_rng_state(self.device, self.rng[k])
-            self.outputs[k] = self._stage_forward(k, with_grad=True, recomputing=True)
+        with torch.random.fork_rng(devices=rng_devices(self.device)):
+            set_rng_state(self.device, self.rng[k])
+            out = self._stage_forward(k, with_grad=True, recomputing=True)
+        if self.grad_from is None:
+            self.outputs[k] = out
+        else:
+            self.recomputed[k] = out
         self.rng[k] = None
         return 1, 0
 
@@ -312,6 +322,9 @@ class StageStep:
             output = self.outputs[k]
             with accumulating_in_place(), holding:
                 torch.autograd.backward(output, grad if grad.dtype == output.dtype else grad.to(output.dtype))
+                if self.grad_from is not None:  # then through the recomputed first segments
+                    backward_recomputed(self.boundaries[k], self.recomputed[k])  # type: ignore[arg-type]
+                    self.boundaries[k] = self.recomputed[k] = None
         self.outputs[k] = None
         stash = 0
         if self.prev is not None:
@@ -320,16 +333,21 @@ class StageStep:
             received.grad = None  # type: ignore[union-attr]
             self.send_input_grad(k, grad)
             if self.stashes:
-                stash = -_nbytes(received)
+                stash = -nbytes(received)
             self.inputs[k] = None
-        return -1, stash
+        return -1 if self.grad_from is None else -2, stash
 
     def _stage_forward(self, k: int, with_grad: bool, recomputing: bool = False) -> Any:
-        """The step's output; :data:`SKIPPED` if it returned None before reaching a cut point."""
+        """The step's output; :data:`SKIPPED` if it returned None before reaching a cut point.
+
+        Recomputed by degree, a forward turns autograd on at ``grad_from`` and a recompute ends there.
+        """
         executor = self.executor
         fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
         chunk = self.chunk
-        handler = StageForward(executor.cuts, chunk.first_cut, chunk.last_cut, fetch, k, recomputing)
+        partial = self.grad_from is not None
+        handler = StageForward(executor.cuts, chunk.first_cut, self.grad_from if partial and recomputing else
+                               chunk.last_cut, fetch, k, recomputing, None if recomputing else self.grad_from)
         executor.current = handler
         try:
             with forward_handler(handler), torch.set_grad_enabled(with_grad):
@@ -351,6 +369,8 @@ class StageStep:
         finally:
             executor.current = None
         check_skipped_alike(self, k, False)
+        if partial and not recomputing and self.train:
+            self.boundaries[k] = handler.boundary
         return out
 
     def _forward_input(self, k: int, with_grad: bool) -> Tensor:
@@ -390,7 +410,7 @@ class StageStep:
         assert outbox is not None
         if self.output_specs is None:
             outbox.send(Message(MessageKind.HEADER, self.stage), encode_header(out), self.stage)
-            shapes = [_resize(out.shape, self.batch_dims[1], self.sizes[k], n) for n in self.sizes]
+            shapes = [scaled_shape(out.shape, self.batch_dims[1], self.sizes[k], n) for n in self.sizes]
             self.output_specs = [(shape, out.dtype) for shape in shapes]
         shape, dtype = self.output_specs[k]
         if out.shape != shape or out.dtype != dtype:
@@ -451,7 +471,7 @@ class StageStep:
             self.upstream_skipped = True
             return True
         shape, dtype = decoded
-        shapes = [_resize(shape, self.batch_dims[0], self.sizes[0], n) for n in self.sizes]
+        shapes = [scaled_shape(shape, self.batch_dims[0], self.sizes[0], n) for n in self.sizes]
         self.input_specs = [(s, dtype) for s in shapes]
         inbox.advance()  # every activation's receive can be posted now
         return True
@@ -468,32 +488,3 @@ class StageStep:
 
     def _buffer(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         return self.executor.buffer(message.kind.value, message.microbatch or 0, shape, dtype, message.stage)
-
-
-def _nbytes(tensor: Tensor | None) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
-
-
-def _resize(shape: torch.Size, dim: int | None, reference: int, size: int) -> torch.Size:
-    if dim is None or size == reference:
-        return shape
-    if shape[dim] % reference:
-        raise PipelineError(f"Activation shape {tuple(shape)} does not scale with micro-batch size {reference}.")
-    dims = list(shape)
-    dims[dim] = shape[dim] // reference * size
-    return torch.Size(dims)
-
-
-def _rng_devices(device: torch.device) -> list:
-    return [device] if device.type == "cuda" else []
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(device: torch.device, state: tuple[Tensor, Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)

@@ -1,0 +1,69 @@
+"""Recompute by degree (``recompute=n``): where a stage's kept graph starts, and the inputs that are refused.
+
+Exactness against the plain run is in ``test_equivalence.py`` (``*-rc1*`` configurations, every schedule) and, with
+dropout, in ``test_lightning_features.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_errors import Chain, trace
+from torch import Tensor
+
+from lightning_varuna import VarunaStrategy
+from lightning_varuna.pipeline.config import EngineConfig
+from lightning_varuna.pipeline.model.dry_run import PartitionError
+from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
+
+
+def test_the_kept_graph_starts_after_the_first_n_segments() -> None:
+    # a stage of segments 3..6 receives at cut point 2 and sends at cut point 6
+    assert grad_from_cut(2, 6, 1, {}) == 3
+    assert grad_from_cut(2, 6, 3, {}) == 5
+    # the first stage has no received cut: its first segment is segment 0
+    assert grad_from_cut(None, 2, 1, {}) == 0
+
+
+def test_a_stage_of_at_most_n_segments_recomputes_whole_and_the_last_stage_never() -> None:
+    assert grad_from_cut(2, 6, 4, {}) is None
+    assert grad_from_cut(2, 6, 9, {}) is None
+    assert grad_from_cut(2, None, 1, {}) is None
+    assert grad_from_cut(2, 6, None, {}) is None  # recompute=True: the whole stage
+
+
+class Skip(Chain):
+    """``h`` from segment 0 is added in segment 1 without passing through the cut point."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.layers[0](x)
+        y = self.layers[1](self.cuts[0](h)) + h
+        y = self.cuts[1](y)
+        y = self.layers[2](y)
+        return self.layers[3](self.cuts[2](y)).pow(2).mean()
+
+
+def test_a_value_crossing_the_end_of_the_recomputed_part_is_refused() -> None:
+    result, _ = trace(Skip(4))
+    assert set(result.crossings) == {(0, 1)}
+    # stage 0 of segments 0..2: recomputing segment 0 alone would compute h without autograd for segment 1
+    with pytest.raises(PartitionError, match=r"recompute=1 .* cut point #0, .* segment 0 to segment 1"):
+        grad_from_cut(None, 2, 1, result.crossings)
+    assert grad_from_cut(None, 2, 2, result.crossings) == 1  # segments 0 and 1 recomputed together, 2 kept
+    assert grad_from_cut(1, 3, 1, result.crossings) == 2  # a stage after the crossing is not concerned
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2"])
+def test_a_degree_must_be_a_positive_number_of_segments(value: object) -> None:
+    with pytest.raises(ValueError, match="recompute must be True, False, 'auto' or a number of segments >= 1"):
+        EngineConfig(recompute=value)  # type: ignore[arg-type]
+
+
+def test_auto_configuration_does_not_search_degrees() -> None:
+    with pytest.raises(ValueError, match=r"recompute=2 \(recompute by degree\) is not searched by auto-config"):
+        EngineConfig(recompute=2, schedule="auto")
+    with pytest.raises(ValueError, match="is not searched by auto-configuration"):
+        VarunaStrategy(recompute=1, microbatch_size="auto")
+    config = EngineConfig(recompute=2, pipeline_parallel_size=2)
+    assert config.recomputes and config.recompute_segments == 2
+    assert EngineConfig(recompute=True).recompute_segments is None
+    assert not EngineConfig(recompute=False).recomputes
