@@ -256,7 +256,8 @@ def _candidate_json(candidate: Candidate) -> dict[str, Any]:
     return {
         "pipeline_parallel_size": candidate.pipeline_size, "data_parallel_size": candidate.data_size,
         "microbatch_size": candidate.microbatch_size, "num_microbatches": candidate.num_microbatches,
-        "schedule": candidate.schedule, "recompute": candidate.recompute, "step_s": candidate.step_s,
+        "schedule": candidate.schedule, "recompute": candidate.recompute,
+        "stages_per_rank": candidate.stages_per_rank, "step_s": candidate.step_s,
         "bubble": candidate.bubble, "peak_bytes": list(candidate.peak_bytes), "fits": candidate.fits,
         "stages": [[r.start, r.stop] for r in candidate.stages],
     }

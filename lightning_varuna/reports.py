@@ -67,7 +67,7 @@ def choice_hparams(autoconfig: AutoConfig) -> dict[str, Any]:
     return {
         "varuna/pipeline_parallel_size": c.pipeline_size, "varuna/data_parallel_size": c.data_size,
         "varuna/microbatch_size": c.microbatch_size, "varuna/num_microbatches": c.num_microbatches,
-        "varuna/schedule": c.schedule, "varuna/recompute": c.recompute,
+        "varuna/schedule": c.schedule, "varuna/recompute": c.recompute, "varuna/stages_per_rank": c.stages_per_rank,
         "varuna/predicted_step_s": c.step_s, "varuna/predicted_bubble": c.bubble,
         "varuna/predicted_peak_bytes": max(c.peak_bytes), "varuna/memory_limit": autoconfig.memory_limit,
         "varuna/profile_source": autoconfig.source,

@@ -159,8 +159,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             every parameter (ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step, the
             same bytes as the all-reduce); the optimizer must be elementwise (SGD, Adam, AdamW, ...; LBFGS and the
             like are refused). ``0``: every replica keeps the whole state. 2 and 3 are refused.
-        stages_per_rank: Model chunks per rank (``schedule="interleaved"``): the model is cut into P x this many
-            stages, rank ``r`` running stages ``r, r + P, ...``, which divides the pipeline's fill and drain by it.
+        stages_per_rank: Model chunks per rank (``schedule="interleaved"`` or ``"zero-bubble"``): the model is cut
+            into P x this many stages, rank ``r`` running stages ``r, r + P, ...``, which divides the pipeline's fill
+            and drain by it; ``"auto"``: the planner chooses 1 or 2.
     """
 
     strategy_name = "varuna"
@@ -199,7 +200,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         p2p_backend: Literal["auto", "nccl", "gloo"] = "auto",
         fuse_grad_accumulation: bool = True,
         zero_stage: Literal[0, 1] = 0,
-        stages_per_rank: int = 1,
+        stages_per_rank: int | Literal["auto"] = 1,
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

@@ -2,7 +2,8 @@
 its timeline; and the planner CLI on the example.
 
 The profiles are synthetic (the real models' structure, chosen costs), so the choices are fixed: a slow all-reduce
-makes P = world size (D = 1) the fastest on 4 processes and again on 2.
+makes P = world size (D = 1) the fastest on 4 processes and again on 2; the model's 5 segments allow two chunks per
+rank on 2 processes only, where they are the fastest (the morph resumes one chunk per rank's checkpoint with two).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def _tiny_gpt_profile() -> Profile:
 
 
 def _expected(profile: Profile, world: int) -> Candidate:
-    return search(profile, Cluster(world, world), Choices(), planning_budget(parse_bytes(MEMORY)), GLOBAL_BATCH)[0]
+    return search(profile, Cluster(world, world), Choices(stages_per_rank=None), planning_budget(parse_bytes(MEMORY)),
+                  GLOBAL_BATCH)[0]
 
 
 # under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
@@ -54,7 +56,7 @@ def runs(tmp_path_factory) -> tuple[Path, Profile]:
     out = tmp_path_factory.mktemp("autoconfig")
     profile = _tiny_gpt_profile()
     profile.save(out / "profile.json")
-    auto = (f"pipeline_parallel_size=auto,microbatch_size=auto,schedule=auto,recompute=auto,"
+    auto = (f"pipeline_parallel_size=auto,microbatch_size=auto,schedule=auto,recompute=auto,stages_per_rank=auto,"
             f"global_batch_size={GLOBAL_BATCH},batch=5,memory_limit={MEMORY},profile={out / 'profile.json'}")
     python("equivalence.py", str(out), "reference")
     torchrun("equivalence.py", str(out),
@@ -75,10 +77,12 @@ def test_the_auto_choice_trains_like_the_plain_run_and_is_chosen_again_after_a_m
     for name, world, losses in (("auto", 4, reference["losses"][:4]), ("morph", 2, reference["losses"][4:])):
         expected = _expected(profile, world)
         assert expected.pipeline_size == world and expected.data_size == 1, "the profile forces P = world size"
+        assert expected.stages_per_rank == (2 if world == 2 else 1), "5 segments: two chunks per rank at P=2 only"
         for run in _ranks(out, name, world):
             assert run["config"] == {
                 "pipeline_parallel_size": expected.pipeline_size, "microbatch_size": expected.microbatch_size,
                 "num_microbatches": None, "schedule": expected.schedule, "recompute": expected.recompute,
+                "stages_per_rank": expected.stages_per_rank,
             }, name
             assert run["losses"] == pytest.approx(losses, abs=5e-4), name
     seen = set()

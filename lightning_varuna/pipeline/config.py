@@ -77,8 +77,8 @@ class EngineConfig:
             keeps all of it. 2 and 3 are refused.
         stages_per_rank: Model chunks per rank ``v``: the model is cut into ``P v`` stages and rank ``r`` runs stages
             ``r, r + P, ...`` (the looped placement), which divides the pipeline's fill and drain time by ``v`` at
-            the cost of ``v`` times the messages. Needs ``schedule="interleaved"`` and a number of micro-batches
-            divisible by ``P``.
+            the cost of ``v`` times the messages. Needs ``schedule="interleaved"`` (micro-batches divisible by ``P``)
+            or ``"zero-bubble"`` (``v <= 2``). ``"auto"``: the planner chooses 1 or 2.
     """
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
@@ -102,7 +102,7 @@ class EngineConfig:
     profile: str | None = None
     devices_per_node: int | None = None
     zero_stage: int = 0
-    stages_per_rank: int = 1
+    stages_per_rank: int | Literal["auto"] = 1
 
     def __post_init__(self) -> None:
         if self.zero_stage in (2, 3):
@@ -176,6 +176,7 @@ class EngineConfig:
     def searches(self) -> bool:
         """Whether the planner runs at setup: it chooses a value, or plans from a given profile."""
         return (self.schedule == AUTO or self.recompute == AUTO or self.microbatch_size == AUTO
+                or self.stages_per_rank == AUTO
                 or (self.pipeline_parallel_size == AUTO and self.global_batch_size is not None)
                 or self.profile is not None)
 
@@ -202,24 +203,21 @@ class EngineConfig:
 def _check_chunks_of(config: EngineConfig) -> None:
     """Raises ``ValueError`` naming the nearest valid choices if ``stages_per_rank`` and the schedule do not fit."""
     v = config.stages_per_rank
-    if not _is_int(v) or v < 1:
-        raise ValueError(f"stages_per_rank must be an int >= 1, got {v!r}.")
-    if v == 1 and config.schedule not in CHUNKS_REQUIRED:
+    if v == AUTO:  # the planner chooses among the chunk counts the schedule can run
+        if config.pipeline_parallel_size == 1:
+            raise ValueError("stages_per_rank='auto' needs a pipeline: with pipeline_parallel_size=1 leave it at 1.")
         return
-    if config.schedule != AUTO:
-        try:
-            check_schedule_shape(config.schedule, 1, v, None)
-        except ScheduleError as err:
-            raise ValueError(str(err)) from None
-    for name in ("schedule", "recompute", "pipeline_parallel_size", "microbatch_size"):
-        if getattr(config, name) == AUTO and (v > 1 or name == "schedule"):
-            raise ValueError(
-                f"{name}='auto' is not planned with several model chunks per rank yet: give {name} explicitly with"
-                f" stages_per_rank={v}, or use stages_per_rank=1 to let the planner choose."
-            )
+    if not _is_int(v) or v < 1:
+        raise ValueError(f"stages_per_rank must be an int >= 1 or 'auto', got {v!r}.")
     size = config.pipeline_parallel_size
     if size == 1 and v > 1:
         raise ValueError(f"stages_per_rank={v} needs a pipeline (pipeline_parallel_size >= 2); use stages_per_rank=1.")
+    if config.schedule == AUTO or (v == 1 and config.schedule not in CHUNKS_REQUIRED):
+        return  # with "auto" the planner searches the schedules that run v chunks per rank
+    try:
+        check_schedule_shape(config.schedule, 1, v, None)
+    except ScheduleError as err:
+        raise ValueError(str(err)) from None
     try:
         check_schedule_shape(config.schedule, size if size != AUTO else 1, v,  # type: ignore[arg-type]
                              config.num_microbatches if size != AUTO else None)

@@ -140,7 +140,7 @@ class PipelineEngine(SetupPhase):
         profile: str | None = None,
         devices_per_node: int | None = None,
         zero_stage: int = 0,
-        stages_per_rank: int = 1,
+        stages_per_rank: int | str = 1,
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
@@ -211,7 +211,7 @@ class PipelineEngine(SetupPhase):
         if key not in self._schedules:
             self._schedules[key] = make_schedule(
                 self.config.schedule, self.pipeline_size, m, recompute=self.config.recomputes and train, train=train,
-                stages_per_rank=self.config.stages_per_rank,
+                stages_per_rank=int(self.config.stages_per_rank),
             )
         return self._schedules[key]
 

@@ -81,6 +81,7 @@ class SetupPhase:
             self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
         self.built_on_meta = has_meta_tensors(self.module)
         trace, cut_modules = self._dry_run(sample_batch, step, topology, optimizer)
+        config = self.config  # with the planner's choices in place of "auto"
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds

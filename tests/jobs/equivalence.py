@@ -217,7 +217,8 @@ def run(out: Path, spec: str) -> None:
         config = trainer.strategy.engine.config
         result["config"] = {"pipeline_parallel_size": config.pipeline_parallel_size,
                             "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
-                            "schedule": config.schedule, "recompute": config.recompute}
+                            "schedule": config.schedule, "recompute": config.recompute,
+                            "stages_per_rank": config.stages_per_rank}
     result["clipped_norms"] = recorder.clipped_norms
     result["state_bytes"] = sum(state_bytes(o) for o in trainer.optimizers)
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}

@@ -98,7 +98,7 @@ class AutoConfig:
         """The chosen configuration's predicted step, for its timeline."""
         c = self.chosen
         return predict(self.profile, self.cluster, c.pipeline_size, self.mean_microbatch_size, c.num_microbatches,
-                       c.schedule, c.recompute, self.choices)
+                       c.schedule, c.recompute, self.choices, c.stages_per_rank)
 
     def resolved(self, config: EngineConfig) -> EngineConfig:
         """``config`` with the chosen values in place of ``"auto"``."""
@@ -106,7 +106,7 @@ class AutoConfig:
         micro = c.microbatch_size if config.microbatch_size == AUTO else config.microbatch_size
         recompute = c.recompute if config.recompute == AUTO else config.recompute
         return replace(config, pipeline_parallel_size=c.pipeline_size, microbatch_size=micro, schedule=c.schedule,
-                       recompute=recompute)
+                       recompute=recompute, stages_per_rank=c.stages_per_rank)
 
 
 def choose(
@@ -229,6 +229,7 @@ def _choices(config: EngineConfig, trace: Trace, cluster: Cluster) -> Choices:
         overlap=config.overlap_grad_sync,
         wire_bytes_per_element=wire,
         zero_stage=config.zero_stage,
+        stages_per_rank=None if config.stages_per_rank == AUTO else int(config.stages_per_rank),
     )
 
 

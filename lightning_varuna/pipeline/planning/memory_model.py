@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +35,8 @@ from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task
 
 __all__ = [
-    "MEMORY_RESERVE", "StageMemory", "default_memory_limit", "format_bytes", "graphs_in_flight", "parse_bytes",
-    "planning_budget", "stage_memory",
+    "MEMORY_RESERVE", "StageMemory", "activation_peak", "default_memory_limit", "format_bytes", "graphs_in_flight",
+    "parse_bytes", "planning_budget", "stage_memory",
 ]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
@@ -76,6 +76,24 @@ def graphs_in_flight(order: Sequence[Task], forwards_stash: bool) -> int:
         peak = max(peak, live)
         if task.kind in (Kind.B, Kind.W):
             live -= 1
+    return peak
+
+
+def activation_peak(order: Sequence[Task], saved_bytes: Sequence[int], forwards_stash: Callable[[int], bool],
+                    rank: int) -> int:
+    """The most bytes of autograd graphs a rank holds at once when it runs ``order``, its tasks naming their stage.
+
+    As :func:`graphs_in_flight`, each graph weighed by what its stage saves (``saved_bytes[stage]``), for a rank
+    that runs several stages (model chunks) of different sizes.
+    """
+    live = peak = 0
+    for task in order:
+        stage = rank if task.stage is None else task.stage
+        if task.kind is Kind.R or (task.kind is Kind.F and not forwards_stash(stage)):
+            live += saved_bytes[stage]
+        peak = max(peak, live)
+        if task.kind in (Kind.B, Kind.W):
+            live -= saved_bytes[stage]
     return peak
 
 

@@ -88,7 +88,7 @@ def predicted_events(prediction: Prediction) -> list[TimelineEvent]:
         for task, start in zip(order, starts, strict=True):
             if start > clock:
                 events.append(TimelineEvent(stage, "wait", clock, start))
-            end = start + prediction.costs[stage].cost(task.kind)
+            end = start + prediction.costs[stage if task.stage is None else task.stage].cost(task.kind)
             events.append(TimelineEvent(stage, task.kind.value, start, end, task.microbatch))
             clock = end
         for kind, (start, end) in (("sync", prediction.sync[stage]), ("optimizer", prediction.optimizer[stage])):

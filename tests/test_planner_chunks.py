@@ -1,0 +1,97 @@
+"""Auto-configuration with several model chunks per rank: the search over ``stages_per_rank``, memory per rank.
+
+End to end (a chosen ``stages_per_rank=2`` training like the plain run, resumed from one chunk per rank) is in
+``test_autoconfig.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_planner import network, segment
+
+from lightning_varuna.pipeline.config import EngineConfig
+from lightning_varuna.pipeline.planning.memory_model import activation_peak
+from lightning_varuna.pipeline.planning.profile_data import CutProfile, ParamProfile, Profile
+from lightning_varuna.pipeline.planning.search import Choices, Cluster, PlanError, predict, search
+from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, Kind, Task
+
+UNLIMITED = 2**40
+
+
+def uniform(segments: int, saved_per_sample: int = 10) -> Profile:
+    """``segments`` equal segments (F=1 s, B=2 s per sample), free messages, no overhead or optimizer time."""
+    return Profile(
+        microbatch_sizes=(1, 2, 4), segments=tuple(segment(1.0, 2.0, saved_per_sample) for _ in range(segments)),
+        cuts=tuple(CutProfile(f"cut{i}", 4) for i in range(segments - 1)),
+        params=tuple(ParamProfile(f"p{i}", 100, (i,)) for i in range(segments)),
+        network=network(), key="uniform",
+    )
+
+
+def test_graphs_of_chunks_of_different_sizes_are_weighed_by_their_own_bytes() -> None:
+    # rank 0 of P=2 runs stages 0 (saves 10 bytes) and 2 (saves 30); stage 2 recomputes, stage 0 does not
+    order = [Task(Kind.F, 0, stage=0), Task(Kind.F, 0, stage=2), Task(Kind.R, 0, stage=2), Task(Kind.F, 1, stage=0),
+             Task(Kind.B, 0, stage=2), Task(Kind.B, 0, stage=0), Task(Kind.B, 1, stage=0)]
+    # live after each task: 10, 10 (stage 2's forward keeps nothing), 40, 50, 20, 10, 0
+    assert activation_peak(order, [10, 20, 30, 40], lambda stage: stage == 2, rank=0) == 50
+
+
+def test_two_chunks_per_rank_are_searched_with_the_schedules_that_run_them() -> None:
+    profile = uniform(8)
+    ranked = search(profile, Cluster(4, 4), Choices(pipeline_size=4, num_microbatches=8, stages_per_rank=None),
+                    UNLIMITED, replica_batch_size=8)
+    chunks = {c.stages_per_rank for c in ranked}
+    assert chunks == {1, 2}
+    assert {c.schedule for c in ranked if c.stages_per_rank == 2} == set(MULTI_CHUNK)
+    assert "interleaved" not in {c.schedule for c in ranked if c.stages_per_rank == 1}
+    # halving the chunks halves the fill and drain: the fastest runs two chunks per rank
+    best = ranked[0]
+    one_chunk = min(c.step_s for c in ranked if c.stages_per_rank == 1)
+    assert best.stages_per_rank == 2 and best.step_s < one_chunk
+    assert len(best.stages) == 8 and best.describe().endswith("2 chunks per rank")
+
+
+def test_a_memory_limit_below_two_chunks_peak_chooses_one_chunk() -> None:
+    profile = uniform(8, saved_per_sample=1000)  # activations decide the peak
+    choices = Choices(pipeline_size=4, num_microbatches=8, stages_per_rank=None, recompute=False)
+    ranked = search(profile, Cluster(4, 4), choices, UNLIMITED, replica_batch_size=8)
+    fastest_two = next(c for c in ranked if c.stages_per_rank == 2)
+    lighter_one = min((c for c in ranked if c.stages_per_rank == 1), key=lambda c: max(c.peak_bytes))
+    assert max(lighter_one.peak_bytes) < max(fastest_two.peak_bytes)
+    limit = max(fastest_two.peak_bytes) - 1
+    ranked = search(profile, Cluster(4, 4), choices, limit, replica_batch_size=8)
+    assert ranked[0].fits and max(ranked[0].peak_bytes) <= limit
+    assert all(c.fits == (max(c.peak_bytes) <= limit) for c in ranked)
+    chosen = ranked[0]
+    assert (chosen.stages_per_rank, chosen.schedule) != (2, fastest_two.schedule)
+    assert chosen.step_s >= fastest_two.step_s  # the memory limit costs time
+
+
+def test_two_chunks_hold_what_each_stage_holds() -> None:
+    profile = uniform(8)
+    two = predict(profile, Cluster(4, 4), 4, 1, 8, "interleaved", False, stages_per_rank=2).candidate
+    # rank 0 holds stages 0 and 4: both parameters (100 bytes each), their gradients and Adam's two states
+    assert two.memory[0].weights == 200 and two.memory[0].optimizer == 400
+    # the interleaved schedule's stated bound at P=4, v=2 on rank 0: 2(P-1) + P + 1 = 11 chunk graphs of 10 bytes
+    assert two.memory[0].activations <= 11 * 10
+    one = predict(profile, Cluster(4, 4), 4, 1, 8, "1f1b", False).candidate
+    assert one.memory[0].activations == 4 * 20  # 1F1B's first stage: P graphs of its two segments
+
+
+def test_a_model_with_too_few_segments_for_two_chunks_says_so() -> None:
+    with pytest.raises(PlanError, match="2 chunks per rank"):
+        search(uniform(3), Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, stages_per_rank=2),
+               UNLIMITED, replica_batch_size=4)
+    # searched: one chunk per rank remains
+    ranked = search(uniform(3), Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, stages_per_rank=None),
+                    UNLIMITED, replica_batch_size=4)
+    assert {c.stages_per_rank for c in ranked} == {1}
+
+
+def test_the_configuration_takes_auto_chunks_and_auto_values_with_two_chunks() -> None:
+    assert EngineConfig(stages_per_rank="auto", schedule="auto").searches
+    EngineConfig(stages_per_rank=2, schedule="auto", pipeline_parallel_size=2, recompute="auto")
+    with pytest.raises(ValueError, match="stages_per_rank='auto' needs a pipeline"):
+        EngineConfig(stages_per_rank="auto", pipeline_parallel_size=1)
+    with pytest.raises(ValueError, match="stages_per_rank must be an int >= 1 or 'auto'"):
+        EngineConfig(stages_per_rank="two")  # type: ignore[arg-type]
