@@ -1,4 +1,4 @@
-"""Auto-configuration with several model chunks per rank: the search over ``stages_per_rank``, memory per rank.
+"""Auto-configuration of several model chunks per rank and of recompute by degree: what is searched, memory per rank.
 
 End to end (a chosen ``stages_per_rank=2`` training like the plain run, resumed from one chunk per rank) is in
 ``test_autoconfig.py``.
@@ -29,11 +29,20 @@ def uniform(segments: int, saved_per_sample: int = 10) -> Profile:
 
 
 def test_graphs_of_chunks_of_different_sizes_are_weighed_by_their_own_bytes() -> None:
-    # rank 0 of P=2 runs stages 0 (saves 10 bytes) and 2 (saves 30); stage 2 recomputes, stage 0 does not
+    # rank 0 of P=2 runs stages 0 (saves 10 bytes, no recompute) and 2 (saves 30, recomputed whole: its forward
+    # keeps nothing, its recompute all 30)
     order = [Task(Kind.F, 0, stage=0), Task(Kind.F, 0, stage=2), Task(Kind.R, 0, stage=2), Task(Kind.F, 1, stage=0),
              Task(Kind.B, 0, stage=2), Task(Kind.B, 0, stage=0), Task(Kind.B, 1, stage=0)]
-    # live after each task: 10, 10 (stage 2's forward keeps nothing), 40, 50, 20, 10, 0
-    assert activation_peak(order, [10, 20, 30, 40], lambda stage: stage == 2, rank=0) == 50
+    # live after each task: 10, 10, 40, 50, 20, 10, 0
+    assert activation_peak(order, [10, 20, 0, 40], [0, 0, 30, 0], rank=0) == 50
+
+
+def test_recompute_by_degree_holds_the_kept_part_of_each_forward_and_one_recomputed_part() -> None:
+    order = [Task(Kind.F, 0), Task(Kind.F, 1), Task(Kind.R, 0), Task(Kind.B, 0), Task(Kind.R, 1), Task(Kind.B, 1)]
+    # a stage saving 30 bytes: its first segments 18, the rest 12
+    assert activation_peak(order, [12], [18], rank=0) == 12 + 12 + 18  # after R0: two kept parts, one recomputed
+    assert activation_peak(order, [0], [30], rank=0) == 30  # recompute=True
+    assert activation_peak([t for t in order if t.kind is not Kind.R], [30], [0], rank=0) == 60  # recompute=False
 
 
 def test_two_chunks_per_rank_are_searched_with_the_schedules_that_run_them() -> None:
@@ -95,3 +104,39 @@ def test_the_configuration_takes_auto_chunks_and_auto_values_with_two_chunks() -
         EngineConfig(stages_per_rank="auto", pipeline_parallel_size=1)
     with pytest.raises(ValueError, match="stages_per_rank must be an int >= 1 or 'auto'"):
         EngineConfig(stages_per_rank="two")  # type: ignore[arg-type]
+
+
+# -- recompute by degree ------------------------------------------------------------------------------------------
+def test_degrees_lie_between_no_recompute_and_whole_stages_in_memory_and_time() -> None:
+    profile = uniform(8)  # P=2: stages of 4 segments
+    ranked = search(profile, Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, schedule="1f1b"), UNLIMITED,
+                    replica_batch_size=4)
+    by_recompute = {repr(c.recompute): c for c in ranked}
+    assert set(by_recompute) == {"True", "False", "1", "2", "3"}
+    order = ["False", "1", "2", "3", "True"]  # more segments recomputed: less memory on stage 0, more work
+    peaks = [by_recompute[r].memory[0].activations for r in order]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 5
+    # (whole stages recomputed may beat a high degree: their forwards keep no graph, so the run-time rules may
+    # move them ahead of a late recompute)
+    steps = [by_recompute[r].step_s for r in order]
+    assert steps[:4] == sorted(steps[:4]) and steps[0] < steps[4]
+    # 1F1B's stage 0 holds P=2 forwards' kept parts and one recomputed part: segments of 10 bytes per sample
+    assert by_recompute["1"].memory[0].activations == 2 * 3 * 10 + 1 * 10
+    assert "recompute 1 segments" in by_recompute["1"].describe()
+
+
+def test_under_a_memory_limit_the_fastest_degree_that_fits_is_chosen() -> None:
+    profile = uniform(8, saved_per_sample=1000)
+    choices = Choices(pipeline_size=2, num_microbatches=4, schedule="1f1b")
+    ranked = search(profile, Cluster(2, 2), choices, UNLIMITED, replica_batch_size=4)
+    two = next(c for c in ranked if c.recompute == 2 and c.recompute is not True)
+    chosen = search(profile, Cluster(2, 2), choices, max(two.peak_bytes), replica_batch_size=4)[0]
+    assert chosen.recompute == 2 and chosen.recompute is not True and chosen.step_s == two.step_s
+
+
+def test_a_degree_a_value_would_cross_is_not_searched() -> None:
+    profile = uniform(8)
+    crossed = Profile(**{**profile.__dict__, "crossings": ((0, 1),)})
+    ranked = search(crossed, Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, schedule="1f1b"), UNLIMITED,
+                    replica_batch_size=4)
+    assert {repr(c.recompute) for c in ranked} == {"True", "False", "2", "3"}

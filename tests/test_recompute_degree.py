@@ -58,12 +58,9 @@ def test_a_degree_must_be_a_positive_number_of_segments(value: object) -> None:
         EngineConfig(recompute=value)  # type: ignore[arg-type]
 
 
-def test_auto_configuration_does_not_search_degrees() -> None:
-    with pytest.raises(ValueError, match=r"recompute=2 \(recompute by degree\) is not searched by auto-config"):
-        EngineConfig(recompute=2, schedule="auto")
-    with pytest.raises(ValueError, match="is not searched by auto-configuration"):
-        VarunaStrategy(recompute=1, microbatch_size="auto")
-    config = EngineConfig(recompute=2, pipeline_parallel_size=2)
-    assert config.recomputes and config.recompute_segments == 2
+def test_a_degree_is_a_value_auto_configuration_plans_with() -> None:
+    config = EngineConfig(recompute=2, schedule="auto")
+    assert config.searches and config.recomputes and config.recompute_segments == 2
+    VarunaStrategy(recompute=1, microbatch_size="auto")
     assert EngineConfig(recompute=True).recompute_segments is None
     assert not EngineConfig(recompute=False).recomputes

@@ -124,10 +124,6 @@ class EngineConfig:
             raise ValueError(f"recompute must be True, False, 'auto' or a number of segments >= 1 (recompute by"
                              f" degree), got {self.recompute!r}.")
         _check_chunks_of(self)
-        if self.recompute_segments is not None and self.searches:
-            raise ValueError(f"recompute={self.recompute} (recompute by degree) is not searched by auto-configuration:"
-                             " set pipeline_parallel_size, the micro-batches and the schedule without 'auto' and"
-                             " without a profile, or use recompute=True, False or 'auto'.")
         micro = self.microbatch_size
         if self.num_microbatches is not None and micro is not None and micro != AUTO:
             raise ValueError("Give num_microbatches or microbatch_size, not both.")

@@ -63,7 +63,7 @@ class Choices:
             the engine's default (``2 * P`` micro-batches, fewer if the batch is smaller).
         num_microbatches: A fixed count (instead of ``microbatch_size``).
         schedule: A schedule, or None to search all.
-        recompute: True or False, or None to search both.
+        recompute: True, False or a number of segments (recompute by degree), or None to search them.
         partition: How the engine balances stages: ``"time"`` or ``"params"``.
         bucket_bytes: The gradient sync's bucket size (None: its default).
         overlap: Whether the data-parallel all-reduce starts during the last backward.
@@ -76,7 +76,7 @@ class Choices:
     microbatch_size: int | str | None = "auto"
     num_microbatches: int | None = None
     schedule: str | None = None
-    recompute: bool | None = None
+    recompute: bool | int | None = None
     partition: str = "time"
     bucket_bytes: int | None = None
     overlap: bool = True
@@ -95,7 +95,7 @@ class Candidate:
         microbatch_size: Samples per micro-batch (the largest, when the batch does not divide evenly).
         num_microbatches: Micro-batches per step (m).
         schedule: The schedule.
-        recompute: Whether non-last stages recompute.
+        recompute: Whether non-last stages recompute; a number: their first that many segments.
         step_s: Predicted seconds per optimizer step.
         bubble: Predicted idle share of the schedule (from the first task to the last, over all stages; a
             recompute counts as busy).
@@ -110,7 +110,7 @@ class Candidate:
     microbatch_size: int
     num_microbatches: int
     schedule: str
-    recompute: bool
+    recompute: bool | int
     step_s: float
     bubble: float
     memory: tuple[StageMemory, ...]
@@ -125,7 +125,8 @@ class Candidate:
 
     def describe(self) -> str:
         """One line: ``P=2 x D=2, micro-batch 4 x 8, varuna, recompute`` (and ``2 chunks per rank``)."""
-        recompute = "recompute" if self.recompute else "no recompute"
+        recompute = ("recompute" if self.recompute is True else "no recompute" if self.recompute is False
+                     else f"recompute {self.recompute} segments")
         chunks = f", {self.stages_per_rank} chunks per rank" if self.stages_per_rank > 1 else ""
         return (f"P={self.pipeline_size} x D={self.data_size}, micro-batch {self.microbatch_size} x "
                 f"{self.num_microbatches}, {self.schedule}, {recompute}{chunks}")

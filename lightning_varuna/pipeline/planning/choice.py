@@ -223,7 +223,7 @@ def _choices(config: EngineConfig, trace: Trace, cluster: Cluster) -> Choices:
         microbatch_size=config.microbatch_size,
         num_microbatches=config.num_microbatches,
         schedule=None if config.schedule == AUTO else config.schedule,
-        recompute=None if config.recompute == AUTO else bool(config.recompute),
+        recompute=None if config.recompute == AUTO else config.recompute,
         partition=config.partition,
         bucket_bytes=config.grad_bucket_bytes,
         overlap=config.overlap_grad_sync,

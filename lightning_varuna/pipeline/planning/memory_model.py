@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,21 +79,25 @@ def graphs_in_flight(order: Sequence[Task], forwards_stash: bool) -> int:
     return peak
 
 
-def activation_peak(order: Sequence[Task], saved_bytes: Sequence[int], forwards_stash: Callable[[int], bool],
+def activation_peak(order: Sequence[Task], forward_bytes: Sequence[int], recompute_bytes: Sequence[int],
                     rank: int) -> int:
-    """The most bytes of autograd graphs a rank holds at once when it runs ``order``, its tasks naming their stage.
+    """The most bytes of autograd graphs a rank holds at once when it runs ``order`` (tasks may name their stage).
 
-    As :func:`graphs_in_flight`, each graph weighed by what its stage saves (``saved_bytes[stage]``), for a rank
-    that runs several stages (model chunks) of different sizes.
+    As :func:`graphs_in_flight`, in bytes: a forward keeps ``forward_bytes[stage]`` (all the stage saves, nothing
+    where the whole stage recomputes, the kept segments' with recompute by degree), a recompute adds
+    ``recompute_bytes[stage]``, a backward (a split backward's weight-gradient task) frees both. For a rank of
+    several stages (model chunks) of different sizes, and for recompute by degree.
     """
     live = peak = 0
     for task in order:
         stage = rank if task.stage is None else task.stage
-        if task.kind is Kind.R or (task.kind is Kind.F and not forwards_stash(stage)):
-            live += saved_bytes[stage]
+        if task.kind is Kind.F:
+            live += forward_bytes[stage]
+        elif task.kind is Kind.R:
+            live += recompute_bytes[stage]
         peak = max(peak, live)
         if task.kind in (Kind.B, Kind.W):
-            live -= saved_bytes[stage]
+            live -= forward_bytes[stage] + recompute_bytes[stage]
     return peak
 
 

@@ -34,14 +34,13 @@ from lightning_varuna.pipeline.planning.candidates import Candidate, Choices, Cl
 from lightning_varuna.pipeline.planning.memory_model import (
     StageMemory,
     activation_peak,
-    graphs_in_flight,
     stage_memory,
 )
 from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.scheduling.schedules import Kind, make_schedule
 from lightning_varuna.pipeline.scheduling.simulator import SimResult, StageCosts, simulate
 
-__all__ = ["predict", "stage_ranges"]
+__all__ = ["predict", "recomputed_segments", "stage_ranges"]
 
 
 def stage_ranges(profile: Profile, pipeline_size: int, microbatch_size: float, partition: str = "time") -> list[range]:
@@ -59,9 +58,32 @@ def stage_ranges(profile: Profile, pipeline_size: int, microbatch_size: float, p
     return ranges
 
 
+def recomputed_segments(ranges: Sequence[range], recompute: bool | int, crossings: Sequence[tuple[int, int]] = (),
+                        ) -> list[range]:
+    """The segments each stage runs without autograd in its forward and recomputes before its backward.
+
+    All of a non-last stage's with ``recompute=True``, its first ``n`` with a number ``n`` (recompute by degree),
+    none on the last stage or without recompute.
+
+    Raises:
+        PartitionError: If a value computed from parameters would cross from a stage's recomputed segments to its
+            others other than through their cut point (the engine refuses that degree).
+    """
+    parts = []
+    for s, r in enumerate(ranges):
+        if recompute is False or s == len(ranges) - 1:
+            parts.append(range(r.start, r.start))
+            continue
+        n = len(r) if recompute is True else min(int(recompute), len(r))
+        parts.append(range(r.start, r.start + n))
+        if n < len(r) and any(r.start <= src < r.start + n <= dst for src, dst in crossings):
+            raise PartitionError(f"recompute={recompute}: a value crosses the end of stage {s}'s recomputed part")
+    return parts
+
+
 def predict(
     profile: Profile, cluster: Cluster, pipeline_size: int, microbatch_size: float, num_microbatches: int,
-    schedule: str, recompute: bool, choices: Choices = Choices(),  # noqa: B008 - frozen, never mutated
+    schedule: str, recompute: bool | int, choices: Choices = Choices(),  # noqa: B008 - frozen, never mutated
     stages_per_rank: int = 1,
 ) -> Prediction:
     """The predicted step of one configuration (see the module's docstring).
@@ -73,12 +95,12 @@ def predict(
         microbatch_size: Mean samples per micro-batch.
         num_microbatches: m.
         schedule: The schedule's name.
-        recompute: Whether non-last stages recompute.
+        recompute: Whether non-last stages recompute; a number ``n``: their first ``n`` segments (by degree).
         choices: The bucket size, overlap, partition and wire dtype used (the searched fields are ignored).
         stages_per_rank: Model chunks per rank ``v``: ``P v`` stages, stage ``s`` on rank ``s % P`` (looped).
 
     Raises:
-        PartitionError: If the model cannot be split into ``P v`` stages.
+        PartitionError: If the model cannot be split into ``P v`` stages, or recomputed by that degree.
         ScheduleError: If the schedule cannot run this shape.
     """
     P, v = pipeline_size, stages_per_rank
@@ -86,16 +108,18 @@ def predict(
     D = cluster.world_size // P
     ranges = stage_ranges(profile, num_stages, microbatch_size, choices.partition)
     rank_of = [s % P for s in range(num_stages)]
-    costs = tuple(_stage_costs(profile, r, microbatch_size, recompute and s < num_stages - 1)
-                  for s, r in enumerate(ranges))
+    recomputed = recomputed_segments(ranges, recompute, profile.crossings)
+    costs = tuple(_stage_costs(profile, r, part, microbatch_size) for r, part in zip(ranges, recomputed, strict=True))
+    # a forward adds no autograd graph where the whole stage recomputes: the run-time rules may move it
+    stashes = [len(part) == len(r) for r, part in zip(ranges, recomputed, strict=True)]
     boundary_bytes = [profile.cuts[r.stop - 1].nbytes(microbatch_size) * choices.wire_bytes_per_element
                       for r in ranges[:-1]]
     links = [profile.network.p2p(cluster.ranks_cross(P, rank_of[b], rank_of[b + 1])) for b in range(num_stages - 1)]
     sim = simulate(
-        make_schedule(schedule, P, num_microbatches, recompute, stages_per_rank=v), costs,
+        make_schedule(schedule, P, num_microbatches, recompute is not False, stages_per_rank=v), costs,
         jitter=lambda src, dst, kind, k: links[min(src, dst)].latency_s,
         opportunistic=True, transfer=[n / link.bandwidth for n, link in zip(boundary_bytes, links, strict=True)],
-        stage_ranks=rank_of if v > 1 else None,
+        stage_ranks=rank_of if v > 1 else None, forwards_stash=stashes.__getitem__,
     )
     held = [[i for s in range(r, num_stages, P) for i in ranges[s]] for r in range(P)]
     sync, optimizer = [], []
@@ -108,7 +132,7 @@ def predict(
         shards = D if choices.zero_stage == 1 else 1
         optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable / shards))
     step = max(end for _, end in optimizer)
-    memory = tuple(_rank_memory(profile, sim, ranges, r, D, microbatch_size, num_microbatches, recompute, choices)
+    memory = tuple(_rank_memory(profile, sim, ranges, recomputed, r, D, microbatch_size, num_microbatches, choices)
                    for r in range(P))
     candidate = Candidate(
         pipeline_size=P, data_size=D, microbatch_size=math.ceil(microbatch_size), num_microbatches=num_microbatches,
@@ -118,11 +142,12 @@ def predict(
     return Prediction(candidate, sim, costs, tuple(sync), tuple(optimizer))
 
 
-def _rank_memory(profile: Profile, sim: SimResult, ranges: Sequence[range], rank: int, data_size: int,
-                 microbatch_size: float, num_microbatches: int, recompute: bool, choices: Choices) -> StageMemory:
+def _rank_memory(profile: Profile, sim: SimResult, ranges: Sequence[range], recomputed: Sequence[range], rank: int,
+                 data_size: int, microbatch_size: float, num_microbatches: int, choices: Choices) -> StageMemory:
     """A rank's peak: its stages' weights, state and buffers added, and the graphs of its chunks as they overlap.
 
-    Each graph counts its own chunk's saved bytes (chunks of a rank may differ in size), along the simulated order.
+    Each graph counts what its own chunk saves (chunks of a rank may differ in size), a forward what its kept
+    segments save, a recompute what its recomputed segments save, along the simulated order.
     """
     P, num_stages = len(sim.order), len(ranges)
     mbs = math.ceil(microbatch_size)
@@ -131,12 +156,9 @@ def _rank_memory(profile: Profile, sim: SimResult, ranges: Sequence[range], rank
                      choices.wire_bytes_per_element, choices.zero_stage)
         for s in range(rank, num_stages, P)
     ]
-    saved = [sum(profile.saved_bytes(i, mbs) for i in r) for r in ranges]
-    order = sim.order[rank]
-    if P == num_stages:  # one chunk per rank
-        activations = graphs_in_flight(order, recompute and rank < P - 1) * saved[rank]
-    else:
-        activations = activation_peak(order, saved, lambda s: recompute and s < num_stages - 1, rank)
+    again = [sum(profile.saved_bytes(i, mbs) for i in part) for part in recomputed]
+    kept = [sum(profile.saved_bytes(i, mbs) for i in r) - a for r, a in zip(ranges, again, strict=True)]
+    activations = activation_peak(sim.order[rank], kept, again, rank)
     # a parameter that two chunks of the rank use is one tensor, with one gradient and one optimizer state
     shared, shared_trainable = _shared_bytes(profile, [ranges[s] for s in range(rank, num_stages, P)])
     shards = data_size if choices.zero_stage == 1 else 1
@@ -159,12 +181,12 @@ def _shared_bytes(profile: Profile, chunks: Sequence[range]) -> tuple[int, int]:
     return extra, trainable
 
 
-def _stage_costs(profile: Profile, segments: range, microbatch_size: float, stashes: bool) -> StageCosts:
+def _stage_costs(profile: Profile, segments: range, recomputed: range, microbatch_size: float) -> StageCosts:
     overhead = profile.task_overhead_s
     return StageCosts(
-        forward=overhead + sum(profile.forward(i, microbatch_size, grad=not stashes) for i in segments),
+        forward=overhead + sum(profile.forward(i, microbatch_size, grad=i not in recomputed) for i in segments),
         backward=overhead + sum(profile.backward(i, microbatch_size) for i in segments),
-        recompute=overhead + sum(profile.forward(i, microbatch_size, grad=True) for i in segments),
+        recompute=overhead + sum(profile.forward(i, microbatch_size, grad=True) for i in recomputed),
     )
 
 

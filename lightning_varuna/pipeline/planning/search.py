@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from lightning_varuna.pipeline.model.dry_run import PartitionError
 from lightning_varuna.pipeline.planning.candidates import Candidate, Choices, Cluster, PlanError, Prediction
 from lightning_varuna.pipeline.planning.memory_model import format_bytes
-from lightning_varuna.pipeline.planning.prediction import predict, stage_ranges
+from lightning_varuna.pipeline.planning.prediction import predict, recomputed_segments, stage_ranges
 from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.scheduling.schedules import (
     CHUNKS_REQUIRED,
@@ -89,18 +89,46 @@ def _candidates(profile: Profile, cluster: Cluster, choices: Choices, P: int, v:
                 memory_limit: int) -> list[Candidate]:
     """The predicted candidates of one shape (P, v, m): one per schedule and recompute that can run it."""
     found, seen = [], set()
-    for schedule, recompute in _schedules(P, v, choices):
+    degrees = _degrees(profile, P, v, batch / m, choices)
+    for schedule, recompute in _schedules(P, v, choices, degrees):
         try:
             check_schedule_shape(schedule, P, v, m)
         except ScheduleError:
             continue
-        same = (make_schedule(schedule, P, m, recompute, stages_per_rank=v), recompute and P > 1)
+        # repr: True and 1 (recompute by one segment) are different choices
+        same = (make_schedule(schedule, P, m, recompute is not False, stages_per_rank=v),
+                repr(recompute) if P > 1 else "")
         if same in seen:  # e.g. gpipe with one micro-batch runs what varuna runs
             continue
         seen.add(same)
         candidate = predict(profile, cluster, P, batch / m, m, schedule, recompute, choices, v).candidate
         found.append(_with_fit(candidate, max(candidate.peak_bytes) <= memory_limit))
     return found
+
+
+MAX_DEGREES = 4
+"""With ``recompute="auto"`` at most this many degrees (recompute by degree) are searched per shape."""
+
+
+def _degrees(profile: Profile, P: int, v: int, microbatch_size: float, choices: Choices) -> list[int]:
+    """The degrees searched with ``recompute="auto"`` (recompute by degree).
+
+    Numbers of segments below the longest non-last stage's, spread over that range, less those whose recomputed part
+    a parameter-derived value would cross.
+    """
+    if choices.recompute is not None or P == 1:
+        return []
+    ranges = stage_ranges(profile, P * v, microbatch_size, choices.partition)
+    longest = max(len(r) for r in ranges[:-1])
+    spread = sorted({max(1, round(i * (longest - 1) / MAX_DEGREES)) for i in range(1, MAX_DEGREES + 1)})
+    valid = []
+    for n in (d for d in spread if d < longest):
+        try:
+            recomputed_segments(ranges, n, profile.crossings)
+        except PartitionError:
+            continue
+        valid.append(n)
+    return valid
 
 
 def _with_fit(candidate: Candidate, fits: bool) -> Candidate:
@@ -131,7 +159,7 @@ def _chunk_counts(P: int, choices: Choices) -> list[int]:
     return [1, 2] if P > 1 else [1]
 
 
-def _schedules(P: int, v: int, choices: Choices) -> list[tuple[str, bool]]:
+def _schedules(P: int, v: int, choices: Choices, degrees: Sequence[int] = ()) -> list[tuple[str, bool | int]]:
     if v > 1:
         fitting = [s for s in SCHEDULES if s in MULTI_CHUNK]
     else:
@@ -139,7 +167,8 @@ def _schedules(P: int, v: int, choices: Choices) -> list[tuple[str, bool]]:
     schedules = [choices.schedule] if choices.schedule is not None else fitting
     if P == 1 and choices.schedule is None:
         schedules = ["varuna", "gpipe"]  # one stage: 1f1b runs the same order as varuna
-    recomputes = [choices.recompute] if choices.recompute is not None else ([False] if P == 1 else [True, False])
+    recomputes: list[bool | int] = (
+        [choices.recompute] if choices.recompute is not None else [False] if P == 1 else [True, False, *degrees])
     return [(s, r) for s in schedules for r in recomputes]
 
 
@@ -160,7 +189,7 @@ def format_table(candidates: Sequence[Candidate], limit: int | None = 8, memory_
     for rank, c in enumerate(shown, 1):
         peaks = "/".join(format_bytes(b).replace(" ", "") for b in c.peak_bytes)
         rows.append((str(rank), str(c.pipeline_size), str(c.data_size), str(c.stages_per_rank), str(c.microbatch_size),
-                     str(c.num_microbatches), c.schedule, "yes" if c.recompute else "no", f"{c.step_s * 1e3:.2f}",
+                     str(c.num_microbatches), c.schedule, _recompute_cell(c.recompute), f"{c.step_s * 1e3:.2f}",
                      f"{c.bubble:.1%}", peaks, "yes" if c.fits else "no"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
@@ -173,3 +202,7 @@ def format_table(candidates: Sequence[Candidate], limit: int | None = 8, memory_
     if hidden > 0:
         note += f"; {hidden} more not shown"
     return "\n".join([*lines, note])
+
+
+def _recompute_cell(recompute: bool | int) -> str:
+    return "yes" if recompute is True else "no" if recompute is False else f"{recompute} seg"

@@ -118,6 +118,7 @@ def simulate(
     feed_next_stage: bool = True,
     transfer: Sequence[float] | None = None,
     stage_ranks: Sequence[int] | None = None,
+    forwards_stash: Callable[[int], bool] | None = None,
 ) -> SimResult:
     """Simulate the execution of a schedule in continuous time.
 
@@ -148,6 +149,8 @@ def simulate(
         stage_ranks: With several stages per rank, the rank of each stage: ``schedule`` has one list per rank whose
             tasks name their stage, ``costs`` one entry per stage; a message between two stages of one rank arrives
             when it is sent.
+        forwards_stash: Whether a stage's forwards keep no autograd graph (for the run-time rules); default: the
+            stages that have recompute tasks (with recompute by degree a forward keeps its later segments' graph).
 
     Returns:
         The timing result (per rank).
@@ -170,6 +173,9 @@ def simulate(
         else (lambda task, r=r: _stage_of(task, r) in recomputing)
         for r, tasks in enumerate(schedule)
     ]
+    if forwards_stash is not None:
+        by_stage = forwards_stash
+        stashes = [(lambda task, r=r: by_stage(_stage_of(task, r))) for r in range(num_ranks)]
     free_at = [0.0] * num_ranks
     arrivals: _Arrivals = {}
     order: list[list[Task]] = [[] for _ in range(num_ranks)]
