@@ -86,7 +86,7 @@ class StepRunner:
                     result = engine.train_step(batch, run_one, loss_scale=loss_scale, loss_transform=self._scale_loss,
                                                summary=summarize, start_sync=start_sync, accumulated=accumulated)
                 else:
-                    result = engine.eval_step(batch, run_one)
+                    result = engine.eval_step(batch, run_one, weigh=hook != "predict_step")
         except BaseException as err:
             report_failure(err)
             raise
@@ -106,7 +106,7 @@ class StepRunner:
         if result.summary is not None:
             return waiting_on_peers(self.topology, "sharing the last stage's logged values",
                                     lambda: self._unpack_summary(result.summary, shared))
-        meta, values, skipped = self._reduce(capture, result.outputs, result.sizes, train)
+        meta, values, skipped = self._reduce(capture, result.outputs, result.units, train)
         if self.topology.pipeline_size > 1:
             meta, flat = waiting_on_peers(self.topology, "sharing the last stage's logged values",
                                           lambda: self.broadcaster.share(meta, values))
@@ -114,17 +114,19 @@ class StepRunner:
         return meta, torch.stack([v.to(torch.float64) for v in values]) if values else torch.zeros(0), skipped
 
     def _reduce(
-        self, capture: LogCapture, outputs: list[Any], sizes: list[int], train: bool
+        self, capture: LogCapture, outputs: list[Any], units: list[float], train: bool
     ) -> tuple[tuple, list, bool]:
         """The step's logged keys and values as the last stage has them, and whether the batch is skipped.
 
-        In training, on the last stage, the values start with the loss and the skip flag, agreed over replicas.
+        Micro-batches weigh as their losses did (``units``: sizes, or counted tokens with ``loss_weighting`` by
+        tokens). In training, on the last stage, the values start with the loss and the skip flag, agreed over
+        replicas.
         """
-        meta, values = reduce_records(self.module, capture.records, sizes, self.device, self.module_names)
+        meta, values = reduce_records(self.module, capture.records, units, self.device, self.module_names)
         if not (train and self.topology.is_last):
             return meta, values, False
-        size = sum(sizes)
-        kept = [default_loss(o).detach().float() * (n / size) for o, n in zip(outputs, sizes) if o is not None]
+        total = sum(units)
+        kept = [default_loss(o).detach().float() * (n / total) for o, n in zip(outputs, units) if o is not None]
         loss = torch.stack(kept).sum() if kept else torch.zeros((), device=self.device)
         skipped = self._agree_on_skip(len(kept) < len(outputs))
         return meta, [loss, loss.new_full((), float(skipped)), *values], skipped
@@ -140,13 +142,13 @@ class StepRunner:
                          lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topology.data_group))
         return bool(flag.item())
 
-    def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[int]], Tensor]:
+    def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[float]], Tensor]:
         """Packs the last stage's loss and logs to travel back along the pipeline behind the last gradient.
 
         The packet is :func:`~lightning_varuna.logs.log_sync.pack`'s format.
         """
-        def summarize(outputs: list[Any], sizes: list[int]) -> Tensor:
-            meta, values, shared["skipped"] = self._reduce(capture, outputs, sizes, True)
+        def summarize(outputs: list[Any], units: list[float]) -> Tensor:
+            meta, values, shared["skipped"] = self._reduce(capture, outputs, units, True)
             shared["meta"], shared["values"] = meta, values
             packet = torch.zeros(SUMMARY_SIZE, dtype=torch.float64, device=self.device)
             fill(packet, meta != self.broadcaster.meta, values)

@@ -162,6 +162,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         stages_per_rank: Model chunks per rank (``schedule="interleaved"`` or ``"zero-bubble"``): the model is cut
             into P x this many stages, rank ``r`` running stages ``r, r + P, ...``, which divides the pipeline's fill
             and drain by it; ``"auto"``: the planner chooses 1 or 2.
+        loss_weighting: A micro-batch's loss weighs by its share of the batch's samples (``"samples"``), of its labels
+            other than -100 (``"tokens"``; ``"shifted_tokens"``: of ``labels[..., 1:]``, for ``*ForCausalLM``), or
+            of the count a function of the micro-batch returns: exact for a mean over tokens (user guide section 2).
     """
 
     strategy_name = "varuna"
@@ -201,6 +204,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         fuse_grad_accumulation: bool = True,
         zero_stage: Literal[0, 1] = 0,
         stages_per_rank: int | Literal["auto"] = 1,
+        loss_weighting: Literal["samples", "tokens", "shifted_tokens"] | Callable[[Any], int | Tensor] = "samples",
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -214,17 +218,15 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         self.config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
-            partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn,
+            partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn, loss_weighting=loss_weighting,
             p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
             fuse_grad_accumulation=fuse_grad_accumulation, zero_stage=zero_stage, stages_per_rank=stages_per_rank,
         )
         if zero_stage == 1 and async_checkpoint:
             raise ValueError("async_checkpoint=True cannot write the sharded optimizer state of zero_stage=1 yet:"
                              " use one of the two (blocking checkpoints with zero_stage=1 work).")
-        self.initial_weights = (
-            InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)
-            if initial_weights is not None else None
-        )
+        self.initial_weights = (InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)
+                                if initial_weights is not None else None)
         self.timeline_dir = timeline_dir
         self.boundary_dtype = boundary_dtype
         self.preemption_notice = preemption_notice
@@ -340,10 +342,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     def model_to_device(self) -> None:
         """Moves the model to this process's device (parameters on the meta device stay there until setup)."""
         assert self.model is not None
-        if has_meta_tensors(self.model):
-            move_real_tensors(self.model, self.root_device)
-        else:
-            self.model.to(self.root_device)
+        _ = move_real_tensors(self.model, self.root_device) if has_meta_tensors(self.model) else self.model.to(
+            self.root_device)
 
     @contextlib.contextmanager
     @override

@@ -89,16 +89,16 @@ def _detached(value: Any) -> Any:
 
 
 def reduce_records(
-    module: LightningModule, records: Sequence[tuple[int, str, Any, dict[str, Any]]], sizes: Sequence[int],
+    module: LightningModule, records: Sequence[tuple[int, str, Any, dict[str, Any]]], sizes: Sequence[float],
     device: torch.device, names: dict[int, str] | None = None,
 ) -> tuple[tuple, list[Tensor]]:
     """Reduces per-micro-batch log records to one entry per key: ``(meta, values)``.
 
     A metric object is logged as itself (it accumulates its own state, which gives its epoch value); its
     step value, what its ``forward`` returned for each micro-batch, and numbers are averaged weighted by the
-    micro-batch sizes they were logged for (the batch's value for means such as a micro-averaged accuracy);
-    an explicit ``batch_size`` is summed over micro-batches. ``meta`` holds ``(name, metric path or None,
-    log kwargs, whether a value follows in values)`` per key.
+    micro-batch sizes (or counted tokens) they were logged for (the batch's value for means such as a
+    micro-averaged accuracy); an explicit ``batch_size`` is summed over micro-batches. ``meta`` holds ``(name,
+    metric path or None, log kwargs, whether a value follows in values)`` per key.
     """
     names = names if names is not None else {id(m): n for n, m in module.named_modules()}
     order: list[str] = []
@@ -129,7 +129,7 @@ def reduce_records(
     return tuple(meta), values
 
 
-def _weighted_mean(values: Sequence[Any], weights: Sequence[int], device: torch.device) -> Tensor:
+def _weighted_mean(values: Sequence[Any], weights: Sequence[float], device: torch.device) -> Tensor:
     total = float(sum(weights))
     parts = [torch.as_tensor(v, dtype=torch.float64, device=device).detach() * (w / total)
              for v, w in zip(values, weights, strict=True)]

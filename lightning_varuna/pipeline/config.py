@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from lightning_varuna.pipeline.batches import LOSS_WEIGHTINGS, TokenCounter
 from lightning_varuna.pipeline.planning.memory_model import parse_bytes
 from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, check_schedule_shape
 from lightning_varuna.pipeline.scheduling.tasks import ScheduleError
@@ -79,6 +80,10 @@ class EngineConfig:
             ``r, r + P, ...`` (the looped placement), which divides the pipeline's fill and drain time by ``v`` at
             the cost of ``v`` times the messages. Needs ``schedule="interleaved"`` (micro-batches divisible by ``P``)
             or ``"zero-bubble"`` (``v <= 2``). ``"auto"``: the planner chooses 1 or 2.
+        loss_weighting: What weights each micro-batch's loss within its batch: ``"samples"`` (``size_k / batch``),
+            ``"tokens"`` (its labels other than -100 over the batch's), ``"shifted_tokens"`` (the same of
+            ``labels[..., 1:]``, for causal language models that shift inside) or a function of the micro-batch
+            returning its count (:func:`~lightning_varuna.pipeline.batches.count_loss_units`).
     """
 
     pipeline_parallel_size: int | Literal["auto"] = "auto"
@@ -103,6 +108,7 @@ class EngineConfig:
     devices_per_node: int | None = None
     zero_stage: int = 0
     stages_per_rank: int | Literal["auto"] = 1
+    loss_weighting: str | TokenCounter = "samples"
 
     def __post_init__(self) -> None:
         if self.zero_stage in (2, 3):
@@ -154,6 +160,9 @@ class EngineConfig:
             raise ValueError(f"init_seed must be an int or None, got {self.init_seed!r}.")
         if self.p2p_backend not in P2P_BACKENDS:
             raise ValueError(f"p2p_backend={self.p2p_backend!r}: choose one of {P2P_BACKENDS}.")
+        if not callable(self.loss_weighting) and self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={self.loss_weighting!r}: choose one of {LOSS_WEIGHTINGS} or pass a"
+                             " function of a micro-batch that returns its token count.")
         timeout = self.p2p_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"p2p_timeout must be a positive number of seconds, got {timeout!r}.")

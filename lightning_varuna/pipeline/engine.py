@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from dataclasses import field as dataclass_field
 from typing import Any, Literal
 
 import torch
@@ -28,7 +29,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_varuna.fault.watchdog import current_watchdog
-from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples, split_batch
+from lightning_varuna.pipeline.batches import (
+    TokenCounter,
+    batch_size_of,
+    count_loss_units,
+    default_loss,
+    first_samples,
+    samples,
+    split_batch,
+)
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep, check_elementwise
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
@@ -59,6 +68,9 @@ class StepResult:
     """The step function's output per micro-batch (last stage only; empty elsewhere)."""
     sizes: list[int]
     """The size of each micro-batch."""
+    units: list[float] = dataclass_field(default_factory=list)
+    """What each micro-batch's loss was weighted by within the batch (``units_k / sum(units)``): its size, or its
+    counted tokens with ``loss_weighting`` by tokens."""
     summary: Tensor | None = None
     """The last stage's step summary, on every stage (when one was asked for)."""
 
@@ -104,6 +116,8 @@ class PipelineEngine(SetupPhase):
             0: not sharded.
         stages_per_rank: Model chunks per rank (``schedule="interleaved"``; see
             :class:`~lightning_varuna.pipeline.config.EngineConfig`).
+        loss_weighting: ``"samples"``, ``"tokens"``, ``"shifted_tokens"`` or a token counter: what weights each
+            micro-batch's loss within the batch (see :meth:`train_step`).
 
     With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
     with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
@@ -141,6 +155,7 @@ class PipelineEngine(SetupPhase):
         devices_per_node: int | None = None,
         zero_stage: int = 0,
         stages_per_rank: int | str = 1,
+        loss_weighting: str | TokenCounter = "samples",
     ) -> None:
         config = EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
@@ -151,7 +166,7 @@ class PipelineEngine(SetupPhase):
             param_init_fn=param_init_fn,
             init_seed=init_seed, p2p_backend=p2p_backend, global_batch_size=global_batch_size,
             memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node, zero_stage=zero_stage,
-            stages_per_rank=stages_per_rank,
+            stages_per_rank=stages_per_rank, loss_weighting=loss_weighting,
         )
         self.config = config
         self.module = module
@@ -239,7 +254,9 @@ class PipelineEngine(SetupPhase):
         """Runs forward and backward of every micro-batch of ``batch``; gradients add up in ``.grad``.
 
         The loss of micro-batch ``k`` is weighted by its share of the batch (``size_k / batch``) times
-        ``loss_scale``, so the gradients equal those of the mean loss over the whole batch. ``loss_transform``
+        ``loss_scale``, so the gradients equal those of the mean loss over the whole batch; with ``loss_weighting``
+        by tokens, by its share of the batch's counted tokens (``tokens_k / tokens``, counted on the micro-batches
+        before the schedule: one host read per step), for a loss that is a mean over tokens. ``loss_transform``
         is applied to each weighted loss before backward (e.g. an fp16 ``GradScaler.scale``). ``summary``
         turns the last stage's outputs into a few float64 values every stage receives (``StepResult.summary``)
         without a collective.
@@ -260,14 +277,19 @@ class PipelineEngine(SetupPhase):
                          loss_transform=loss_transform, summary=summary, start_sync=start_sync,
                          accumulated=accumulated)
 
-    def eval_step(self, batch: Any, step: Callable[[Any], Any]) -> StepResult:
-        """Runs forward only (validation, test, predict); outputs exist on the last stage."""
-        return self._run(batch, step, train=False)
+    def eval_step(self, batch: Any, step: Callable[[Any], Any], weigh: bool = False) -> StepResult:
+        """Runs forward only (validation, test, predict); outputs exist on the last stage.
+
+        With ``weigh``, ``StepResult.units`` holds what training would weight each micro-batch's loss by (its
+        counted tokens under ``loss_weighting`` by tokens); else the sizes.
+        """
+        return self._run(batch, step, train=False, weigh=weigh)
 
     def _run(self, batch: Any, step: Callable[[Any], Any], train: bool, loss_of: Any = None,
              loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
              summary: Callable[[list[Any], list[int]], Tensor] | None = None,
-             start_sync: bool = False, accumulated: Mapping[nn.Parameter, Tensor] | None = None) -> StepResult:
+             start_sync: bool = False, accumulated: Mapping[nn.Parameter, Tensor] | None = None,
+             weigh: bool = True) -> StepResult:
         if self.executor is None or self.topology is None:
             raise RuntimeError("Call PipelineEngine.setup() before running steps.")
         size = batch_size_of(batch)
@@ -276,7 +298,10 @@ class PipelineEngine(SetupPhase):
         sizes = [batch_size_of(mb) for mb in micro]
         schedule = self._schedule(m, train)
         loss_of = loss_of or default_loss
-        weights = [n / size * loss_scale for n in sizes]
+        weighting = self.config.loss_weighting if weigh else "samples"
+        units = count_loss_units(micro, sizes, weighting, self.device)
+        total = sum(units)
+        weights = [n / total * loss_scale for n in units]
         # reductions that start during this step: each bucket in the last backward, the rest right after
         sync = self.grad_sync if start_sync and train else None
         def weighted_loss(output: Any, k: int) -> Tensor:
@@ -291,7 +316,7 @@ class PipelineEngine(SetupPhase):
             train=train,
             recompute=self.config.recomputes,
             loss_of=weighted_loss,
-            summary=(lambda results: summary(results, sizes)) if summary is not None else None,
+            summary=(lambda results: summary(results, units)) if summary is not None else None,
             last_backward=functools.partial(sync.overlapping, accumulated) if sync is not None else None,
         )
         if sync is not None:
@@ -299,6 +324,7 @@ class PipelineEngine(SetupPhase):
         return StepResult(
             outputs=outputs if self.topology.is_last else [],
             sizes=sizes,
+            units=units,
             summary=self.executor.summary if summary is not None and train else None,
         )
 
