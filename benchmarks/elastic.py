@@ -4,7 +4,7 @@ Run from the repository root (each run starts two torchrun agents on loopback, 2
 
     python benchmarks/elastic.py --runs 3 --out benchmarks/results/elastic.json
 
-Each run is ``tests/elastic_harness.py``'s job: ``examples/gpt/elastic.py`` with a tiny GPT, P=2 x D=2 over two
+Each run is ``tests/helpers/elastic_harness.py``'s job: ``examples/gpt/elastic.py`` with a tiny GPT, P=2 x D=2 over two
 agents, a checkpoint every step; right after step ``--kill-after`` is recorded (so while that step's checkpoint is
 being written) the second agent and its workers are SIGKILLed; the first agent's workers fail on the lost peers,
 and it restarts them at world size 2 from ``last.ckpt``. Reported per setting (median over runs):
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from elastic_harness import TUNED, run_elastic  # noqa: E402
+from helpers.elastic_harness import TUNED, run_elastic  # noqa: E402
 
 SETTINGS = {"default": None, "last-call": {"last_call_timeout": TUNED["last_call_timeout"]}, "tuned": TUNED}
 KEYS = ("kill_to_first_step_s", "kill_to_relaunch_s", "relaunch_to_start_s", "steps_lost")

@@ -2,9 +2,10 @@
 
 Two parts, each in real multi-process jobs (torchrun, gloo on CPU):
 
-1. **strategy**: TinyGPT (tests/models.py, vocabulary 2048, width 64, 4 blocks, tied embedding and head: the embedding
-   is most of the parameters) trained 4 AdamW steps with ``VarunaStrategy`` at P=2 x D=2 and P=2 x D=4, with
-   ``zero_stage=0`` and ``1``. Per rank, after the last step: parameter bytes held, gradient bytes (``.grad``),
+1. **strategy**: TinyGPT (tests/helpers/models.py, vocabulary 2048, width 64, 4 blocks, tied embedding and head: the
+   embedding is most of the parameters) trained 4 AdamW steps with ``VarunaStrategy`` at P=2 x D=2 and P=2 x D=4,
+   with ``zero_stage=0`` and ``1``. Per rank, after the last step: parameter bytes held, gradient bytes
+   (``.grad``),
    the gradient sync's buffers (flat buckets, and the reduce-scatter segments), the optimizer state (a DTensor counted
    by its local shard), the executor's peak stashed inputs (recompute) and autograd graphs in flight (activations,
    which ``zero_stage`` does not change); and the gradient sync's
@@ -56,7 +57,7 @@ def strategy_job(out: Path, layout: str) -> None:
     from torch.utils.data import DataLoader
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from models import RandomTokens, TinyGPT
+    from helpers.models import RandomTokens, TinyGPT
 
     import lightning_varuna
     from lightning_varuna.pipeline.runtime.events import StageCounters

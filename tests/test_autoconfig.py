@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, _env, python, torchrun
-from models import RandomTokens, TinyGPT
-from profiles import synthetic_profile
+from helpers.launch import ROOT, _env, python, torchrun
+from helpers.models import RandomTokens, TinyGPT
+from helpers.profiles import synthetic_profile
 from test_planner import _decode_png
 from torch.utils.data import DataLoader
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import python, torchrun
+from helpers.launch import python, torchrun
 from safetensors.torch import save_file
 from test_equivalence import LOSS_TOLERANCE
 

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoint_outcomes import not_raised, own_errors
-from launch import JOBS, ROOT, _env, nccl_rules, torchrun
-from s3server import fresh_prefix, s3_server
+from helpers.checkpoint_outcomes import not_raised, own_errors
+from helpers.launch import JOBS, ROOT, _env, nccl_rules, torchrun
+from helpers.s3server import fresh_prefix, s3_server
 
 from lightning_varuna.checkpoint import Location, is_complete, lease
 from lightning_varuna.checkpoint.storage import read_meta

@@ -21,9 +21,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from checkpoint_outcomes import not_raised, own_errors
-from launch import JOBS, ROOT, _env, torchrun
-from models import RandomTokens, TinyGPT
+from helpers.checkpoint_outcomes import not_raised, own_errors
+from helpers.launch import JOBS, ROOT, _env, torchrun
+from helpers.models import RandomTokens, TinyGPT
 from torch.utils.data import DataLoader
 
 from lightning_varuna.checkpoint import CheckpointError, is_complete

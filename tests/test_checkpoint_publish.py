@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.s3server import fresh_prefix, s3_server
 from lightning.pytorch.callbacks import ModelCheckpoint
-from s3server import fresh_prefix, s3_server
 
 from lightning_varuna.checkpoint import publish
 from lightning_varuna.checkpoint.job import write_single

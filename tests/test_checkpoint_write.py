@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from models import TinyGPT
+from helpers.models import TinyGPT
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_varuna.checkpoint import CheckpointError, convert
@@ -193,7 +193,7 @@ def test_conversion_runs_in_a_process_that_has_a_process_group(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_two_ranks_share_the_writing_and_agree_on_failures(tmp_path: Path) -> None:
-    from launch import torchrun
+    from helpers.launch import torchrun
 
     torchrun("checkpoint_write.py", str(tmp_path), nproc=2, timeout=180)
     ranks = [json.loads((tmp_path / f"write.rank{r}.json").read_text()) for r in range(2)]

@@ -131,7 +131,7 @@ def test_an_iterable_that_is_not_a_data_loader_is_kept_with_a_warning_that_says_
 
 def test_a_one_shot_iterator_is_refused_with_what_to_pass_instead(tmp_path) -> None:
     import lightning.pytorch as pl
-    from models import RandomTokens, TinyGPT
+    from helpers.models import RandomTokens, TinyGPT
 
     from lightning_varuna import VarunaStrategy
 

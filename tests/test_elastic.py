@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from elastic_harness import TUNED, run_elastic
-from launch import nccl_rules
+from helpers.elastic_harness import TUNED, run_elastic
+from helpers.launch import nccl_rules
 
 MAX_STEPS = 12
 KILL_AFTER = 4

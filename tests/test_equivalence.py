@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from launch import python, torchrun
+from helpers.launch import python, torchrun
 
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
 

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from models import RandomTokens, TinyGPT
+from helpers.models import RandomTokens, TinyGPT
 from torch import Tensor, nn
 
 from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy

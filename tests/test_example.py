@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import _env, run_checked
+from helpers.launch import _env, run_checked
 
 # the CLI reads a number given on the command line as a float: "1" would be 1.0, every validation batch; "2" is
 # 2.0, which Lightning takes as 2 batches

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import JOBS, python, run_checked
+from helpers.launch import JOBS, python, run_checked
 
 from lightning_varuna.checkpoint import is_complete
 from lightning_varuna.recovery.preemption import PREEMPTED_EXIT_CODE

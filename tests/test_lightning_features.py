@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import python, torchrun
-from models import TinyGPT
+from helpers.launch import python, torchrun
+from helpers.models import TinyGPT
 
 from lightning_varuna.logs.log_sync import LogCapture, reduce_records
 

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from models import TinyGPT
+from helpers.models import TinyGPT
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric

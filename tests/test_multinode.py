@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import python, torchrun_nodes
+from helpers.launch import python, torchrun_nodes
 
 
 @pytest.mark.slow

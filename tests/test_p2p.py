@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launch import torchrun
+from helpers.launch import torchrun
 
 
 def test_watched_transfers_report_completion_without_a_wait_and_a_missing_message_times_out(tmp_path: Path) -> None:

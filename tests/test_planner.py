@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from profiles import synthetic_profile
+from helpers.profiles import synthetic_profile
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine

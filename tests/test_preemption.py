@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import python
+from helpers.launch import python
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.checkpoint import is_complete

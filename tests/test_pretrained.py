@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import TinyGPT
+from helpers.models import TinyGPT
 from safetensors.torch import load_file, save_file
 
 from lightning_varuna.checkpoint import CheckpointError

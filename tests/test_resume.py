@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import python, torchrun
+from helpers.launch import python, torchrun
 
 from lightning_varuna.checkpoint import is_complete
 

@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from launch import torchrun
+from helpers.launch import torchrun
 
 from lightning_varuna.pipeline.scheduling.schedules import (
     CHUNKS_REQUIRED,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import python, torchrun
+from helpers.launch import python, torchrun
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.pipeline.comm.sharded_step import ELEMENTWISE, check_elementwise
@@ -206,7 +206,7 @@ def test_rows_are_split_as_dtensor_splits_them() -> None:
 
 def test_a_non_elementwise_optimizer_is_refused_at_setup() -> None:
     import lightning.pytorch as pl
-    from models import RandomTokens, TinyGPT
+    from helpers.models import RandomTokens, TinyGPT
     from torch.utils.data import DataLoader
 
     class WithLBFGS(TinyGPT):

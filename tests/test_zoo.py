@@ -1,4 +1,4 @@
-"""Third-party architectures (``tests/zoo_models.py``) trained pipelined equal their plain single-process runs.
+"""Third-party architectures (``tests/helpers/zoo_models.py``) trained pipelined equal their plain single-process runs.
 
 Every family x configuration trains 8 AdamW steps (lr 1e-2) on tiny models built in code (no downloads) and is
 compared with the plain ``Trainer(devices=1)`` run on the same batches: fp32 losses within 5e-4 at every step and
@@ -8,7 +8,7 @@ CI runs P=2 built in ``__init__`` for every family, and with compiled blocks (``
 litgpt. The full matrix (P=2, P=4, P=2 x D=2, built on meta in ``configure_model`` with ``initial_weights``,
 bf16-mixed, blocks compiled by ``aot_eager`` and by ``inductor`` from a fresh cache, peft LoRA adapters, Hugging
 Face's own gradient checkpointing, ``validate`` and ``predict`` after training) runs with ``VARUNA_ZOO=full`` or
-``-m zoo``; ``VARUNA_ZOO_OUT=DIR`` keeps the results there for ``python tests/zoo_table.py DIR`` (and with
+``-m zoo``; ``VARUNA_ZOO_OUT=DIR`` keeps the results there for ``python tests/helpers/zoo_table.py DIR`` (and with
 ``VARUNA_ZOO_REUSE=1`` the results already there are judged again instead of rerun).
 """
 
@@ -20,11 +20,11 @@ import re
 from pathlib import Path
 
 import pytest
-from launch import python, torchrun
-from zoo_models import FAMILIES
-from zoo_results import CI_CONFIGS, CONFIGS, STEPS, applies, error_of, judge, run_specs, specs_of
+from helpers.launch import python, torchrun
+from helpers.zoo_models import FAMILIES
+from helpers.zoo_results import CI_CONFIGS, CONFIGS, STEPS, applies, error_of, judge, run_specs, specs_of
 
-# family x configuration the current engine cannot train (measured, tests/zoo_table.py): strict, so a fix makes
+# family x configuration the current engine cannot train (measured, tests/helpers/zoo_table.py): strict, so a fix makes
 # them fail until removed here
 _T5 = ("engine limitation: T5's relative position bias is computed by the first block from its parameters and passed"
        " to every later block (and the encoder's output to every decoder block): values that must be transported"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import python, torchrun
+from helpers.launch import python, torchrun
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import RandomTokens, TinyGPT  # noqa: E402
+from helpers.models import RandomTokens, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402

@@ -76,8 +76,8 @@ def train(out: Path, scenario: str) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import lightning.pytorch as pl
     import torch
+    from helpers.models import RandomTokens, TinyGPT
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from models import RandomTokens, TinyGPT
 
     import lightning_varuna
 

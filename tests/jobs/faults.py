@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from forked import marked_time, run_ranks  # noqa: E402
-from models import RandomTokens, TinyGPT  # noqa: E402
+from helpers.models import RandomTokens, TinyGPT  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 

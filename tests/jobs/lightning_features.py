@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler, default_collate
 from torchmetrics.classification import MulticlassAccuracy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import RandomTokens, TinyGPT  # noqa: E402
+from helpers.models import RandomTokens, TinyGPT  # noqa: E402
 from parity import parity  # noqa: E402
 from spec import parse_spec, trainer_for  # noqa: E402
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from helpers.models import RandomTokens, TinyGPT
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
-from models import RandomTokens, TinyGPT
 from spec import trainer_for
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler

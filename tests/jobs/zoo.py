@@ -1,4 +1,4 @@
-"""Trains model-zoo families (``tests/zoo_models.py``) under one configuration each and records what happened.
+"""Trains model-zoo families (``tests/helpers/zoo_models.py``) under one configuration each and records what happened.
 
     python tests/jobs/zoo.py OUT llama:ref gpt2:ref-bf16 ...               # plain one-process references
     torchrun --nproc-per-node=2 tests/jobs/zoo.py OUT llama:p2 gpt2:meta-p2 ...
@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo_models import BATCH, FAMILIES, STEPS, ZooModule, dataset, save_weights, variant_cut_at  # noqa: E402
+from helpers.zoo_models import BATCH, FAMILIES, STEPS, ZooModule, dataset, save_weights, variant_cut_at  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "gpt" / "elastic.py"
 # "params": the same split on every start (a timed split varies with the machine's load), so that runs compare.
 TINY = ["--n-layer", "2", "--n-embd", "32", "--block-size", "32", "--global-batch-size", "8", "--num-microbatches", "2",

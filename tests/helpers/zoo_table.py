@@ -1,10 +1,10 @@
 """Writes the "Tested models" markdown table from the model-zoo results (``tests/test_zoo.py``), never by hand.
 
     VARUNA_ZOO=full VARUNA_ZOO_OUT=/tmp/zoo python -m pytest tests/test_zoo.py
-    python tests/zoo_table.py /tmp/zoo -o docs/tested_models.md
+    python tests/helpers/zoo_table.py /tmp/zoo -o docs/tested_models.md
 
 A cell is **exact** when every step's loss and every parameter's step-1 gradient match the plain single-process
-run within the tolerances of ``tests/zoo_results.py`` (bf16-mixed: **matches**, losses only), **fails** with the
+run within the tolerances of ``tests/helpers/zoo_results.py`` (bf16-mixed: **matches**, losses only), **fails** with the
 first problem otherwise, and empty where the pair did not run.
 """
 
@@ -14,9 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo_models import FAMILIES  # noqa: E402
-from zoo_results import CONFIGS, DESCRIPTIONS, applies, judge  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
+from helpers.zoo_models import FAMILIES  # noqa: E402
+from helpers.zoo_results import CONFIGS, DESCRIPTIONS, applies, judge  # noqa: E402
 
 TITLES = {
     "gpt2": "GPT-2 (`GPT2LMHeadModel`)", "llama": "Llama (`LlamaForCausalLM`)",
@@ -76,9 +76,9 @@ def table(out: Path) -> str:
         "",
         "Generated from the results of `tests/test_zoo.py`, never by hand:",
         "`VARUNA_ZOO=full VARUNA_ZOO_OUT=DIR python -m pytest tests/test_zoo.py`, then",
-        "`python tests/zoo_table.py DIR -o docs/tested_models.md --sections README.md docs/user_guide.md`.",
-        "Tiny configurations built in code (`tests/zoo_models.py`), split with `cut_at`, trained 8 AdamW steps and",
-        "compared with the plain single-process Trainer: **exact** = every step's loss within 5e-4 and every",
+        "`python tests/helpers/zoo_table.py DIR -o docs/tested_models.md --sections README.md docs/user_guide.md`.",
+        "Tiny configurations built in code (`tests/helpers/zoo_models.py`), split with `cut_at`, trained 8 AdamW steps",
+        "and compared with the plain single-process Trainer: **exact** = every step's loss within 5e-4 and every",
         "parameter's step-1 gradient within 1e-5 (each parameter held by some rank); bf16-mixed: **matches** =",
         "losses within 2e-2. Blocks compiled: each block's `compile()`, as torchtitan does; -: not in the matrix.",
         "",
