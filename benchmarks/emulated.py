@@ -432,7 +432,7 @@ def ours_importable() -> str | None:
 def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: tuple[int, ...]):
     """Our engine (lightning_varuna.pipeline.engine.PipelineEngine) on the same emulated model.
 
-    ``PipelineEngine(module, pipeline_parallel_size=P, num_microbatches=m, schedule=..., recompute=...)``,
+    ``PipelineEngine(module, EngineConfig(pipeline_parallel_size=P, num_microbatches=m, schedule=..., recompute=...))``,
     ``engine.setup(batch, step)``, ``engine.train_step(batch, step)`` with ``step(microbatch) -> loss``. (It
     also adapts to an older announced shape, ``PipelineEngine(module, step_fn, ...)`` with
     ``engine.setup(batch)``, so that the benchmark can measure earlier commits.) The model's blocks are NOT
@@ -458,10 +458,17 @@ def run_varuna(sysm: System, rt: Runtime, rank: int, world: int, m: int, shape: 
 
     kwargs = dict(pipeline_parallel_size=world, num_microbatches=m, schedule=sysm.schedule, recompute=sysm.recompute)
     params = inspect.signature(PipelineEngine.__init__).parameters
-    if "p2p_timeout" in params:
+    if "p2p_timeout" in params or "config" in params:
         kwargs["p2p_timeout"] = 30.0  # a failed peer ends the step within 30 s (see preflight_ours)
     announced = "step_fn" in params
-    engine = PipelineEngine(model, step_fn, **kwargs) if announced else PipelineEngine(model, **kwargs)
+    if "config" in params:  # the engine takes its options as one EngineConfig
+        from lightning_varuna.pipeline.config import EngineConfig
+
+        engine = PipelineEngine(model, EngineConfig(**kwargs))
+    elif announced:
+        engine = PipelineEngine(model, step_fn, **kwargs)
+    else:
+        engine = PipelineEngine(model, **kwargs)
     sample = make_batch(torch.randn(m * shape[0], *shape[1:]), m, step=999)
     if "step" in inspect.signature(engine.setup).parameters:
         engine.setup(sample, step)

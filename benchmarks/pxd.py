@@ -125,6 +125,7 @@ class Config:
     def __init__(self, compute: str, P: int, args) -> None:
         import torch.distributed as dist
 
+        from lightning_varuna.pipeline.config import EngineConfig
         from lightning_varuna.pipeline.engine import PipelineEngine
         from lightning_varuna.pipeline.runtime.events import StageCounters
 
@@ -134,9 +135,9 @@ class Config:
         self.replica_batch = args.global_batch // self.D
         self.model = build_model(compute, args.block_fwd_ms / 1e3)
         self.loss = self.model._loss
-        self.engine = PipelineEngine(self.model, P, microbatch_size=args.microbatch_size, schedule=args.schedule,
-                                     recompute=True, partition="params", p2p_timeout=args.timeout_s,
-                                     grad_bucket_bytes=args.bucket_bytes)
+        self.engine = PipelineEngine(self.model, EngineConfig(
+            P, microbatch_size=args.microbatch_size, schedule=args.schedule, recompute=True, partition="params",
+            p2p_timeout=args.timeout_s, grad_bucket_bytes=args.bucket_bytes))
         replica = dist.get_rank() // P
         self.batches = make_batches(args.warmup + args.steps + 1, self.replica_batch, replica)
         plan = self.engine.setup(self.batches[-1], self.loss)

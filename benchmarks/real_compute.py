@@ -277,13 +277,14 @@ class BareEngine:
     """Our ``PipelineEngine`` without Lightning: the engine's own loop (docstring of engine.py) on the GPT."""
 
     def __init__(self, name: str, steps: int, breakdown: bool):
+        from lightning_varuna.pipeline.config import EngineConfig
         from lightning_varuna.pipeline.engine import PipelineEngine
 
         schedule = name.split("-")[1]
         gpt = build_gpt()
         self.loss = gpt._loss  # the model's loss (its training_step minus self.log, which needs a Trainer)
-        self.engine = PipelineEngine(gpt, 2, num_microbatches=MICROBATCHES, schedule=schedule,
-                                     recompute=name.endswith("-rc"), partition="params")
+        self.engine = PipelineEngine(gpt, EngineConfig(2, num_microbatches=MICROBATCHES, schedule=schedule,
+                                                       recompute=name.endswith("-rc"), partition="params"))
         self.it = iter(make_loader(steps + 3))
         plan = self.engine.setup(next(self.it), self.loss)
         self.plan = [[st.segments[0], st.segments[-1]] for st in plan.stages]

@@ -1,12 +1,19 @@
 """lightning-varuna: Varuna-style pipeline parallelism for PyTorch Lightning."""
 
 from lightning_varuna.checkpoint import CheckpointError
-from lightning_varuna.pipeline import CutPoint, CutPointError, PartitionError, PipelineEngine, PipelineError
-from lightning_varuna.pipeline.varuna_warning import VarunaWarning
+from lightning_varuna.pipeline import (
+    CutPoint,
+    CutPointError,
+    EngineConfig,
+    PartitionError,
+    PipelineEngine,
+    PipelineError,
+)
+from lightning_varuna.pipeline.varuna_warning import VarunaDeprecationWarning, VarunaWarning
 
 __all__ = [
-    "CheckpointError", "CutPoint", "CutPointError", "PipelineEngine", "PipelineError", "PartitionError",
-    "VarunaStrategy", "VarunaWarning", "load_from_checkpoint",
+    "CheckpointError", "CutPoint", "CutPointError", "EngineConfig", "PipelineEngine", "PipelineError", "PartitionError",
+    "VarunaDeprecationWarning", "VarunaStrategy", "VarunaWarning", "load_from_checkpoint",
 ]
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ FABRIC_MESSAGE = (
     "Fabric(strategy='varuna') is not supported: VarunaStrategy runs Lightning's training_step hooks through the"
     " pipeline, which Fabric's own loops do not have. Use Trainer(strategy='varuna') with a LightningModule, or,"
     " in your Fabric loop, lightning_varuna.PipelineEngine directly (on every rank of an initialised process group:"
-    " engine = PipelineEngine(model, pipeline_parallel_size=P); engine.setup(batch, step); then per batch"
+    " engine = PipelineEngine(model, EngineConfig(pipeline_parallel_size=P)); engine.setup(batch, step); then per batch"
     " engine.train_step(batch, step, start_sync=True), engine.sync_gradients() and your optimizer over"
     " engine.parameters(); see the user guide, 'Without Lightning')."
 )

@@ -79,7 +79,7 @@ def new_engine(strategy: ParallelStrategy, trainer: Trainer, config: EngineConfi
         raise MisconfigurationException(f"VarunaStrategy cannot run trainer.{trainer.state.fn}.")
     devices = strategy.num_processes or None
     config = replace(config, max_pipeline_size=devices, devices_per_node=devices)
-    return PipelineEngine.from_config(strategy.lightning_module, config, device=strategy.root_device)
+    return PipelineEngine(strategy.lightning_module, config, device=strategy.root_device)
 
 
 def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: PipelineEngine, patches: InstancePatches,

@@ -163,11 +163,11 @@ package = types.ModuleType("lightning_varuna"); package.__path__ = [{str(PACKAGE
 sys.modules["lightning_varuna"] = package
 import torch, torch.distributed as dist
 from torch import nn
-from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline import CutPoint, EngineConfig, PipelineEngine
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 model = nn.Sequential(nn.Linear(4, 4), CutPoint(), nn.Linear(4, 1))
-engine = PipelineEngine(model, 1, num_microbatches=2)
+engine = PipelineEngine(model, EngineConfig(1, num_microbatches=2))
 batch = (torch.randn(4, 4), torch.randn(4, 1))
 step = lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1])
 engine.setup(batch, step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from unittest import mock
 
 import pytest
@@ -18,7 +19,15 @@ import torch.distributed as dist
 from helpers.models import RandomTokens, TinyGPT
 from torch import Tensor, nn
 
-from lightning_varuna import CutPoint, CutPointError, PartitionError, PipelineEngine, VarunaStrategy
+from lightning_varuna import (
+    CutPoint,
+    CutPointError,
+    EngineConfig,
+    PartitionError,
+    PipelineEngine,
+    VarunaDeprecationWarning,
+    VarunaStrategy,
+)
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.model.cut import install_cut_at
 from lightning_varuna.pipeline.model.dry_run import TIMED_RUNS, trace_step
@@ -56,7 +65,7 @@ def trace(model: nn.Module, width: int = 4):
 
 
 def setup_engine(model: nn.Module, topo: Topology, batch_size: int = 4, **options) -> PipelineEngine:
-    engine = PipelineEngine(model, topo.pipeline_size, **options)
+    engine = PipelineEngine(model, EngineConfig(topo.pipeline_size, **options))
     batch = torch.randn(batch_size, 4)
     engine.setup(batch, lambda b: model(b), topology=topo)
     return engine
@@ -100,7 +109,7 @@ def test_strategy_rejects_bad_arguments(options: dict, match: str) -> None:
 @pytest.mark.parametrize("timeout", [0, -1.0])
 def test_engine_rejects_non_positive_p2p_timeout(timeout: float) -> None:
     with pytest.raises(ValueError, match=f"p2p_timeout must be a positive number of seconds, got {timeout}"):
-        PipelineEngine(nn.Linear(1, 1), 1, p2p_timeout=timeout)
+        EngineConfig(1, p2p_timeout=timeout)
 
 
 def test_strategy_rejects_non_positive_p2p_timeout() -> None:
@@ -176,7 +185,7 @@ def test_cut_at_not_a_container() -> None:
 
 def test_cut_at_raised_through_engine_before_any_collective() -> None:
     model = TinyGPT(n_layer=2, use_cut_points=False)
-    engine = PipelineEngine(model, 2, cut_at="model.blocks")
+    engine = PipelineEngine(model, EngineConfig(2, cut_at="model.blocks"))
     idx, targets = RandomTokens(n=4)[0]
     with pytest.raises(CutPointError, match="cut_at='model.blocks'"):
         engine.setup((idx[None], targets[None]), lambda b: model.training_step(b, 0), topology=topology(2, 2))
@@ -302,7 +311,7 @@ def test_cut_points_in_a_different_order_after_the_dry_run() -> None:
 # -- batches and steps -------------------------------------------------------------------------------------
 
 def test_batch_smaller_than_num_microbatches() -> None:
-    engine = PipelineEngine(nn.Linear(4, 1), 2, num_microbatches=4)
+    engine = PipelineEngine(nn.Linear(4, 1), EngineConfig(2, num_microbatches=4))
     with pytest.raises(ValueError, match=r"A batch of 3 sample\(s\) cannot be split into num_microbatches=4\."
                        r" Use a batch size >= 4, fewer micro-batches, or drop_last=True"):
         engine.microbatches_for(3)
@@ -541,3 +550,27 @@ def test_fused_optimizer_with_a_loss_scaler_is_rejected() -> None:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def test_engine_keyword_options_still_work_and_name_the_config_form() -> None:
+    with pytest.warns(VarunaDeprecationWarning, match=r"PipelineEngine\(module, EngineConfig\(pipeline_parallel_size="
+                                                      r"\.\.\., num_microbatches=\.\.\.\)\)"):
+        engine = PipelineEngine(nn.Linear(4, 1), 2, num_microbatches=4)
+    assert engine.config == EngineConfig(2, num_microbatches=4)
+    assert engine.pipeline_size == 2
+    with pytest.warns(VarunaDeprecationWarning), pytest.raises(ValueError, match="schedule='nope'"):
+        PipelineEngine(nn.Linear(4, 1), schedule="nope")
+
+
+def test_engine_refuses_a_config_and_options_together() -> None:
+    with pytest.raises(TypeError, match=r"both a config and options \['num_microbatches'\].*dataclasses\.replace"):
+        PipelineEngine(nn.Linear(4, 1), EngineConfig(2), num_microbatches=4)
+
+
+def test_engine_takes_its_options_as_one_config_without_warning() -> None:
+    config = EngineConfig(2, num_microbatches=4, schedule="1f1b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = PipelineEngine(nn.Linear(4, 1), config)
+    assert engine.config is config
+    assert PipelineEngine(nn.Linear(4, 1)).config == EngineConfig()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline import CutPoint, EngineConfig, PipelineEngine
 from lightning_varuna.pipeline.model.stand_ins import free_parameter
 from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     accumulating_in_place,
@@ -186,7 +186,7 @@ def test_a_gradient_hook_sees_each_microbatch_alone_and_a_weight_frozen_after_fo
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_engine_installs_it_for_its_stage_and_teardown_removes_it(fuse: bool, tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 8), CutPoint(), nn.Linear(8, 1))
-    engine = PipelineEngine(model, 1, num_microbatches=2, fuse_grad_accumulation=fuse)
+    engine = PipelineEngine(model, EngineConfig(1, num_microbatches=2, fuse_grad_accumulation=fuse))
     batch = (torch.randn(4, 4), torch.randn(4, 1))
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from lightning_varuna.pipeline import CutPoint, PartitionError
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine, first_samples
 from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.meta_init import (
@@ -380,7 +381,7 @@ def test_a_step_that_fails_on_meta_and_on_placeholders_gets_an_error_that_says_w
             raise ValueError("the loss is zero")
         return loss
 
-    engine = PipelineEngine(model, 1)
+    engine = PipelineEngine(model, EngineConfig(1))
     with pytest.raises(PartitionError, match=r"meta device.*\.item\(\).*ValueError: the loss is zero"):
         engine.setup(torch.randn(4, 4), step)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_varuna import CutPoint, PartitionError, PipelineEngine
+from lightning_varuna import CutPoint, EngineConfig, PartitionError, PipelineEngine
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_plan
@@ -169,7 +169,7 @@ def test_a_side_value_computed_from_parameters_is_refused(side: nn.Module) -> No
 def test_the_engine_refuses_it_before_any_rank_waits() -> None:
     """A topology without a process group: a check made after a collective would fail differently."""
     model = Model(Noise())
-    engine = PipelineEngine(model, 2, num_microbatches=2)
+    engine = PipelineEngine(model, EngineConfig(2, num_microbatches=2))
     topology = Topology(world_size=2, rank=1, pipeline_size=2, device=torch.device("cpu"))
     with pytest.raises(PartitionError, match=r"computed by side in segment 0 and read by blocks\.1"):
         engine.setup(torch.randn(4, WIDTH), lambda b: model(b), topology=topology)

@@ -7,6 +7,7 @@ step), :mod:`~.comm` (between ranks), :mod:`~.planning` (auto-configuration), :m
 """
 
 from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine, StepResult
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
 from lightning_varuna.pipeline.model.dry_run import PartitionError
@@ -15,6 +16,6 @@ from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, Kind, Sche
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = [
-    "SCHEDULES", "CutPoint", "CutPointError", "Kind", "PartitionError", "PipelineEngine", "PipelineError", "Plan",
-    "Schedule", "StepResult", "Task", "Topology", "make_schedule",
+    "SCHEDULES", "CutPoint", "CutPointError", "EngineConfig", "Kind", "PartitionError", "PipelineEngine",
+    "PipelineError", "Plan", "Schedule", "StepResult", "Task", "Topology", "make_schedule",
 ]

@@ -2,7 +2,7 @@
 
 Typical use, on every rank of an initialised process group::
 
-    engine = PipelineEngine(model, pipeline_parallel_size=2, num_microbatches=4)
+    engine = PipelineEngine(model, EngineConfig(pipeline_parallel_size=2, num_microbatches=4))
     engine.setup(batch, lambda mb: loss_fn(model(mb[0]), mb[1]))
     optimizer = torch.optim.AdamW(engine.parameters())  # this stage's parameters only
     for batch in loader:
@@ -19,10 +19,11 @@ import functools
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +31,6 @@ from torch.optim import Optimizer
 
 from lightning_varuna.fault.watchdog import current_watchdog
 from lightning_varuna.pipeline.batches import (
-    TokenCounter,
     batch_size_of,
     count_loss_units,
     default_loss,
@@ -43,7 +43,6 @@ from lightning_varuna.pipeline.comm.sharded_step import ShardedStep, check_eleme
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.cut import CutPoint
-from lightning_varuna.pipeline.model.meta_init import ParamInitFn
 from lightning_varuna.pipeline.model.partition import Plan
 from lightning_varuna.pipeline.model.stand_ins import remove_stand_ins
 from lightning_varuna.pipeline.planning.choice import AutoConfig
@@ -54,6 +53,7 @@ from lightning_varuna.pipeline.scheduling.schedules import Schedule, make_schedu
 from lightning_varuna.pipeline.setup_phase import SetupPhase
 from lightning_varuna.pipeline.timelines.timeline import TimelineRecorder
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.varuna_warning import VarunaDeprecationWarning
 
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
 
@@ -83,91 +83,29 @@ class PipelineEngine(SetupPhase):
             tensors, every rank holds the full model until :meth:`setup`, which keeps only this rank's stage;
             built with its parameters on the meta device (:func:`~lightning_varuna.pipeline.model.meta_init.
             parameters_on_meta`), each rank materializes and initializes only its stage's parameters.
-        pipeline_parallel_size: P, the number of stages, or ``"auto"``. D = world size / P.
-        num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
-        microbatch_size: Alternatively, the size of each micro-batch.
-        schedule: ``"varuna"``, ``"1f1b"`` or ``"gpipe"``.
-        recompute: Non-last stages keep only their inputs during forwards and recompute before backward; a number
-            ``n``: only their first ``n`` segments.
-        cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
-        partition: Balance stages by measured ``"time"`` or by ``"params"``.
-        p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
+        config: The options (P, micro-batches, schedule, recompute, ...), checked when the config is made:
+            :class:`~lightning_varuna.pipeline.config.EngineConfig` documents each. Default: ``EngineConfig()``.
         device: The device of this rank (default: CPU).
-        boundary_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype
-            (e.g. ``torch.bfloat16`` under bf16 autocast: half the bytes) and are cast back on arrival.
-        grad_bucket_bytes: Size of a data-parallel all-reduce bucket (default: a quarter of the stage's
-            gradient, within 64 KiB-25 MiB; see :func:`~lightning_varuna.pipeline.comm.grad_sync.default_bucket_bytes`).
-        overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a
-            ``train_step(..., start_sync=True)`` (else all start after the schedule). Switchable later through
-            ``engine.grad_sync.overlap``.
-        fuse_grad_accumulation: Whether ``nn.Linear`` layers add later micro-batches' weight gradients straight
-            into ``.grad`` (no weight-sized temporary; :mod:`~lightning_varuna.pipeline.runtime.fused_linear_grad`).
-        max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this.
-        param_init_fn: Initializes what a module owns directly, for a model built on the meta device (default:
-            the module's ``reset_parameters()``).
-        init_seed: The seed of that initialization (default: rank 0's ``torch.initial_seed()``).
-        p2p_backend: ``"auto"`` (the default process group's backend), ``"gloo"`` (activations and gradients
-            through pinned host memory over gloo, for CUDA jobs) or ``"nccl"``.
-        global_batch_size: Samples per step over all replicas; needed to choose P (``"auto"``).
-        memory_limit: Bytes (or e.g. ``"80GiB"``) a stage may use; the planner plans within 90% of it.
-        profile: A profile file to plan from instead of measuring.
-        devices_per_node: Processes per node (default: all on one node).
-        zero_stage: 1: the optimizer's state and step sharded over the D replicas (see :meth:`shard_optimizer`);
-            0: not sharded.
-        stages_per_rank: Model chunks per rank (``schedule="interleaved"``; see
-            :class:`~lightning_varuna.pipeline.config.EngineConfig`).
-        loss_weighting: ``"samples"``, ``"tokens"``, ``"shifted_tokens"`` or a token counter: what weights each
-            micro-batch's loss within the batch (see :meth:`train_step`).
+        **options: The options as keyword arguments instead of ``config`` (the form before ``config``; deprecated:
+            it warns with :class:`~lightning_varuna.pipeline.varuna_warning.VarunaDeprecationWarning`). A second
+            positional argument that is not an ``EngineConfig`` is read as ``pipeline_parallel_size``.
 
     With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
     with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
     (:mod:`lightning_varuna.pipeline.planning.choice`); :attr:`autoconfig` then holds the choice and the ranking.
 
-    The options are checked at once (:class:`~lightning_varuna.pipeline.config.EngineConfig`);
-    :meth:`from_config` builds an engine from a config. :attr:`events` is the executor's event hook: recorders
-    added there (:mod:`~lightning_varuna.pipeline.runtime.events`) see every task and transfer; there are none by
-    default.
+    :attr:`events` is the executor's event hook: recorders added there (:mod:`~lightning_varuna.pipeline.runtime.
+    events`) see every task and transfer; there are none by default.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        pipeline_parallel_size: int | Literal["auto"] = "auto",
-        num_microbatches: int | None = None,
-        microbatch_size: int | None = None,
-        schedule: str = "varuna",
-        recompute: bool | int | str = True,
-        cut_at: str | None = None,
-        partition: str = "time",
-        p2p_timeout: float = 300.0,
+        config: EngineConfig | None = None,
         device: torch.device | None = None,
-        boundary_dtype: torch.dtype | None = None,
-        grad_bucket_bytes: int | None = None,
-        overlap_grad_sync: bool = True,
-        fuse_grad_accumulation: bool = True,
-        max_pipeline_size: int | None = None,
-        param_init_fn: ParamInitFn | None = None,
-        init_seed: int | None = None,
-        p2p_backend: str = "auto",
-        global_batch_size: int | None = None,
-        memory_limit: int | str | None = None,
-        profile: str | None = None,
-        devices_per_node: int | None = None,
-        zero_stage: int = 0,
-        stages_per_rank: int | str = 1,
-        loss_weighting: str | TokenCounter = "samples",
+        **options: Any,
     ) -> None:
-        config = EngineConfig(
-            pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
-            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
-            partition=partition, p2p_timeout=p2p_timeout, boundary_dtype=boundary_dtype,
-            grad_bucket_bytes=grad_bucket_bytes, overlap_grad_sync=overlap_grad_sync,
-            fuse_grad_accumulation=fuse_grad_accumulation, max_pipeline_size=max_pipeline_size,
-            param_init_fn=param_init_fn,
-            init_seed=init_seed, p2p_backend=p2p_backend, global_batch_size=global_batch_size,
-            memory_limit=memory_limit, profile=profile, devices_per_node=devices_per_node, zero_stage=zero_stage,
-            stages_per_rank=stages_per_rank, loss_weighting=loss_weighting,
-        )
+        config = _config_of(config, options)
         self.config = config
         self.module = module
         self.device = device or torch.device("cpu")
@@ -181,7 +119,8 @@ class PipelineEngine(SetupPhase):
         """The planner's choice and ranking, when it chose (see :mod:`lightning_varuna.pipeline.planning.choice`)."""
         self.recorder: TimelineRecorder | None = None
         """What each training step did when (see :meth:`record_timeline`); None when not recording."""
-        self._pipeline_size = pipeline_parallel_size if pipeline_parallel_size != "auto" else None
+        size = config.pipeline_parallel_size
+        self._pipeline_size: int | None = size if isinstance(size, int) else None
         self._cuts: list[CutPoint] = []
         self._hooks: list[Any] = []
         self._stand_ins: list[Any] = []
@@ -193,8 +132,8 @@ class PipelineEngine(SetupPhase):
 
     @classmethod
     def from_config(cls, module: nn.Module, config: EngineConfig, device: torch.device | None = None) -> PipelineEngine:
-        """An engine for ``module`` with the options of ``config``."""
-        return cls(module, device=device, **{f.name: getattr(config, f.name) for f in fields(config)})
+        """The same as ``PipelineEngine(module, config, device)``."""
+        return cls(module, config, device)
 
     @property
     def pipeline_size(self) -> int:
@@ -428,3 +367,20 @@ class PipelineEngine(SetupPhase):
         remove_grad_accumulation(self._accumulating)
         self._accumulating = []
 
+
+def _config_of(config: object, options: dict[str, Any]) -> EngineConfig:
+    """The engine's config: ``config`` itself, or the deprecated keyword form converted (with a warning)."""
+    if isinstance(config, EngineConfig) and not options:
+        return config
+    if isinstance(config, EngineConfig):
+        raise TypeError(f"PipelineEngine got both a config and options {sorted(options)}: set them in the config,"
+                        " e.g. dataclasses.replace(config, ...).")
+    if config is not None:  # the earlier signature's second positional argument
+        options = {"pipeline_parallel_size": config, **options}
+    if not options:
+        return EngineConfig()
+    warnings.warn(
+        "PipelineEngine(module, option=...) is deprecated: pass the options as a config,"
+        f" PipelineEngine(module, EngineConfig({', '.join(f'{k}=...' for k in options)}))"
+        " (from lightning_varuna import EngineConfig).", VarunaDeprecationWarning, stacklevel=3)
+    return EngineConfig(**options)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_varuna import CutPoint
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 
 STEPS = 3
@@ -96,9 +97,9 @@ def run(name: str, device: torch.device, width: int, rows: int, dropout: float, 
                 return net(batch)
         return step
 
-    engine = PipelineEngine(model, stages, num_microbatches=4, schedule=schedule, recompute=recompute,
-                            partition="params", device=device, p2p_timeout=120, p2p_backend=p2p_backend,
-                            boundary_dtype=torch.bfloat16 if bf16 else None)
+    engine = PipelineEngine(model, EngineConfig(stages, num_microbatches=4, schedule=schedule, recompute=recompute,
+                                         partition="params", p2p_timeout=120, p2p_backend=p2p_backend,
+                                         boundary_dtype=torch.bfloat16 if bf16 else None), device=device)
     replica = rank // stages
     batches = _batches(replicas, rows, width, device)
     mine = [b[replica * rows: (replica + 1) * rows] for b in batches]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_varuna.pipeline import CutPoint, PipelineEngine
+from lightning_varuna.pipeline import CutPoint, EngineConfig, PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import parameters_on_meta
 
 
@@ -35,8 +35,8 @@ def main() -> None:
     def step(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return nn.functional.mse_loss(model(b[0]), b[1])
 
-    engine = PipelineEngine(model, "auto", microbatch_size="auto", schedule="auto", recompute="auto",
-                            global_batch_size=8, p2p_timeout=60.0)
+    engine = PipelineEngine(model, EngineConfig("auto", microbatch_size="auto", schedule="auto", recompute="auto",
+                                         global_batch_size=8, p2p_timeout=60.0))
     engine.setup(batch, step)
     chosen = engine.autoconfig.chosen
     D = chosen.data_size

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_varuna import CutPoint
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.runtime.events import StageCounters
 
@@ -51,8 +52,8 @@ def main(out: Path) -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = Model()
-    engine = PipelineEngine(model, pipeline_parallel_size=3, num_microbatches=8, schedule="varuna",
-                            recompute=True, partition="params", p2p_timeout=60.0)
+    engine = PipelineEngine(model, EngineConfig(pipeline_parallel_size=3, num_microbatches=8, schedule="varuna",
+                                         recompute=True, partition="params", p2p_timeout=60.0))
     batch = torch.randn(16, 16)
     engine.setup(batch, lambda b: model(b))
     engine.executor.feed_next_stage = False  # count the moves of Varuna's rule alone
