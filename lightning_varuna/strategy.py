@@ -40,8 +40,8 @@ from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.data import check_global_batch, resumable_training_loader
 from lightning_varuna.fault.failures import report_failure, waiting_on_peers
 from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder, kept_on_meta
+from lightning_varuna.pipeline import config as engine_config  # the options' types, written once there
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep
-from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
@@ -172,13 +172,13 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
 
     def __init__(
         self,
-        pipeline_parallel_size: int | Literal["auto"] = "auto",
+        pipeline_parallel_size: engine_config.PipelineSize = "auto",
         num_microbatches: int | None = None,
-        microbatch_size: int | Literal["auto"] | None = None,
-        schedule: Literal["varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "auto"] = "varuna",
-        recompute: bool | int | Literal["auto"] = True,
+        microbatch_size: engine_config.MicrobatchSize = None,
+        schedule: engine_config.ScheduleName = "varuna",
+        recompute: engine_config.Recompute = True,
         cut_at: str | None = None,
-        partition: Literal["time", "params"] = "time",
+        partition: engine_config.PartitionBy = "time",
         p2p_timeout: float = 300.0,
         boundary_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
         global_batch_size: int | None = None,
@@ -200,11 +200,11 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
-        p2p_backend: Literal["auto", "nccl", "gloo"] = "auto",
+        p2p_backend: engine_config.P2PBackend = "auto",
         fuse_grad_accumulation: bool = True,
-        zero_stage: Literal[0, 1] = 0,
-        stages_per_rank: int | Literal["auto"] = 1,
-        loss_weighting: Literal["samples", "tokens", "shifted_tokens"] | Callable[[Any], int | Tensor] = "samples",
+        zero_stage: engine_config.ZeroStage = 0,
+        stages_per_rank: engine_config.StagesPerRank = 1,
+        loss_weighting: engine_config.LossWeighting = "samples",
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -215,7 +215,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
             raise ValueError(f"global_batch_size must be a positive int or None, got {global_batch_size!r}.")
         # checked now, before any process starts
-        self.config = EngineConfig(
+        self.config = engine_config.EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn, loss_weighting=loss_weighting,

@@ -8,6 +8,8 @@ import sys
 import pytest
 from helpers.launch import _env, run_checked
 
+from lightning_varuna import VarunaStrategy
+
 # the CLI reads a number given on the command line as a float: "1" would be 1.0, every validation batch; "2" is
 # 2.0, which Lightning takes as 2 batches
 SHORT = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
@@ -40,3 +42,24 @@ def test_strategy_arguments_are_documented_for_the_cli() -> None:
                      "profile", "timeline_dir"):
         assert f"--trainer.strategy.{argument}" in result.stdout
     assert "Micro-batches per batch" in result.stdout
+
+
+def test_strategy_option_types_are_the_engine_configs_and_parse_in_the_cli() -> None:
+    from typing import get_args
+
+    from jsonargparse import ArgumentParser
+
+    from lightning_varuna.pipeline import config
+    from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES
+
+    assert set(get_args(config.ScheduleName)) == {*SCHEDULES, config.AUTO}, "every schedule is a CLI choice"
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(VarunaStrategy, "strategy")
+    parsed = parser.parse_args(["--strategy.schedule=zero-bubble", "--strategy.recompute=2",
+                                "--strategy.microbatch_size=auto", "--strategy.stages_per_rank=2",
+                                "--strategy.zero_stage=1", "--strategy.partition=params"]).strategy
+    assert (parsed.schedule, parsed.recompute, parsed.microbatch_size) == ("zero-bubble", 2, "auto")
+    assert (parsed.stages_per_rank, parsed.zero_stage, parsed.partition) == (2, 1, "params")
+    for bad in ("--strategy.schedule=nope", "--strategy.partition=layers", "--strategy.zero_stage=2"):
+        with pytest.raises(Exception, match="Expected a typing.Literal"):
+            parser.parse_args([bad])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -13,12 +13,26 @@ from lightning_varuna.pipeline.planning.memory_model import parse_bytes
 from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, check_schedule_shape
 from lightning_varuna.pipeline.scheduling.tasks import ScheduleError
 
-__all__ = ["AUTO", "P2P_BACKENDS", "PARTITIONS", "EngineConfig"]
+__all__ = [
+    "AUTO", "P2P_BACKENDS", "PARTITIONS", "EngineConfig", "MicrobatchSize", "P2PBackend", "PartitionBy",
+    "LossWeighting", "PipelineSize", "Recompute", "ScheduleName", "StagesPerRank", "ZeroStage",
+]
 
 AUTO = "auto"
 
-PARTITIONS: tuple[str, ...] = ("time", "params")
-P2P_BACKENDS: tuple[str, ...] = ("auto", "nccl", "gloo")
+# The options' types, written once: EngineConfig's fields and VarunaStrategy's parameters (which LightningCLI reads)
+PipelineSize = int | Literal["auto"]
+MicrobatchSize = int | Literal["auto"] | None
+ScheduleName = Literal["varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "auto"]
+Recompute = bool | int | Literal["auto"]
+PartitionBy = Literal["time", "params"]
+P2PBackend = Literal["auto", "nccl", "gloo"]
+ZeroStage = Literal[0, 1]
+StagesPerRank = int | Literal["auto"]
+LossWeighting = Literal["samples", "tokens", "shifted_tokens"] | TokenCounter
+
+PARTITIONS: tuple[str, ...] = get_args(PartitionBy)
+P2P_BACKENDS: tuple[str, ...] = get_args(P2PBackend)
 
 
 @dataclass(frozen=True)
@@ -86,13 +100,13 @@ class EngineConfig:
             returning its count (:func:`~lightning_varuna.pipeline.batches.count_loss_units`).
     """
 
-    pipeline_parallel_size: int | Literal["auto"] = "auto"
+    pipeline_parallel_size: PipelineSize = "auto"
     num_microbatches: int | None = None
-    microbatch_size: int | Literal["auto"] | None = None
-    schedule: str = "varuna"
-    recompute: bool | int | Literal["auto"] = True
+    microbatch_size: MicrobatchSize = None
+    schedule: ScheduleName = "varuna"
+    recompute: Recompute = True
     cut_at: str | None = None
-    partition: str = "time"
+    partition: PartitionBy = "time"
     p2p_timeout: float = 300.0
     boundary_dtype: torch.dtype | None = None
     grad_bucket_bytes: int | None = None
@@ -101,14 +115,14 @@ class EngineConfig:
     max_pipeline_size: int | None = None
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
     init_seed: int | None = None
-    p2p_backend: str = "auto"
+    p2p_backend: P2PBackend = "auto"
     global_batch_size: int | None = None
     memory_limit: int | str | None = None
     profile: str | None = None
     devices_per_node: int | None = None
-    zero_stage: int = 0
-    stages_per_rank: int | Literal["auto"] = 1
-    loss_weighting: str | TokenCounter = "samples"
+    zero_stage: ZeroStage = 0
+    stages_per_rank: StagesPerRank = 1
+    loss_weighting: LossWeighting = "samples"
 
     def __post_init__(self) -> None:
         if self.zero_stage in (2, 3):
