@@ -264,9 +264,13 @@ def _measure(c, args, real, config, rt, group, engine_class, G, T, V):
     model = emulated_model(real, args.scale, config, rt)
     replica = dist.get_rank() // c.pipeline_size
     batch = _batch(G // c.data_size, T, V, 100 + replica)
-    engine = engine_class(model, c.pipeline_size, microbatch_size=c.microbatch_size, schedule=c.schedule,
-                          recompute=c.recompute, profile=args.emulated_profile, global_batch_size=G,
-                          memory_limit=2**40, devices_per_node=args.devices_per_node, p2p_timeout=args.timeout_s)
+    from lightning_varuna.pipeline import EngineConfig
+    from lightning_varuna.pipeline.planning.choice import choose
+
+    engine = engine_class(model, EngineConfig(
+        c.pipeline_size, microbatch_size=c.microbatch_size, schedule=c.schedule, recompute=c.recompute,
+        profile=args.emulated_profile, global_batch_size=G, memory_limit=2**40, devices_per_node=args.devices_per_node,
+        p2p_timeout=args.timeout_s), planner=choose)
     engine.setup(batch, model._loss)
     optimizer = torch.optim.AdamW(engine.parameters())
     steps = []

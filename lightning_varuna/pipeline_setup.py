@@ -31,6 +31,7 @@ from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors
+from lightning_varuna.pipeline.planning.choice import AutoConfig, choose
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.reports import TimelineOutput, optimizer_spec, report_choice
 from lightning_varuna.step_hooks import StepRunner, check_metric_states
@@ -79,7 +80,7 @@ def new_engine(strategy: ParallelStrategy, trainer: Trainer, config: EngineConfi
         raise MisconfigurationException(f"VarunaStrategy cannot run trainer.{trainer.state.fn}.")
     devices = strategy.num_processes or None
     config = replace(config, max_pipeline_size=devices, devices_per_node=devices)
-    return PipelineEngine(strategy.lightning_module, config, device=strategy.root_device)
+    return PipelineEngine(strategy.lightning_module, config, device=strategy.root_device, planner=choose)
 
 
 def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: PipelineEngine, patches: InstancePatches,
@@ -123,7 +124,7 @@ def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: Pipelin
         module.to(strategy.root_device)  # every tensor is real now: updates the module's `device`
     if initial_weights is not None:
         _load_initial_weights(strategy, trainer, initial_weights, layout)
-    if engine.autoconfig is not None:
+    if isinstance(engine.autoconfig, AutoConfig):  # the choice of `choose`, the planner given above
         report_choice(trainer, engine.autoconfig)
     rank_zero_info(
         f"VarunaStrategy: {_shape(topology.pipeline_size, plan.stages_per_rank)} x {topology.data_size} replica(s),"

@@ -26,6 +26,7 @@ from lightning_varuna.pipeline.planning.search import format_table
 from lightning_varuna.pipeline.timelines.picture import has_matplotlib, render_png
 from lightning_varuna.pipeline.timelines.timeline import (
     TimelineEvent,
+    TimelineRecorder,
     pipeline_metrics,
     predicted_events,
     write_chrome_trace,
@@ -98,7 +99,10 @@ class TimelineOutput:
     def __init__(self, engine: PipelineEngine, directory: str | Path) -> None:
         self.engine = engine
         self.directory = Path(directory)
-        self.recorder = engine.record_timeline()
+        topology = engine.topology
+        assert topology is not None, "the engine is set up"
+        self.recorder = TimelineRecorder(topology.stage, topology.replica)
+        engine.record_timeline(self.recorder)
         self._steps = 0
 
     def optimizer_step(self, start: float, end: float) -> None:
@@ -143,7 +147,7 @@ class TimelineOutput:
         last = max((e.step for e in executed), default=0)
         panels = [(f"executed: step {last}", [e for e in executed if e.step == last])]
         autoconfig = self.engine.autoconfig
-        if autoconfig is not None:
+        if isinstance(autoconfig, AutoConfig):
             predicted = predicted_events(autoconfig.prediction())
             write_chrome_trace(self.directory / "timeline_predicted.json", predicted, "predicted")
             panels.insert(0, (f"predicted: {autoconfig.chosen.describe()}", predicted))

@@ -73,6 +73,21 @@ def test_the_pipeline_engine_imports_nothing_of_lightning_or_of_the_layers_above
     assert offending == {}
 
 
+def test_the_runtime_imports_neither_planning_nor_drawing() -> None:
+    # the engine is given a planner and a timeline recorder (pipeline/engine_inputs.py), it does not import them:
+    # nothing of pipeline/ outside planning/ and timelines/ imports those two (at module level or in a function)
+    offending = {}
+    for path in sorted((PACKAGE / "pipeline").rglob("*.py")):
+        inside = path.relative_to(PACKAGE / "pipeline").parts[0]
+        if inside in ("planning", "timelines"):
+            continue
+        bad = sorted(m for m in _imports(path)
+                     if m.startswith(("lightning_varuna.pipeline.planning", "lightning_varuna.pipeline.timelines")))
+        if bad:
+            offending[_module_name(path)] = bad
+    assert offending == {}
+
+
 def test_checkpointing_imports_nothing_of_the_lightning_glue_and_lightning_only_for_conversion() -> None:
     offending = {}
     for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):

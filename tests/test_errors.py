@@ -574,3 +574,12 @@ def test_engine_takes_its_options_as_one_config_without_warning() -> None:
         engine = PipelineEngine(nn.Linear(4, 1), config)
     assert engine.config is config
     assert PipelineEngine(nn.Linear(4, 1)).config == EngineConfig()
+
+
+def test_engine_refuses_auto_values_without_a_planner_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"leaves values to the planner.*planner=choose.*planning\.choice import"):
+        PipelineEngine(nn.Linear(4, 1), EngineConfig(1, schedule="auto"))
+    from lightning_varuna.pipeline.planning.choice import choose
+
+    assert PipelineEngine(nn.Linear(4, 1), EngineConfig(1, schedule="auto"), planner=choose).planner is choose
+    PipelineEngine(nn.Linear(4, 1), EngineConfig("auto"))  # P from the world size: nothing to plan

@@ -14,7 +14,7 @@ from lightning_varuna.pipeline import CutPoint, PipelineEngine
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
 from lightning_varuna.pipeline.model.dry_run import trace_step
-from lightning_varuna.pipeline.planning.choice import AutoConfig, plan
+from lightning_varuna.pipeline.planning.choice import AutoConfig, choose, plan
 from lightning_varuna.pipeline.planning.memory_model import (
     MEMORY_RESERVE,
     graphs_in_flight,
@@ -280,12 +280,13 @@ def test_nothing_fits_and_a_foreign_profile_are_errors(tmp_path: Path, monkeypat
     def step(b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return nn.functional.mse_loss(model(b[0]), b[1])
 
-    engine = PipelineEngine(model, EngineConfig(1, schedule="auto", recompute="auto", memory_limit=64))
+    engine = PipelineEngine(model, EngineConfig(1, schedule="auto", recompute="auto", memory_limit=64), planner=choose)
     with pytest.raises(PlanError, match="No configuration fits in memory_limit=64 bytes per stage"):
         engine.setup(batch, step)
     assert list((tmp_path / "cache" / "profiles").glob("*.json")), "the measured profile is cached"
     two_segments().save(tmp_path / "other.json")
-    engine = PipelineEngine(model, EngineConfig(1, schedule="auto", profile=str(tmp_path / "other.json")))
+    config = EngineConfig(1, schedule="auto", profile=str(tmp_path / "other.json"))
+    engine = PipelineEngine(model, config, planner=choose)
     with pytest.raises(ProfileError, match="is of another model"):
         engine.setup(batch, step)
 

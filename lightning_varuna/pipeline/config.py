@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -9,16 +10,18 @@ from typing import Literal, get_args
 import torch
 
 from lightning_varuna.pipeline.batches import LOSS_WEIGHTINGS, TokenCounter
-from lightning_varuna.pipeline.planning.memory_model import parse_bytes
 from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, check_schedule_shape
 from lightning_varuna.pipeline.scheduling.tasks import ScheduleError
 
 __all__ = [
     "AUTO", "P2P_BACKENDS", "PARTITIONS", "EngineConfig", "MicrobatchSize", "P2PBackend", "PartitionBy",
-    "LossWeighting", "PipelineSize", "Recompute", "ScheduleName", "StagesPerRank", "ZeroStage",
+    "LossWeighting", "PipelineSize", "Recompute", "ScheduleName", "StagesPerRank", "ZeroStage", "parse_bytes",
 ]
 
 AUTO = "auto"
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 # The options' types, written once: EngineConfig's fields and VarunaStrategy's parameters (which LightningCLI reads)
 PipelineSize = int | Literal["auto"]
@@ -217,6 +220,27 @@ class EngineConfig:
                 f"p2p_backend='nccl' needs CUDA devices; this rank runs on {device}. Use 'auto' or 'gloo'."
             )
         return None if self.p2p_backend == "auto" else self.p2p_backend
+
+
+def parse_bytes(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"80GiB"``, ``"512 MiB"``, ``"1.5GB"`` (GB = 10**9, GiB = 2**30).
+
+    Raises:
+        ValueError: For anything else, or a size below 1 byte.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"a memory size must be bytes or a string such as '80GiB', got {value!r}.")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"memory size {value!r}: write bytes or a number with a unit, e.g. '80GiB' or '500MB'.")
+        number = int(float(match.group(1)) * _UNITS[unit])
+    if number < 1:
+        raise ValueError(f"a memory size must be at least 1 byte, got {value!r}.")
+    return number
 
 
 def _check_chunks_of(config: EngineConfig) -> None:

@@ -42,16 +42,15 @@ from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep, check_elementwise
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.config import EngineConfig
+from lightning_varuna.pipeline.engine_inputs import Choice, Planner, StepRecorder
 from lightning_varuna.pipeline.model.cut import CutPoint
 from lightning_varuna.pipeline.model.partition import Plan
 from lightning_varuna.pipeline.model.stand_ins import remove_stand_ins
-from lightning_varuna.pipeline.planning.choice import AutoConfig
 from lightning_varuna.pipeline.runtime.events import EventHooks
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import remove_grad_accumulation
 from lightning_varuna.pipeline.scheduling.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.setup_phase import SetupPhase
-from lightning_varuna.pipeline.timelines.timeline import TimelineRecorder
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaDeprecationWarning
 
@@ -86,13 +85,15 @@ class PipelineEngine(SetupPhase):
         config: The options (P, micro-batches, schedule, recompute, ...), checked when the config is made:
             :class:`~lightning_varuna.pipeline.config.EngineConfig` documents each. Default: ``EngineConfig()``.
         device: The device of this rank (default: CPU).
+        planner: Chooses the ``"auto"`` values at setup; needed when ``config`` leaves any to it
+            (``config.searches``): :func:`lightning_varuna.pipeline.planning.choice.choose`, the package's planner.
         **options: The options as keyword arguments instead of ``config`` (the form before ``config``; deprecated:
             it warns with :class:`~lightning_varuna.pipeline.varuna_warning.VarunaDeprecationWarning`). A second
             positional argument that is not an ``EngineConfig`` is read as ``pipeline_parallel_size``.
 
     With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
-    with ``global_batch_size``, :meth:`setup` profiles the model and chooses those values
-    (:mod:`lightning_varuna.pipeline.planning.choice`); :attr:`autoconfig` then holds the choice and the ranking.
+    with ``global_batch_size``, :meth:`setup` has ``planner`` profile the model and choose those values;
+    :attr:`autoconfig` then holds its choice.
 
     :attr:`events` is the executor's event hook: recorders added there (:mod:`~lightning_varuna.pipeline.runtime.
     events`) see every task and transfer; there are none by default.
@@ -103,9 +104,18 @@ class PipelineEngine(SetupPhase):
         module: nn.Module,
         config: EngineConfig | None = None,
         device: torch.device | None = None,
+        *,
+        planner: Planner | None = None,
         **options: Any,
     ) -> None:
         config = _config_of(config, options)
+        if config.searches and planner is None:
+            raise ValueError(
+                "This EngineConfig leaves values to the planner ('auto', or a profile to plan from): give the engine"
+                " one, PipelineEngine(module, config, planner=choose) with"
+                " `from lightning_varuna.pipeline.planning.choice import choose`."
+            )
+        self.planner = planner
         self.config = config
         self.module = module
         self.device = device or torch.device("cpu")
@@ -115,9 +125,10 @@ class PipelineEngine(SetupPhase):
         self.grad_sync: GradientSync | None = None
         self.events = EventHooks()
         """The executor's event hook: add recorders (:mod:`~.runtime.events`) before or after setup."""
-        self.autoconfig: AutoConfig | None = None
-        """The planner's choice and ranking, when it chose (see :mod:`lightning_varuna.pipeline.planning.choice`)."""
-        self.recorder: TimelineRecorder | None = None
+        self.autoconfig: Choice | None = None
+        """The planner's choice, when it chose (with :func:`~lightning_varuna.pipeline.planning.choice.choose`: an
+        :class:`~lightning_varuna.pipeline.planning.choice.AutoConfig`, which holds the ranking too)."""
+        self.recorder: StepRecorder | None = None
         """What each training step did when (see :meth:`record_timeline`); None when not recording."""
         size = config.pipeline_parallel_size
         self._pipeline_size: int | None = size if isinstance(size, int) else None
@@ -131,9 +142,10 @@ class PipelineEngine(SetupPhase):
         """Whether :meth:`setup` found parameters on the meta device (and materialized this stage's)."""
 
     @classmethod
-    def from_config(cls, module: nn.Module, config: EngineConfig, device: torch.device | None = None) -> PipelineEngine:
-        """The same as ``PipelineEngine(module, config, device)``."""
-        return cls(module, config, device)
+    def from_config(cls, module: nn.Module, config: EngineConfig, device: torch.device | None = None,
+                    planner: Planner | None = None) -> PipelineEngine:
+        """The same as ``PipelineEngine(module, config, device, planner=planner)``."""
+        return cls(module, config, device, planner=planner)
 
     @property
     def pipeline_size(self) -> int:
@@ -169,19 +181,18 @@ class PipelineEngine(SetupPhase):
             )
         return self._schedules[key]
 
-    def record_timeline(self, keep: int = 4) -> TimelineRecorder:
-        """Starts recording every training step's tasks, waits, sends and gradient sync (after :meth:`setup`).
+    def record_timeline(self, recorder: StepRecorder) -> StepRecorder:
+        """Starts recording every training step's tasks, waits, sends and gradient sync into ``recorder``.
 
         Args:
-            keep: How many of the latest steps' events the recorder keeps.
+            recorder: e.g. ``TimelineRecorder(engine.topology.stage, engine.topology.replica)``
+                (:mod:`lightning_varuna.pipeline.timelines.timeline`); replaces the recorder given before.
         """
-        if self.topology is None:
-            raise RuntimeError("Call PipelineEngine.setup() before record_timeline().")
         if self.recorder is not None:
             self.events.remove(self.recorder)
-        self.recorder = TimelineRecorder(self.topology.stage, self.topology.replica, keep)
-        self.events.add(self.recorder)  # it sees the executor's events, and keeps those of training steps
-        return self.recorder
+        self.recorder = recorder
+        self.events.add(recorder)  # it sees the executor's events, and keeps those of training steps
+        return recorder
 
     # -- steps --------------------------------------------------------------------------------------------
     def train_step(

@@ -24,6 +24,7 @@ from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
+from lightning_varuna.pipeline.engine_inputs import OptimizerSpec
 from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import Trace, time_segments, trace_step
 from lightning_varuna.pipeline.model.meta_init import (
@@ -36,7 +37,6 @@ from lightning_varuna.pipeline.model.no_trace import no_trace
 from lightning_varuna.pipeline.model.partition import Plan, check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.segment_costs import DeviceRates
 from lightning_varuna.pipeline.model.stand_ins import apply_plan
-from lightning_varuna.pipeline.planning.choice import OptimizerSpec, choose
 from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, P2PTraceWriter
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
@@ -216,7 +216,8 @@ class SetupPhase:
     def _autoconfigure(self, trace: Any, sample_batch: Any, step: Callable[[Any], Any],
                        optimizer: OptimizerSpec | None) -> None:
         """Lets the planner choose the ``"auto"`` values (collective)."""
-        self.autoconfig = choose(
+        assert self.planner is not None  # PipelineEngine refuses a config that searches without one
+        self.autoconfig = self.planner(
             self.config, self.module, trace, lambda n: step(samples(sample_batch, n)), default_loss,
             batch_size_of(sample_batch), self.device, optimizer,
         )

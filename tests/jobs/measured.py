@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, EngineConfig, PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import parameters_on_meta
+from lightning_varuna.pipeline.planning.choice import choose
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
         return nn.functional.mse_loss(model(b[0]), b[1])
 
     engine = PipelineEngine(model, EngineConfig("auto", microbatch_size="auto", schedule="auto", recompute="auto",
-                                         global_batch_size=8, p2p_timeout=60.0))
+                                         global_batch_size=8, p2p_timeout=60.0), planner=choose)
     engine.setup(batch, step)
     chosen = engine.autoconfig.chosen
     D = chosen.data_size

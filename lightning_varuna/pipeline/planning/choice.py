@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
+from lightning_varuna.pipeline.engine_inputs import OptimizerSpec
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.planning.memory_model import (
     MEMORY_RESERVE,
@@ -52,7 +53,6 @@ from lightning_varuna.pipeline.planning.search import (
 
 __all__ = ["AutoConfig", "OptimizerSpec", "choose", "model_key", "plan"]
 
-OptimizerSpec = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 
 
 @dataclass(frozen=True)

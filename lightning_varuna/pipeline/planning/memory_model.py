@@ -25,12 +25,12 @@ peak is within :func:`planning_budget` of the memory limit.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from lightning_varuna.pipeline.config import parse_bytes  # defined with the options it checks; re-exported here
 from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task
 
@@ -38,9 +38,6 @@ __all__ = [
     "MEMORY_RESERVE", "StageMemory", "activation_peak", "default_memory_limit", "format_bytes", "graphs_in_flight",
     "parse_bytes", "planning_budget", "stage_memory",
 ]
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 MEMORY_RESERVE = 0.1
 """The share of the memory limit the planner leaves for what its model does not count (see the module's docstring)."""
@@ -156,27 +153,6 @@ def planning_budget(memory_limit: int) -> int:
 
 def _spans_stages(param_segments: tuple[int, ...], stage_segments: range) -> bool:
     return any(s not in stage_segments for s in param_segments)
-
-
-def parse_bytes(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"80GiB"``, ``"512 MiB"``, ``"1.5GB"`` (GB = 10**9, GiB = 2**30).
-
-    Raises:
-        ValueError: For anything else, or a size below 1 byte.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"a memory size must be bytes or a string such as '80GiB', got {value!r}.")
-    if isinstance(value, int):
-        number = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"memory size {value!r}: write bytes or a number with a unit, e.g. '80GiB' or '500MB'.")
-        number = int(float(match.group(1)) * _UNITS[unit])
-    if number < 1:
-        raise ValueError(f"a memory size must be at least 1 byte, got {value!r}.")
-    return number
 
 
 def format_bytes(nbytes: float) -> str:
