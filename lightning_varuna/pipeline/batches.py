@@ -84,8 +84,9 @@ def default_loss(output: Any) -> Tensor:
     """The loss in a step's output: the tensor itself, or ``output["loss"]``."""
     if isinstance(output, Tensor):
         return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
+    loss = output.get("loss") if isinstance(output, dict) else None
+    if isinstance(loss, Tensor):
+        return loss
     raise CutPointError(
         f"The step returned a {type(output).__name__}; for training it must return the loss tensor or a dict"
         " with a 'loss' tensor."

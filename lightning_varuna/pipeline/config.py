@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+from typing_extensions import TypeIs
 
 from lightning_varuna.pipeline.batches import LOSS_WEIGHTINGS, TokenCounter
 from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, check_schedule_shape
@@ -204,8 +205,8 @@ class EngineConfig:
 
     def pipeline_size_for(self, world_size: int, num_segments: int) -> int:
         """P for a world of ``world_size`` processes and a model of ``num_segments`` segments (without the planner)."""
-        if self.pipeline_parallel_size != AUTO:
-            return self.pipeline_parallel_size  # type: ignore[return-value]
+        if isinstance(self.pipeline_parallel_size, int):
+            return self.pipeline_parallel_size
         limit = min(num_segments, world_size, self.max_pipeline_size or world_size)
         return max(p for p in range(1, limit + 1) if world_size % p == 0)
 
@@ -262,11 +263,11 @@ def _check_chunks_of(config: EngineConfig) -> None:
     except ScheduleError as err:
         raise ValueError(str(err)) from None
     try:
-        check_schedule_shape(config.schedule, size if size != AUTO else 1, v,  # type: ignore[arg-type]
+        check_schedule_shape(config.schedule, size if isinstance(size, int) else 1, v,
                              config.num_microbatches if size != AUTO else None)
     except ScheduleError as err:
         raise ValueError(str(err)) from None
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeIs[int]:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -158,7 +158,7 @@ class PipelineEngine(SetupPhase):
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
         """How many micro-batches a batch of ``batch_size`` is split into."""
         config = self.config
-        if config.microbatch_size is not None:
+        if isinstance(config.microbatch_size, int):  # "auto" is resolved by the planner at setup, before any split
             return max(1, math.ceil(batch_size / config.microbatch_size))
         if config.num_microbatches is not None:
             if batch_size < config.num_microbatches:

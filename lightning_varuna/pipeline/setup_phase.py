@@ -24,7 +24,8 @@ from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
-from lightning_varuna.pipeline.engine_inputs import OptimizerSpec
+from lightning_varuna.pipeline.config import EngineConfig
+from lightning_varuna.pipeline.engine_inputs import Choice, OptimizerSpec, Planner
 from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import Trace, time_segments, trace_step
 from lightning_varuna.pipeline.model.meta_init import (
@@ -51,6 +52,16 @@ __all__ = ["SetupPhase"]
 
 class SetupPhase:
     """:meth:`setup` of :class:`~lightning_varuna.pipeline.engine.PipelineEngine`, with its parts."""
+
+    # set by PipelineEngine.__init__ (the parts of a stage are None until setup makes them)
+    config: EngineConfig
+    planner: Planner | None
+    autoconfig: Choice | None
+    topology: Topology | None
+    plan: Plan | None
+    executor: StageExecutor | None
+    grad_sync: GradientSync | None
+    _pipeline_size: int | None
 
     # -- setup --------------------------------------------------------------------------------------------
     def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None,

@@ -26,7 +26,7 @@ def has_matplotlib() -> bool:
     return True
 
 
-def render_png(path: str | os.PathLike, panels: Sequence[tuple[str, Sequence[TimelineEvent]]],
+def render_png(path: str | os.PathLike[str], panels: Sequence[tuple[str, Sequence[TimelineEvent]]],
                width: int = 1200) -> None:
     """Draws timelines one above the other, each stage a row, on one time scale; writes a PNG.
 

@@ -133,7 +133,7 @@ def _track(event: TimelineEvent) -> int:
     return _TRACKS.get(event.kind, 0) + event.stage
 
 
-def write_chrome_trace(path: str | os.PathLike, events: Iterable[TimelineEvent], title: str = "pipeline") -> None:
+def write_chrome_trace(path: str | os.PathLike[str], events: Iterable[TimelineEvent], title: str = "pipeline") -> None:
     """Writes :func:`chrome_trace` to ``path`` (open it in ui.perfetto.dev or chrome://tracing)."""
     Path(path).write_text(json.dumps(chrome_trace(events, title)))
 
