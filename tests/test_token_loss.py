@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import python, torchrun
+from helpers.launch import python, torchrun
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.pipeline.batches import count_loss_units, label_tokens

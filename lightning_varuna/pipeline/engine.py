@@ -198,7 +198,7 @@ class PipelineEngine(SetupPhase):
     def train_step(
         self, batch: Any, step: Callable[[Any], Any], loss_of: Callable[[Any], Tensor] | None = None,
         loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
-        summary: Callable[[list[Any], list[int]], Tensor] | None = None, start_sync: bool = False,
+        summary: Callable[[list[Any], list[float]], Tensor] | None = None, start_sync: bool = False,
         accumulated: Mapping[nn.Parameter, Tensor] | None = None,
     ) -> StepResult:
         """Runs forward and backward of every micro-batch of ``batch``; gradients add up in ``.grad``.
@@ -237,7 +237,7 @@ class PipelineEngine(SetupPhase):
 
     def _run(self, batch: Any, step: Callable[[Any], Any], train: bool, loss_of: Any = None,
              loss_scale: float = 1.0, loss_transform: Callable[[Tensor], Tensor] | None = None,
-             summary: Callable[[list[Any], list[int]], Tensor] | None = None,
+             summary: Callable[[list[Any], list[float]], Tensor] | None = None,
              start_sync: bool = False, accumulated: Mapping[nn.Parameter, Tensor] | None = None,
              weigh: bool = True) -> StepResult:
         if self.executor is None or self.topology is None:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo_models import FAMILIES, LR, SEQ, VOCAB, build  # noqa: E402
+from helpers.zoo_models import FAMILIES, LR, SEQ, VOCAB, build  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 
