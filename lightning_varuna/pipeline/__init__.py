@@ -2,8 +2,9 @@
 
 Nothing here imports Lightning: :class:`PipelineEngine` trains any ``nn.Module`` with cut points on an initialised
 process group. Here: :mod:`~.engine` (with :mod:`~.setup_phase`), :mod:`~.config`, :mod:`~.engine_inputs` (the
-planner and timeline recorder it is given), :mod:`~.topology`, :mod:`~.batches`; sub-packages :mod:`~.model` (splitting a model), :mod:`~.scheduling`, :mod:`~.runtime` (a stage's
-step), :mod:`~.comm` (between ranks), :mod:`~.planning` (auto-configuration), :mod:`~.timelines`.
+planner and timeline recorder it is given), :mod:`~.topology`, :mod:`~.batches`; sub-packages :mod:`~.model`
+(splitting a model), :mod:`~.scheduling`, :mod:`~.runtime` (a stage's step), :mod:`~.comm` (between ranks),
+:mod:`~.planning` (auto-configuration), :mod:`~.timelines`.
 """
 
 from lightning_varuna.fault.failures import PipelineError
