@@ -13,6 +13,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     PendingWeightGrads,
     WeightGradWork,
     accumulating_in_place,
+    held_weight_grad_work,
     holding_weight_grads,
     install_grad_accumulation,
 )
@@ -91,6 +92,68 @@ def test_outside_the_engines_backward_nothing_is_held_back() -> None:
     with holding_weight_grads(work):  # no accumulating_in_place: not the engine's own backward
         model(torch.randn(2, 4)).sum().backward()
     assert not work.items and model[0].weight.grad is not None
+
+
+class _ScaleOp(torch.autograd.Function):
+    """``x * w`` whose backward holds ``w``'s gradient back when it may (the custom-layer protocol)."""
+
+    calls: list[str] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, param: nn.Parameter) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x, w)
+        ctx.param = param
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
+        x, w = ctx.saved_tensors
+        work = held_weight_grad_work(ctx, ctx.param, 1)
+
+        def weight_grad() -> torch.Tensor:
+            _ScaleOp.calls.append("W")
+            return (g * x).sum(0)
+
+        _ScaleOp.calls.append("I")
+        if work is not None:
+            work.hold_computed(ctx.param, weight_grad)
+            return g * w, None, None
+        return g * w, weight_grad(), None
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 2.0, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaleOp.apply(x, self.w, self.w)
+
+
+def test_a_custom_layer_holds_its_weight_grad_back_and_w_adds_it_exactly() -> None:
+    torch.manual_seed(0)
+    plain, split = nn.Sequential(_Scale(), nn.Linear(4, 2)), nn.Sequential(_Scale(), nn.Linear(4, 2))
+    split.load_state_dict(plain.state_dict())
+    inputs = [torch.randn(3, 4) for _ in range(2)]
+    for x in inputs:
+        plain(x).square().sum().backward()
+    _ScaleOp.calls.clear()
+    pending = PendingWeightGrads()
+    works = []
+    for x in inputs:
+        work = WeightGradWork(pending)
+        with accumulating_in_place(), holding_weight_grads(work):
+            split(x).square().sum().backward()
+        works.append(work)
+    assert _ScaleOp.calls == ["I", "I"] and split[0].w.grad is None and split[0].w in pending
+    assert [len(w.computed) for w in works] == [1, 1]
+    assert works[0].run() == [] and [id(p) for p in works[1].run()] == [id(split[0].w)]
+    assert _ScaleOp.calls == ["I", "I", "W", "W"] and split[0].w not in pending
+    torch.testing.assert_close(split[0].w.grad, plain[0].w.grad, rtol=0, atol=1e-6)
+    # outside the engine's I pass the gradient is computed in the backward, as autograd does
+    _ScaleOp.calls.clear()
+    split(inputs[0]).sum().backward()
+    assert _ScaleOp.calls == ["I", "W"]
 
 
 @pytest.mark.usefixtures("launches")

@@ -23,6 +23,12 @@ the bias's gradients and keeps the layer's input and output gradient in a :class
 computing the weight's; :meth:`WeightGradWork.run` adds each held weight gradient into ``.grad`` with the same
 multiply-add, later. A weight that would not be accumulated in place (see below) is computed in the pass as usual.
 
+Layers of one's own (a custom ``torch.autograd.Function``) can hold back their weight-gradient work the same way:
+in the backward, :func:`held_weight_grad_work` returns the micro-batch's :class:`WeightGradWork` when this weight's
+gradient may be held back (else ``None``: compute and return it as usual), and
+:meth:`WeightGradWork.hold_computed` keeps a function that makes the gradient; ``W`` calls it and adds its result
+into ``.grad``. The backward then returns ``None`` for that weight.
+
 Only backward passes run inside :func:`accumulating_in_place` (the stage's own, which the engine runs) do this:
 there autograd accumulates into every leaf's ``.grad``. Any other (``torch.autograd.grad``, a backward with
 ``inputs=``) computes the weight's gradient as autograd does, and so does a weight with a gradient hook
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +55,7 @@ __all__ = [
     "PendingWeightGrads",
     "WeightGradWork",
     "accumulating_in_place",
+    "held_weight_grad_work",
     "holding_weight_grads",
     "install_grad_accumulation",
     "remove_grad_accumulation",
@@ -96,10 +103,20 @@ class WeightGradWork:
     def __init__(self, pending: PendingWeightGrads) -> None:
         self.pending = pending
         self.items: list[tuple[nn.Parameter, Tensor, Tensor]] = []
+        self.computed: list[tuple[nn.Parameter, Callable[[], Tensor]]] = []
 
     def hold(self, param: nn.Parameter, x_2d: Tensor, grad_2d: Tensor) -> None:
         """Keeps what ``param``'s gradient is made of: the layer's input and output gradient, both 2-d."""
         self.items.append((param, x_2d, grad_2d))
+        self.pending.add(param)
+
+    def hold_computed(self, param: nn.Parameter, compute: Callable[[], Tensor]) -> None:
+        """Keeps ``compute``, which returns ``param``'s gradient (``param``'s shape and dtype), for :meth:`run`.
+
+        For a custom layer's backward, after :func:`held_weight_grad_work` returned this work (see the module's
+        docstring). ``compute`` runs once, without autograd recording, when ``W`` runs.
+        """
+        self.computed.append((param, compute))
         self.pending.add(param)
 
     def run(self) -> list[nn.Parameter]:
@@ -113,8 +130,37 @@ class WeightGradWork:
                 held.addmm_(grad_2d.t(), x_2d)
             if self.pending.done(param):
                 final.append(param)
+        for param, compute in self.computed:
+            with torch.no_grad():
+                grad = compute()
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+            if self.pending.done(param):
+                final.append(param)
         self.items.clear()
+        self.computed.clear()
         return final
+
+
+def held_weight_grad_work(ctx: Any, param: nn.Parameter, input_index: int) -> WeightGradWork | None:
+    """In a custom ``torch.autograd.Function``'s backward: where ``param``'s gradient may be held back, else None.
+
+    Args:
+        ctx: The Function's ``ctx`` (its backward node).
+        param: The weight, passed to the Function's ``forward`` as input number ``input_index``.
+        input_index: Position of ``param`` among ``forward``'s inputs (its gradient's position in the return).
+
+    Returns:
+        The micro-batch's :class:`WeightGradWork` when this backward is an engine's input-gradient task ``I`` and
+        ``param``'s gradient goes to ``.grad`` unobserved (no gradient hook, not frozen, the pass accumulates it):
+        give it the gradient's computation with :meth:`WeightGradWork.hold_computed` and return ``None`` for the
+        weight. Otherwise ``None``: compute and return the gradient as usual.
+    """
+    if _holding is None or not _into_grad(ctx, param, param.grad, param.dtype, may_be_empty=True, index=input_index):
+        return None
+    return _holding
 
 
 @contextlib.contextmanager
@@ -174,7 +220,7 @@ class LinearAccumulatingGrad(torch.autograd.Function):
 
 
 def _into_grad(ctx: Any, param: nn.Parameter, held: Tensor | None, dtype: torch.dtype,
-               may_be_empty: bool = False) -> bool:
+               may_be_empty: bool = False, index: int = 1) -> bool:
     """Whether this backward may add the weight's gradient into ``held`` (its ``.grad``) and hand that back.
 
     With ``may_be_empty``, also when there is no ``.grad`` yet and ``param`` has the gradient's dtype.
@@ -192,7 +238,7 @@ def _into_grad(ctx: Any, param: nn.Parameter, held: Tensor | None, dtype: torch.
     try:
         # whether this pass runs the weight's accumulation into .grad (torch.autograd.grad and a backward with
         # inputs= may not): torch.autograd.graph.register_multi_grad_hook asks the engine the same way
-        return torch._C._will_engine_execute_node(ctx.next_functions[1][0])
+        return torch._C._will_engine_execute_node(ctx.next_functions[index][0])
     except RuntimeError:  # inside torch.autograd.grad, whose gradients never go to .grad
         return False
 
