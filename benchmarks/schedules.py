@@ -232,11 +232,28 @@ OURS = {
     "ours-zb-v2-rc": dict(schedule="zero-bubble", recompute=True, stages_per_rank=2),
     "ours-zb-v2-rc1": dict(schedule="zero-bubble", recompute=1, stages_per_rank=2),
 }
-SMOKE_SYSTEMS = "torch-1f1b,torch-1f1b-full,torch-1f1b-sac,torch-interleavedzb-full,torch-zbv,ours-varuna-rc,ours-zb"
+SMOKE_SYSTEMS = ("torch-1f1b,torch-1f1b-full,torch-1f1b-sac,torch-interleavedzb-full,torch-zbv,torch-zbv-sac,"
+                 "ours-varuna-rc,ours-zb")
 
 
 def _stage_ids(rank: int, P: int, v: int, placement: str) -> list[int]:
     return [rank, 2 * P - 1 - rank] if placement == "v" else [rank + i * P for i in range(v)]
+
+
+ZERO_BUBBLE = ("interleavedzb", "zbv", "dualpipev")  # torch's schedules that run I and W as two autograd passes
+
+
+def _probe_split_backward(args, ckpt: str) -> None:
+    """One chunk's backward as torch's zero-bubble stage runs it, in this process: ``autograd.grad`` with respect
+    to the input (graph retained), then with respect to the parameters. Raises what torch would raise mid-step
+    (where it would leave the other ranks waiting), so that such a system is refused before any rank waits."""
+    rt = SplitRuntime(fwd_s=0.0, bwd_s=0.0, layers=args.layers)
+    chunk = Chunk(1, 3, args, rt, 1, ckpt)
+    x = torch.randn(1, 2, args.hidden, requires_grad=True)
+    out = chunk(x)
+    g = torch.ones_like(out)
+    torch.autograd.grad(out, [x], g, retain_graph=True)
+    torch.autograd.grad(out, list(chunk.parameters()), g)
 
 
 def run_torch(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
@@ -245,6 +262,11 @@ def run_torch(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
 
     sched_name, ckpt = TORCH_SYSTEMS[name]
     cls_name, v, placement = TORCH[sched_name]
+    if sched_name in ZERO_BUBBLE and ckpt != "none":
+        try:
+            _probe_split_backward(args, ckpt)
+        except RuntimeError as e:
+            raise NotImplementedError(f"torch's split backward under {ckpt} checkpointing fails: {e}") from e
     S = P * v
     sids = _stage_ids(rank, P, v, placement)
     rt.local_boundaries = frozenset(s + 1 for s in range(S - 1) if placement == "v" and s == P - 1)
