@@ -1,8 +1,9 @@
 """Table, chart and the issue's targets from ``schedules.py``'s stored JSON (nothing is measured here).
 
-    python benchmarks/schedules_report.py benchmarks/results/schedules_p4.json [more.json ...]
+    python benchmarks/schedules_report.py benchmarks/results/schedules_p4.json [more.json ...] [--stem PATH]
 
-Writes ``<first>.md`` (the table and the targets), ``<first>.png`` (throughput against peak activation memory,
+Writes ``<first>.md`` (or ``PATH.md`` etc. with ``--stem``: the table and the targets), ``<first>.png``
+(throughput against peak activation memory,
 one point per system, one panel per (m, jitter), our Pareto front against torch's) and stores the targets in
 ``<first>_targets.json``.
 
@@ -122,10 +123,15 @@ def chart(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(paths: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    stem = None
+    if "--stem" in argv:
+        i = argv.index("--stem")
+        stem, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    paths = argv
     data = [json.load(open(p)) for p in paths]
     rows = [r for d in data for r in d["rows"]]
-    stem = os.path.splitext(paths[0])[0]
+    stem = stem or os.path.splitext(paths[0])[0]
     result = targets(rows)
     bad = sorted({(r["system"], r["m"]) for r in rows if not r["counts_ok"]})
     unavailable = sorted({(u["system"], u["reason"]) for d in data for u in d.get("unavailable", [])})
