@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from launch import ROOT, run_checked
+from helpers.launch import ROOT, run_checked
 
 
 @pytest.mark.slow
