@@ -141,6 +141,9 @@ class Watch(pl.Callback):
         names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in root.fs.ls(root.path, detail=False)) if (
             root.exists()) else []
         complete = [n for n in names if n.endswith(".ckpt") and checkpoint.is_complete(root.child(n))]
+        # a checkpoint the writer removed (replaced, save_top_k) between the listing and the check is not an
+        # incomplete one on view: it is dropped from the listing
+        names = [n for n in names if n in complete or not n.endswith(".ckpt") or root.child(n).exists()]
         self.seen.append({"step": trainer.global_step, "in_flight": trainer.strategy._checkpoints.in_flight,
                           "names": names, "complete": complete})
         if gate is not None:
