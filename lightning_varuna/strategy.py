@@ -222,9 +222,6 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
             fuse_grad_accumulation=fuse_grad_accumulation, zero_stage=zero_stage, stages_per_rank=stages_per_rank,
         )
-        if zero_stage == 1 and async_checkpoint:
-            raise ValueError("async_checkpoint=True cannot write the sharded optimizer state of zero_stage=1 yet:"
-                             " use one of the two (blocking checkpoints with zero_stage=1 work).")
         self.initial_weights = (InitialWeights(initial_weights, initial_weights_prefix, initial_weights_strict)
                                 if initial_weights is not None else None)
         self.timeline_dir = timeline_dir

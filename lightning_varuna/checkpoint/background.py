@@ -8,7 +8,10 @@ of their own (a rendezvous through the job's TCP store, under a prefix agreed at
 blocking save runs: DCP's collective save, rank 0's publication, the agreement on the outcome.
 
 A save copies this rank's tensors into a staging buffer in shared memory (allocated once, reused while the
-tensors keep their shapes) and sends the rest of the job, pickled, over a socket pair. The helper runs under
+tensors keep their shapes) and sends the rest of the job, pickled, over a socket pair. A ``DTensor`` (a sharded
+optimizer's state, ``zero_stage=1``) travels as its local shard plus where that shard sits (:class:`ShardSlot`);
+the helpers rebuild it over a process group of their own with the same ranks, so that DCP writes each shard
+(and checksums it) as a blocking save would. The helper runs under
 ``SCHED_IDLE`` (nice 19 where that is missing), so on a host whose cores training keeps busy it only takes
 the time training leaves idle; on a GPU node the host's cores are free anyway. It ends with its training
 process: on Linux by a parent-death signal, elsewhere at the closed socket.
@@ -35,8 +38,9 @@ from typing import Any
 import fsspec
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-__all__ = ["Slot", "WriterProcess", "fill", "hollow", "map_tensors"]
+__all__ = ["ShardSlot", "Slot", "WriterProcess", "fill", "hollow", "map_tensors", "shard_meshes"]
 
 _ALIGN = 64
 _JOB_SIGNAL_NAMES = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
@@ -59,6 +63,25 @@ class Slot:
     index: int
 
 
+@dataclass(frozen=True)
+class ShardSlot:
+    """Stands for a ``DTensor`` whose local shard is the staged tensor at ``index``.
+
+    Attributes:
+        index: The local shard's place among the staged tensors.
+        ranks: The global ranks of its (one-dimensional) device mesh, in mesh order.
+        placements: Its placements (``Shard(0)``).
+        shape: The whole tensor's shape.
+        stride: The whole tensor's stride.
+    """
+
+    index: int
+    ranks: tuple[int, ...]
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
 def map_tensors(fn: Callable[[Any], Any], value: Any, kind: type = Tensor) -> Any:
     """``value`` with every ``kind`` inside its dicts, lists and tuples replaced by ``fn(it)``."""
     if isinstance(value, kind):
@@ -71,18 +94,43 @@ def map_tensors(fn: Callable[[Any], Any], value: Any, kind: type = Tensor) -> An
 
 
 def hollow(value: Any, tensors: list[Tensor]) -> Any:
-    """``value`` with every tensor replaced by a :class:`Slot`, appended to ``tensors`` in that order."""
+    """``value`` with every tensor replaced by a :class:`Slot`, appended to ``tensors`` in that order.
 
-    def slot(tensor: Tensor) -> Slot:
+    A ``DTensor`` becomes a :class:`ShardSlot`, and its local shard is what is appended.
+    """
+
+    def slot(tensor: Tensor) -> Slot | ShardSlot:
+        if isinstance(tensor, DTensor):
+            mesh = tensor.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(f"the asynchronous checkpoint writer takes DTensors over a one-dimensional mesh,"
+                                 f" not {mesh}")
+            tensors.append(tensor.to_local())
+            return ShardSlot(len(tensors) - 1, tuple(mesh.mesh.tolist()), tuple(tensor.placements),
+                             tuple(tensor.shape), tuple(tensor.stride()))
         tensors.append(tensor)
         return Slot(len(tensors) - 1)
 
     return map_tensors(slot, value)
 
 
-def fill(value: Any, tensors: list[Tensor]) -> Any:
-    """The reverse of :func:`hollow`."""
-    return map_tensors(lambda slot: tensors[slot.index], value, Slot)
+def fill(value: Any, tensors: list[Tensor], meshes: dict[tuple[int, ...], Any] | None = None) -> Any:
+    """The reverse of :func:`hollow`; ``meshes``: the device mesh of each :class:`ShardSlot`'s ranks."""
+    value = map_tensors(lambda slot: tensors[slot.index], value, Slot)
+
+    def rebuild(slot: ShardSlot) -> DTensor:
+        assert meshes is not None, "the DTensors' device meshes are needed"
+        return DTensor.from_local(tensors[slot.index], meshes[slot.ranks], list(slot.placements), run_check=False,
+                                  shape=torch.Size(slot.shape), stride=slot.stride)
+
+    return map_tensors(rebuild, value, ShardSlot)
+
+
+def shard_meshes(value: Any) -> set[tuple[int, ...]]:
+    """The ranks of every :class:`ShardSlot`'s mesh in ``value``."""
+    found: set[tuple[int, ...]] = set()
+    map_tensors(lambda slot: found.add(slot.ranks), value, ShardSlot)
+    return found
 
 
 Layout = list[tuple[torch.dtype, tuple[int, ...]]]
@@ -348,8 +396,21 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     _lower_priority()  # started at normal priority: a starved start would delay the first save's write
 
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes: dict[tuple[int, ...], Any] = {}  # a DeviceMesh, or the group alone where this rank is not in it
+
     def write(job: Any, staged: list[Tensor]) -> str | None:
-        job.shards = fill(job.shards, staged)
+        # every helper creates the meshes any rank's shards need, in one order (new_group is collective)
+        try:
+            wanted: list[Any] = [None] * world_size
+            dist.all_gather_object(wanted, sorted(shard_meshes(job.shards)))
+            for ranks in sorted({tuple(r) for part in wanted for r in part} - set(meshes)):
+                group = dist.new_group(list(ranks), timeout=timeout)
+                meshes[ranks] = group if rank not in ranks else DeviceMesh.from_group(group, "cpu")
+        except Exception as err:  # noqa: BLE001 - a peer lost: this write fails, as write_job would report it
+            return f"{type(err).__name__}: {err}"
+        job.shards = fill(job.shards, staged, meshes)
         return write_job(job, None)
 
     try:
