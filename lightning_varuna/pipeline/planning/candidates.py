@@ -68,7 +68,8 @@ class Choices:
         bucket_bytes: The gradient sync's bucket size (None: its default).
         overlap: Whether the data-parallel all-reduce starts during the last backward.
         wire_bytes_per_element: Bytes on the wire per byte of an activation (0.5 for bfloat16 over float32).
-        zero_stage: 1: the optimizer state sharded over the replicas (memory; the sync's bytes are the same).
+        zero_stage: 1: the optimizer state sharded over the replicas (memory /D; the sync reduce-scatters, the
+            step is followed by an all-gather: the same bytes as the all-reduce).
         stages_per_rank: Model chunks per rank ``v``, or None to search 1 and 2.
     """
 

@@ -11,8 +11,10 @@ the schedule and recompute) :func:`predict`
    (latency, and bytes over bandwidth with messages on one link one after another);
 3. adds each rank's gradient sync: the data-parallel all-reduce in buckets, each started when the rank's last
    backward has made it final (the overlap; linear in the backward's progress) or after the schedule, one after
-   another; the sum of tied copies after the schedule; then the optimizer step. The step ends when the last
-   rank is done.
+   another; the sum of tied copies after the schedule; then the optimizer step. With ``zero_stage=1`` the
+   buckets are reduce-scattered instead (half an all-reduce's time), the step updates 1/D of the parameters,
+   and the updated rows are all-gathered after it (the other half), bucket by bucket. The step ends when the
+   last rank is done.
 
 The all-reduce is a ring over the rank's D replicas
 (:class:`~lightning_varuna.pipeline.planning.profile_data.Network`), over the links between nodes when the replicas span
@@ -125,12 +127,12 @@ def predict(
     sync, optimizer = [], []
     for r in range(P):
         start, end, last_backward, backward_s = _schedule_span(sim, costs, r)
-        synced = _sync_end(profile, cluster, held, r, end, last_backward, backward_s, choices)
+        synced, gather_s = _sync_end(profile, cluster, held, r, end, last_backward, backward_s, choices)
         sync.append((end, synced))
         trainable = sum(p.nbytes for p in profile.params if p.trainable and any(i in held[r] for i in p.segments))
-        # sharded (zero_stage=1): each replica steps 1/D of it (the all-gather after the step is not modelled yet)
+        # sharded (zero_stage=1): each replica steps 1/D of it, then the updated rows are all-gathered
         shards = D if choices.zero_stage == 1 else 1
-        optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable / shards))
+        optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable / shards + gather_s))
     step = max(end for _, end in optimizer)
     memory = tuple(_rank_memory(profile, sim, ranges, recomputed, r, D, microbatch_size, num_microbatches, choices)
                    for r in range(P))
@@ -207,24 +209,32 @@ def _schedule_span(sim: SimResult, costs: Sequence[StageCosts], rank: int) -> tu
 
 
 def _sync_end(profile: Profile, cluster: Cluster, held_segments: Sequence[Sequence[int]], rank: int, end: float,
-              last_backward: float, backward_s: float, choices: Choices) -> float:
-    """When the rank's gradient sync ends: data-parallel buckets, then the sum of tied copies."""
+              last_backward: float, backward_s: float, choices: Choices) -> tuple[float, float]:
+    """When the rank's gradient sync ends, and how long the all-gather after a sharded step takes.
+
+    The sync: data-parallel buckets, then the sum of tied copies. The all-gather: ``zero_stage=1`` only (0
+    otherwise).
+    """
     P, segments = len(held_segments), set(held_segments[rank])
     D = cluster.world_size // P
     network = profile.network
     held = [p for p in profile.params if p.trainable and any(i in segments for i in p.segments)]
     tied = [p for p in held if any(i not in segments for i in p.segments)]
     plain = [p for p in reversed(held) if p not in tied]  # buckets hold parameters in backward order
-    done = end
+    done, gather_s = end, 0.0
     if D > 1 and plain:
         crosses = cluster.replicas_cross(P, [rank])
         total = sum(p.nbytes for p in plain)
         bucket_bytes = choices.bucket_bytes or default_bucket_bytes(total)
+        # sharded: a reduce-scatter per bucket now, an all-gather per bucket after the step (same bytes in all)
+        reduce = network.reduce_scatter if choices.zero_stage == 1 else network.allreduce
         clock, filled = 0.0, 0
         for size in _bucket_sizes([p.nbytes for p in plain], bucket_bytes):
             filled += size
             ready = last_backward + backward_s * filled / total if choices.overlap else end
-            clock = max(clock, ready) + network.allreduce(size, D, crosses, cluster.sharing(P))
+            clock = max(clock, ready) + reduce(size, D, crosses, cluster.sharing(P))
+            if choices.zero_stage == 1:
+                gather_s += network.all_gather(size, D, crosses, cluster.sharing(P))
         done = max(done, clock)
     if tied:
         rank_of = {i: r for r, held_by in enumerate(held_segments) for i in held_by}
@@ -232,7 +242,7 @@ def _sync_end(profile: Profile, cluster: Cluster, held_segments: Sequence[Sequen
         crosses = cluster.replicas_cross(P, holders)
         nbytes = sum(p.nbytes for p in tied)
         done = max(done, end + network.allreduce(nbytes, D * len(holders), crosses))
-    return done
+    return done, gather_s
 
 
 def _bucket_sizes(sizes: list[int], bucket_bytes: int) -> list[int]:

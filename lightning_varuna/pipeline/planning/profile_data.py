@@ -61,7 +61,8 @@ class Network:
     """Point-to-point and all-reduce costs between processes of one node and between nodes.
 
     A ring all-reduce of ``N`` bytes over ``n`` ranks takes ``2 (n-1)`` steps, each sending ``N / n`` bytes:
-    ``2 (n-1) latency + 2 (n-1) / n * N / bandwidth`` with the per-step :class:`Link` of the all-reduce. When
+    ``2 (n-1) latency + 2 (n-1) / n * N / bandwidth`` with the per-step :class:`Link` of the all-reduce; a
+    reduce-scatter and an all-gather are its two halves (``n-1`` steps each), as the sharded optimizer runs them. When
     ``sharing`` all-reduces cross the same node's link at once, each gets ``bandwidth / sharing``.
 
     Attributes:
@@ -87,6 +88,14 @@ class Network:
         link = self.allreduce_inter if crosses_nodes else self.allreduce_intra
         steps = 2 * (ranks - 1)
         return steps * link.latency_s + steps / ranks * nbytes * max(1, sharing) / link.bandwidth
+
+    def reduce_scatter(self, nbytes: float, ranks: int, crosses_nodes: bool, sharing: int = 1) -> float:
+        """Seconds of a ring reduce-scatter of ``nbytes`` (the first half of :meth:`allreduce`: ``n-1`` steps)."""
+        return self.allreduce(nbytes, ranks, crosses_nodes, sharing) / 2
+
+    def all_gather(self, nbytes: float, ranks: int, crosses_nodes: bool, sharing: int = 1) -> float:
+        """Seconds of a ring all-gather whose result is ``nbytes`` (the second half of :meth:`allreduce`)."""
+        return self.allreduce(nbytes, ranks, crosses_nodes, sharing) / 2
 
     def with_inter_node(self, bandwidth: float | None = None, latency_s: float | None = None) -> Network:
         """A copy whose links between nodes have the given bandwidth (bytes/s) and latency, where given."""

@@ -183,14 +183,17 @@ def format_table(candidates: Sequence[Candidate], limit: int | None = 8, memory_
         memory_limit: The limit the fits were judged against, named in the line under the table.
         reserve: The share of ``memory_limit`` the search kept in reserve, named in that line too.
     """
-    header = ("rank", "P", "D", "v", "mbs", "m", "schedule", "recompute", "step ms", "bubble", "peak per rank", "fits")
+    header = ("rank", "P", "D", "v", "mbs", "m", "schedule", "recompute", "step ms", "bubble", "peak per rank",
+              "optimizer state", "fits")
     rows = [header]
     shown = list(candidates if limit is None else candidates[:limit])
     for rank, c in enumerate(shown, 1):
         peaks = "/".join(format_bytes(b).replace(" ", "") for b in c.peak_bytes)
+        # the part of the peak the optimizer keeps (1/D of it with zero_stage=1), per rank
+        states = "/".join(format_bytes(m.optimizer).replace(" ", "") for m in c.memory)
         rows.append((str(rank), str(c.pipeline_size), str(c.data_size), str(c.stages_per_rank), str(c.microbatch_size),
                      str(c.num_microbatches), c.schedule, _recompute_cell(c.recompute), f"{c.step_s * 1e3:.2f}",
-                     f"{c.bubble:.1%}", peaks, "yes" if c.fits else "no"))
+                     f"{c.bubble:.1%}", peaks, states, "yes" if c.fits else "no"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     hidden = len(candidates) - len(shown)
