@@ -50,6 +50,9 @@ def configs(ckpt: Path) -> dict[str, str]:
         # the sharded state handed to the background writer (test_async_sharded_checkpoint_resumes_elsewhere)
         "z1-adamw-async": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,async_checkpoint=true,save_every=4,"
         f"save_all=true,save_dir={ckpt}/async",
+        # two model chunks per rank (interleaved): the sharding covers both chunks' parameters, the tied copies
+        # on chunks of different ranks; small buckets, each reduce-scattered by the chunk that makes it final
+        "z1-adamw-il": f"{P2D2},{ADAMW},zero_stage=1,schedule=interleaved,stages_per_rank=2,bucket=4096",
         # small buckets: several reduce-scatters during the window's last backward
         "z1-sgd-accum": f"{P2D2},tie=true,clip=0.5,optimizer=sgd,accumulate=2,bucket=4096,partition=params,"
         "zero_stage=1",
@@ -116,7 +119,8 @@ def check_copies_identical(directory: Path, name: str, ranks: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["z1-adamw", "z0-adamw", "z1-adamw-async", "z1-sgd-accum", "z1-groups-fp16"])
+@pytest.mark.parametrize("name", ["z1-adamw", "z0-adamw", "z1-adamw-async", "z1-adamw-il", "z1-sgd-accum",
+                                  "z1-groups-fp16"])
 def test_sharded_optimizer_trains_as_the_plain_run(results: Path, name: str) -> None:
     check_against_reference(results, name, 4)
     check_copies_identical(results, name, 4)
