@@ -133,6 +133,10 @@ def test_each_rank_keeps_about_half_the_optimizer_state_at_d2(results: Path) -> 
     ratio = max(sharded) / max(whole)
     print(f"\noptimizer state bytes per rank: zero_stage=1 {sharded}, zero_stage=0 {whole}: {ratio:.3f}x")
     assert 0.4 < ratio <= 0.6
+    # two chunks per rank: each replica keeps half of its two chunks' state
+    chunks = [_load(results, "z1-adamw-il", rank)["state_bytes"] for rank in range(4)]
+    print(f"with two chunks per rank: {chunks}: {max(chunks) / max(whole):.3f}x")
+    assert 0.4 < max(chunks) / max(whole) <= 0.6
 
 
 @pytest.mark.slow
