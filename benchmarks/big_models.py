@@ -106,11 +106,12 @@ def worker(args: argparse.Namespace) -> None:
             info = strategy.engine.plan.stages[strategy.topology.stage]
             record["stage"] = strategy.topology.stage
             # an upper bound: every micro-batch's saved activations held at once (recompute holds fewer)
-            record["activation_bytes"] = info.saved_bytes * args.procs
+            record["activation_bytes"] = info.saved_bytes * pipeline
             record["peak_mib"] = _status_mib("VmHWM") - base
 
-    strategy = lightning_varuna.VarunaStrategy(pipeline_parallel_size=args.procs, num_microbatches=args.procs,
-                                               param_init_fn=init_weights,
+    pipeline = args.pipeline or args.procs  # P; D = procs / P replicas (benchmarks/zero_largest.py)
+    strategy = lightning_varuna.VarunaStrategy(pipeline_parallel_size=pipeline, num_microbatches=pipeline,
+                                               param_init_fn=init_weights, zero_stage=args.zero or 0,
                                                fuse_grad_accumulation=args.build != "configure-autograd")
     trainer = pl.Trainer(accelerator="cpu", devices=args.procs, strategy=strategy, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -162,11 +163,15 @@ def _available_gib() -> float:
 
 
 def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budget_gib: float,
-          timeout: float) -> dict:
-    """Runs one configuration; returns its ranks' records, whether it fit, and the job's peak total PSS."""
+          timeout: float, pipeline: int | None = None, zero_stage: int = 0) -> dict:
+    """Runs one configuration; returns its ranks' records, whether it fit, and the job's peak total PSS.
+
+    ``pipeline``: P (default ``procs``: one replica); ``zero_stage``: the strategy's.
+    """
     params = 12 * width * width * layers + (VOCAB + TOKENS) * width
     config = {"layers": layers, "width": width, "procs": procs, "optimizer": optimizer, "build": build,
-              "params": params, "param_gib": params * 4 / GIB, "budget_gib": budget_gib}
+              "params": params, "param_gib": params * 4 / GIB, "budget_gib": budget_gib,
+              "pipeline": pipeline or procs, "zero_stage": zero_stage}
     while _available_gib() < budget_gib:  # other work on the machine: wait rather than risk its memory
         print(f"  waiting: {_available_gib():.1f} GiB available, the trial may use {budget_gib} GiB", flush=True)
         time.sleep(30)
@@ -176,6 +181,7 @@ def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budge
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
             str(Path(__file__).resolve()), "--worker", "--layers", str(layers), "--width", str(width), "--procs",
             str(procs), "--optimizer", optimizer, "--build", build, "--record", out,
+            "--pipeline", str(pipeline or procs), "--zero", str(zero_stage),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "PYTHONWARNINGS": "ignore",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -192,7 +198,8 @@ def trial(layers: int, width: int, procs: int, optimizer: str, build: str, budge
     if not fits:
         config["output_tail"] = output[-1500:]
     state = "fits" if fits else ("over budget" if job.killed_over_budget else f"failed ({job.returncode})")
-    print(f"  {build:9s} P={procs} {optimizer:5s} {layers:3d} layers x {width}: {params / 1e9:.2f} B params"
+    print(f"  {build:9s} {procs} procs P={pipeline or procs} zero_stage={zero_stage} {optimizer:5s}"
+          f" {layers:3d} layers x {width}: {params / 1e9:.2f} B params"
           f" ({config['param_gib']:.1f} GiB), peak job PSS {job.peak_pss_gib:.1f} GiB: {state}", flush=True)
     return config
 
@@ -322,7 +329,7 @@ def main() -> None:
     parser.add_argument("--settings", default="p4-sgd,p8-adamw", help="which largest-model searches to run")
     parser.add_argument("--render", action="store_true", help="print the tables of --out and stop")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for name in ("layers", "width", "procs"):
+    for name in ("layers", "width", "procs", "pipeline", "zero"):
         parser.add_argument(f"--{name}", type=int, help=argparse.SUPPRESS)
     for name in ("optimizer", "build", "record"):
         parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
