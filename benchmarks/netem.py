@@ -110,6 +110,8 @@ def run_placement(link: Link, name: str, args, port: int) -> dict:
     grid, nproc, where = PLACEMENTS[name]
     with tempfile.TemporaryDirectory() as tmp:
         worker_out = str(Path(tmp) / "worker.json")
+        if args.zero and not grid.endswith("x1"):  # D > 1: the same shape with zero_stage=1, steps interleaved
+            grid = f"{grid},{grid}z1"
         worker_args = pxd.worker_command(args, worker_out, grid)
         agents = []
         for node_rank, ns_index in enumerate(where):
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way netem delay added to each direction")
     p.add_argument("--latency", default="100ms", help="tbf latency (bounds its queue)")
     p.add_argument("--run-timeout-s", type=float, default=900.0, help="wall-clock limit of one placement")
+    p.add_argument("--zero", action="store_true", help="also run each D > 1 placement with zero_stage=1")
     args = p.parse_args(argv)
     names = [n for n in args.placements.split(",") if n]
     unknown = [n for n in names if n not in PLACEMENTS]

@@ -122,7 +122,7 @@ def analytic_bytes(P: int, D: int, stage: int, blocks: int, m: int, replica_batc
 class Config:
     """One P x D configuration on this rank: model, engine, optimizer, data and its measurements."""
 
-    def __init__(self, compute: str, P: int, args) -> None:
+    def __init__(self, compute: str, P: int, args, zero_stage: int = 0) -> None:
         import torch.distributed as dist
 
         from lightning_varuna.pipeline.config import EngineConfig
@@ -131,13 +131,14 @@ class Config:
 
         world = dist.get_world_size()
         self.compute, self.P, self.D = compute, P, world // P
-        self.name = f"{compute} {P}x{self.D}"
+        self.name = f"{compute} {P}x{self.D}" + (" zero1" if zero_stage else "")
+        self.zero_stage = zero_stage
         self.replica_batch = args.global_batch // self.D
         self.model = build_model(compute, args.block_fwd_ms / 1e3)
         self.loss = self.model._loss
         self.engine = PipelineEngine(self.model, EngineConfig(
             P, microbatch_size=args.microbatch_size, schedule=args.schedule, recompute=True, partition="params",
-            p2p_timeout=args.timeout_s, grad_bucket_bytes=args.bucket_bytes))
+            p2p_timeout=args.timeout_s, grad_bucket_bytes=args.bucket_bytes, zero_stage=zero_stage))
         replica = dist.get_rank() // P
         self.batches = make_batches(args.warmup + args.steps + 1, self.replica_batch, replica)
         plan = self.engine.setup(self.batches[-1], self.loss)
@@ -150,6 +151,7 @@ class Config:
         self.analytic = analytic_bytes(P, self.D, topo.stage, blocks, self.m, self.replica_batch)
         conf = self.model.configure_optimizers()  # after setup: this stage's parameters only
         self.optimizer = conf["optimizer"]
+        self.engine.shard_optimizer(self.optimizer)  # zero_stage=1: steps this replica's rows, then all-gathers
         self.sync = self.engine.grad_sync
         self.records: list[dict] = []
         self.iface = os.environ.get("LV_BENCH_IFACE")
@@ -183,6 +185,7 @@ class Config:
 
     def summary(self) -> dict:
         return {"name": self.name, "compute": self.compute, "P": self.P, "D": self.D, "stage": self.stage,
+                "zero_stage": self.zero_stage, "gathered_bytes": getattr(self.sync, "gathered_bytes", 0),
                 "m": self.m, "buckets": len(self.sync.buckets), "bucket_bytes": self.sync.bucket_bytes,
                 "analytic": self.analytic, "iface": self.iface, "records": self.records}
 
@@ -201,10 +204,11 @@ def worker(args) -> int:
     configs = []
     for compute in args.compute.split(","):
         for grid in args.grid.split(","):
-            P, D = (int(x) for x in grid.split("x"))
+            shape, _, zero = grid.partition("z")  # "2x2z1": zero_stage=1
+            P, D = (int(x) for x in shape.split("x"))
             if P * D != world:
                 raise SystemExit(f"--grid {grid}: P x D must be the world size {world}")
-            configs.append(Config(compute, P, args))
+            configs.append(Config(compute, P, args, int(zero or 0)))
     t_start = time.monotonic()
     for k in range(args.warmup + args.steps):
         for j in range(len(configs)):
@@ -362,7 +366,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(p)
-    p.add_argument("--grid", default="4x1,2x2,1x4", help="comma list of PxD")
+    p.add_argument("--grid", default="4x1,2x2,1x4", help="comma list of PxD (PxDz1: with zero_stage=1)")
     p.add_argument("--nproc", type=int, default=4, help="processes (P x D of every grid entry)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
