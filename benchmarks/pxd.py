@@ -321,6 +321,7 @@ def worker_command(args, worker_out: str, grid: str) -> list[str]:
 
 
 def driver(args) -> int:
+    load_start = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         worker_out = str(Path(tmp) / "worker.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -332,13 +333,16 @@ def driver(args) -> int:
             print(proc.stdout[-4000:], proc.stderr[-8000:], sep="\n", file=sys.stderr)
             return proc.returncode or 1
         result = json.loads(Path(worker_out).read_text())
-    report(result, args, time.monotonic() - t0, "python benchmarks/pxd.py " + " ".join(sys.argv[1:]))
+    report(result, args, time.monotonic() - t0, "python benchmarks/pxd.py " + " ".join(sys.argv[1:]),
+           {"loadavg_start": load_start})
     return 0
 
 
 def report(result: dict, args, wall_s: float, command: str, extra: dict | None = None) -> dict:
     rows = summarize(result, args.warmup)
-    out = {"command": command, "wall_s": wall_s, "loadavg_end": list(os.getloadavg()), "config": CONFIG,
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = {"command": command, "commit": commit, "wall_s": wall_s, "loadavg_end": list(os.getloadavg()),
+           "config": CONFIG,
            "args": {k: v for k, v in vars(args).items() if k not in ("worker", "worker_out")}, **(extra or {}),
            "rows": rows, "table_md": render(rows, args.global_batch)}
     print(out["table_md"])
