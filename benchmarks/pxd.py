@@ -90,6 +90,7 @@ def build_model(compute: str, block_fwd_s: float):
 
     torch.manual_seed(1234)
     gpt = GPT(**CONFIG)
+    gpt.configure_model()  # the example builds its modules there (Lightning calls it; the bare engine does not)
     if compute == "emulated":
         c = CONFIG
         gpt.blocks = nn.ModuleList(SleepBlock(c["n_embd"], c["n_head"], 0.0, True) for _ in range(c["n_layer"]))
