@@ -191,6 +191,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGHUP, terminate)
     t0 = time.monotonic()
+    load_start = list(os.getloadavg())
     runs = []
     link = Link()
     try:
@@ -203,7 +204,9 @@ def main(argv=None) -> int:
     finally:
         link.remove()
     out = {"command": "python benchmarks/netem.py " + " ".join(sys.argv[1:]), "wall_s": time.monotonic() - t0,
-           "loadavg_end": list(os.getloadavg()), "config": pxd.CONFIG,
+           "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "config": pxd.CONFIG,
+           "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip(),
            "args": vars(args), "runs": runs, "table_md": render(runs, args.global_batch),
            "bytes_md": "\n\n".join(f"{r['placement']}:\n\n{pxd.render(r['rows'], args.global_batch)}" for r in runs)}
     print(out["table_md"])
