@@ -399,9 +399,15 @@ def main() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     meshes: dict[tuple[int, ...], Any] = {}  # a DeviceMesh, or the group alone where this rank is not in it
+    meshes_needed: list[bool] = []
 
     def write(job: Any, staged: list[Tensor]) -> str | None:
-        # every helper creates the meshes any rank's shards need, in one order (new_group is collective)
+        # every helper creates the meshes any rank's shards need, in one order (new_group is collective); a job
+        # without shards (zero_stage=0, or D=1: the same on every rank) skips the agreement
+        if not shard_meshes(job.shards) and not meshes_needed:
+            job.shards = fill(job.shards, staged)
+            return write_job(job, None)
+        meshes_needed.append(True)  # from now on every write agrees, whatever its own shards
         try:
             wanted: list[Any] = [None] * world_size
             dist.all_gather_object(wanted, sorted(shard_meshes(job.shards)))
