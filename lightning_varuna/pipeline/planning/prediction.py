@@ -39,6 +39,7 @@ from lightning_varuna.pipeline.planning.memory_model import (
     stage_memory,
 )
 from lightning_varuna.pipeline.planning.profile_data import Profile
+from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 from lightning_varuna.pipeline.scheduling.schedules import Kind, make_schedule
 from lightning_varuna.pipeline.scheduling.simulator import SimResult, StageCosts, simulate
 
@@ -72,14 +73,15 @@ def recomputed_segments(ranges: Sequence[range], recompute: bool | int, crossing
             others other than through their cut point (the engine refuses that degree).
     """
     parts = []
+    described = {pair: "a value computed from parameters" for pair in crossings}
     for s, r in enumerate(ranges):
         if recompute is False or s == len(ranges) - 1:
             parts.append(range(r.start, r.start))
             continue
-        n = len(r) if recompute is True else min(int(recompute), len(r))
-        parts.append(range(r.start, r.start + n))
-        if n < len(r) and any(r.start <= src < r.start + n <= dst for src, dst in crossings):
-            raise PartitionError(f"recompute={recompute}: a value crosses the end of stage {s}'s recomputed part")
+        # the engine's own rule for where the kept graph starts (None: the whole stage recomputes)
+        cut = grad_from_cut(r.start - 1 if s else None, r.stop - 1, None if recompute is True else int(recompute),
+                            described)
+        parts.append(r if cut is None else range(r.start, cut + 1))
     return parts
 
 
