@@ -85,6 +85,10 @@ OURS = {
     "ours-zb-v2": dict(schedule="zero-bubble", recompute=False, stages_per_rank=2),
     "ours-zb-v2-rc": dict(schedule="zero-bubble", recompute=True, stages_per_rank=2),
     "ours-zb-v2-rc1": dict(schedule="zero-bubble", recompute=1, stages_per_rank=2),
+    # recompute by degree: with a cut point after every layer (``--layers`` segments per chunk), the first n
+    # segments of each non-last stage are recomputed and the rest keep their graph
+    **{f"ours-zb-rc{n}": dict(schedule="zero-bubble", recompute=n) for n in (1, 2, 3)},
+    **{f"ours-1f1b-rc{n}": dict(schedule="1f1b", recompute=n) for n in (1, 2, 3)},
 }
 SMOKE_SYSTEMS = ("torch-1f1b,torch-1f1b-full,torch-1f1b-sac,torch-interleavedzb-full,torch-zbv,torch-zbv-sac,"
                  "ours-varuna-rc,ours-zb")
@@ -152,9 +156,15 @@ def run_torch(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
 
 
 class FullModel(nn.Module):
+    """The S chunks in a row, a cut point between chunks and one after every layer inside a chunk: the engine sees
+    ``S x layers`` segments and, balancing by parameters, gives each stage one chunk's layers (checked after setup)."""
+
     def __init__(self, S: int, args, rt: SplitRuntime, v: int, cut_point_cls):
         super().__init__()
         self.blocks = nn.ModuleList(Chunk(i, S, args, rt, v) for i in range(S))
+        for block in self.blocks:
+            layers = list(block.body)
+            block.body = nn.Sequential(*[m for layer in layers[:-1] for m in (layer, cut_point_cls())], layers[-1])
         self.cuts = nn.ModuleList(cut_point_cls() for _ in range(S - 1))
 
     def forward(self, x):
@@ -168,6 +178,7 @@ class FullModel(nn.Module):
 def run_ours(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
     """Our PipelineEngine on the same chunks; returns (step, zero_grad, cleanup, expected counts)."""
     import lightning_varuna
+    from lightning_varuna.pipeline.config import EngineConfig
     from lightning_varuna.pipeline.engine import PipelineEngine
 
     kwargs = OURS[name]
@@ -178,18 +189,24 @@ def run_ours(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
     def step_fn(microbatch):
         return model(microbatch).mean()
 
-    engine = PipelineEngine(model, pipeline_parallel_size=P, num_microbatches=m, p2p_timeout=60.0, **kwargs)
+    config = EngineConfig(pipeline_parallel_size=P, num_microbatches=m, p2p_timeout=60.0, partition="params",
+                          **kwargs)
+    engine = PipelineEngine(model, config)
     sample = emu.make_batch(torch.randn(m * args.mbs, args.seq, args.hidden), m, step=999)
     engine.setup(sample, step_fn)
+    L = args.layers
+    segments = [len(stage.segments) for stage in engine.plan.stages]
+    if segments != [L] * S:  # the emulation's gates and counts assume a stage is one chunk
+        raise RuntimeError(f"{name}: the engine split the {S * L} segments as {segments}, not {L} per stage")
     if args.jitter_mode == "deadline":
         emu._arrive_at_deadlines(engine.executor.p2p, rt)
-    L = args.layers
     recompute = kwargs.get("recompute")
-    # recompute=True: every chunk but the last stage's runs its forward twice; by degree: not checked (None)
+    # every held chunk but the last stage's runs `redone` of its L layers' forwards twice: all of them with
+    # recompute=True, the first n with recompute=n (1 == True in Python: a degree is told apart by its type)
     held = [s for s in range(S) if s % P == rank] if v > 1 else [rank]
-    fwd = m * L * (v + sum(1 for s in held if s != S - 1)) if recompute is True else m * L * v
-    by_degree = not isinstance(recompute, bool)  # (1 == True in Python: a degree is told apart by its type)
-    expected = {"fwd": None if by_degree else fwd, "i": m * L * v, "w": m * L * v}
+    redone = L if recompute is True else (0 if recompute is False else int(recompute))
+    fwd = m * (L * v + redone * sum(1 for s in held if s != S - 1))
+    expected = {"fwd": fwd, "i": m * L * v, "w": m * L * v}
     return (lambda b: engine.train_step(b, step_fn)), (lambda: model.zero_grad(set_to_none=True)), \
         (lambda: engine.teardown() if hasattr(engine, "teardown") else None), expected
 

@@ -6,6 +6,8 @@ dropout, in ``test_lightning_features.py``.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from test_errors import Chain, trace
 from torch import Tensor
@@ -14,6 +16,9 @@ from lightning_varuna import VarunaStrategy
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.dry_run import PartitionError
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
+from lightning_varuna.pipeline.scheduling.schedules import make_schedule, next_task
+from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
+from lightning_varuna.pipeline.scheduling.tasks import Kind, Task
 
 
 def test_the_kept_graph_starts_after_the_first_n_segments() -> None:
@@ -64,3 +69,38 @@ def test_a_degree_is_a_value_auto_configuration_plans_with() -> None:
     VarunaStrategy(recompute=1, microbatch_size="auto")
     assert EngineConfig(recompute=True).recompute_segments is None
     assert not EngineConfig(recompute=False).recomputes
+
+
+def _graphs_held(order: tuple[Task, ...] | list[Task]) -> int:
+    """The most graphs a stage recomputed by degree holds: each forward keeps its kept segments' graph until the
+    micro-batch's backward (B, or W for a split one), a recompute adds the recomputed segments' graph."""
+    live = peak = 0
+    for task in order:
+        if task.kind in (Kind.F, Kind.R):
+            live += 1
+        peak = max(peak, live)
+        if task.kind is Kind.B or task.kind is Kind.W:
+            live -= 2
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "varuna"])
+def test_forwards_that_keep_a_graph_never_move_ahead_under_the_run_time_rules(schedule: str) -> None:
+    # recompute by degree: a forward keeps its later segments' graph, so a late gradient must not let the stage's
+    # forwards run ahead of its recomputes (they all would, each holding a graph: measured, stage 0 of P=4, m=8
+    # held 8 forwards' graphs, more than without recompute)
+    draws, delays = random.Random(0), {}
+    for num_stages in (2, 4, 8):
+        costs = [StageCosts(forward=1, backward=2)] * num_stages
+        for m in (4, 8, 16, 32):
+            listed = make_schedule(schedule, num_stages, m, recompute=True)
+            run = simulate(listed, costs, opportunistic=True, forwards_stash=lambda stage: False,
+                           jitter=lambda *msg: delays.setdefault(msg, draws.expovariate(2.0))).order
+            for stage in range(num_stages - 1):
+                assert _graphs_held(run[stage]) <= _graphs_held(listed[stage]), (schedule, num_stages, m, stage)
+    # the rule as a stage of one chunk per rank asks it (one flag for all its forwards; the simulator above asks
+    # per task): a forward ready while the head's gradient is late moves only if forwards keep no graph
+    pending = [Task(Kind.R, 0), Task(Kind.B, 0), Task(Kind.F, 4)]
+    forward_ready = lambda task: task.kind is Kind.F  # noqa: E731
+    assert next_task(pending, forward_ready, forwards_stash=True) == 2
+    assert next_task(pending, forward_ready, forwards_stash=False) == 0

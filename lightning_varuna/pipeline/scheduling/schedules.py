@@ -78,9 +78,11 @@ def next_task(
       ``P=4, m=8`` runs ``R3 B3 R4 B4 R5 B5`` before ``F6``); with unit costs this rule brings the list to the
       critical stage's bound (39 -> 38 ticks at ``P=4, m=8``).
 
-    For a ``B(k)`` or ``I(k)`` head only when ``forwards_stash`` (the stage's forwards run without autograd
-    and keep only their input, so the stage holds no more autograd graphs; without it a forward would add a
-    graph, beyond the schedule's memory bound).
+    Only when ``forwards_stash`` (the stage's forwards run without autograd and keep only their input, so the
+    stage holds no more autograd graphs): a forward that keeps a graph, as the kept segments' forward does with
+    recompute by degree, would add one beyond the schedule's memory bound, ahead of a recompute as of a backward
+    (moved ahead of every recompute whose gradient is late, a stage's forwards would all run before its first
+    backward).
 
     ``W`` tasks never move: zero-bubble schedules hold them back on purpose, so that input gradients (the
     critical path) run as soon as their gradient is there; running a held-back ``W`` while waiting for a
@@ -113,7 +115,7 @@ def next_task(
         if forward is not None and (head.kind is Kind.R or forwards_stash(head)) and forwards_stash(pending[forward]):
             return forward
         return 0
-    if head.kind is Kind.R or forwards_stash:
+    if forwards_stash:  # a forward that builds a graph (recompute by degree) never moves, not even ahead of R
         forward = _forward_first(pending, arrived, feed_next_stage)
         if forward is not None:
             return forward
