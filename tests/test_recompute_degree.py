@@ -104,3 +104,44 @@ def test_forwards_that_keep_a_graph_never_move_ahead_under_the_run_time_rules(sc
     forward_ready = lambda task: task.kind is Kind.F  # noqa: E731
     assert next_task(pending, forward_ready, forwards_stash=True) == 2
     assert next_task(pending, forward_ready, forwards_stash=False) == 0
+
+
+
+def _bytes_per_rank(order: tuple[Task, ...], kept: int, recomputed: int, recompute: bool) -> int:
+    """The most activation bytes a rank holds in ``order``: a forward keeps ``kept`` (all of a stage's
+    ``kept + recomputed`` without recompute), a recompute adds ``recomputed``, the micro-batch's B (or W) frees it."""
+    live: dict[tuple[int, int | None], int] = {}
+    peak = 0
+    for task in order:
+        key = (task.microbatch, task.stage)
+        if task.kind is Kind.F:
+            live[key] = kept if recompute else kept + recomputed
+        elif task.kind is Kind.R:
+            live[key] += recomputed
+        peak = max(peak, sum(live.values()))
+        if task.kind in (Kind.B, Kind.W):
+            live.pop(key, None)
+    return peak
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("varuna", 1), ("gpipe", 1), ("zero-bubble", 1),
+                                             ("interleaved", 2), ("zero-bubble", 2)])
+def test_by_degree_a_rank_never_holds_more_than_without_recompute(schedule: str, v: int) -> None:
+    # recompute by degree: forwards keep their later segments' graph, so they run in the order without recompute
+    # and each R(k) right before the backward of k: every micro-batch holds at most what it holds without
+    # recompute, at every moment (the last stage's list is the same: its forwards keep everything)
+    for num_ranks in range(2, 9):
+        for m in (num_ranks, 2 * num_ranks, 4 * num_ranks, 8 * num_ranks):
+            without = make_schedule(schedule, num_ranks, m, recompute=False, stages_per_rank=v)
+            by_degree = make_schedule(schedule, num_ranks, m, recompute=True, stages_per_rank=v,
+                                      forwards_keep_graphs=True)
+            for rank, (plain, degree) in enumerate(zip(without, by_degree, strict=True)):
+                assert [t for t in degree if t.kind is not Kind.R] == list(plain)
+                for kept, recomputed in ((1, 1), (3, 1), (1, 3)):
+                    assert _bytes_per_rank(degree, kept, recomputed, True) <= _bytes_per_rank(
+                        plain, kept, recomputed, False), (schedule, num_ranks, m, rank, kept, recomputed)
+    # the orders made for recomputing whole stages let forwards run ahead: with forwards that keep a graph, stage 0
+    # of zero-bubble's P=4, m=8 would hold every forward's kept part at once (26 units against 16 without recompute)
+    recomputing = make_schedule("zero-bubble", 4, 8, recompute=True)
+    plain = make_schedule("zero-bubble", 4, 8, recompute=False)
+    assert _bytes_per_rank(recomputing[0], 3, 1, True) > _bytes_per_rank(plain[0], 3, 1, False)

@@ -178,6 +178,7 @@ class PipelineEngine(SetupPhase):
             self._schedules[key] = make_schedule(
                 self.config.schedule, self.pipeline_size, m, recompute=self.config.recomputes and train, train=train,
                 stages_per_rank=int(self.config.stages_per_rank),
+                forwards_keep_graphs=self.config.recompute_segments is not None,  # recompute by degree
             )
         return self._schedules[key]
 

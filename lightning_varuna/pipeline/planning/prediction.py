@@ -120,7 +120,8 @@ def predict(
                       for r in ranges[:-1]]
     links = [profile.network.p2p(cluster.ranks_cross(P, rank_of[b], rank_of[b + 1])) for b in range(num_stages - 1)]
     sim = simulate(
-        make_schedule(schedule, P, num_microbatches, recompute is not False, stages_per_rank=v), costs,
+        make_schedule(schedule, P, num_microbatches, recompute is not False, stages_per_rank=v,
+                       forwards_keep_graphs=not isinstance(recompute, bool)), costs,
         jitter=lambda src, dst, kind, k: links[min(src, dst)].latency_s,
         opportunistic=True, transfer=[n / link.bandwidth for n, link in zip(boundary_bytes, links, strict=True)],
         stage_ranks=rank_of if v > 1 else None, forwards_stash=stashes.__getitem__,

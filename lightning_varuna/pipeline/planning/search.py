@@ -96,7 +96,8 @@ def _candidates(profile: Profile, cluster: Cluster, choices: Choices, P: int, v:
         except ScheduleError:
             continue
         # repr: True and 1 (recompute by one segment) are different choices
-        same = (make_schedule(schedule, P, m, recompute is not False, stages_per_rank=v),
+        same = (make_schedule(schedule, P, m, recompute is not False, stages_per_rank=v,
+                       forwards_keep_graphs=not isinstance(recompute, bool)),
                 repr(recompute) if P > 1 else "")
         if same in seen:  # e.g. gpipe with one micro-batch runs what varuna runs
             continue

@@ -163,7 +163,8 @@ def check_schedule_shape(name: str, num_ranks: int, stages_per_rank: int, num_mi
 
 
 def make_schedule(
-    name: str, num_stages: int, num_microbatches: int, recompute: bool, train: bool = True, stages_per_rank: int = 1
+    name: str, num_stages: int, num_microbatches: int, recompute: bool, train: bool = True, stages_per_rank: int = 1,
+    forwards_keep_graphs: bool = False,
 ) -> Schedule:
     """Build and validate the per-stage task lists of a pipeline schedule.
 
@@ -184,6 +185,11 @@ def make_schedule(
             the model has ``P v`` stages in the looped placement (:func:`stage_ranks`), and every task names its
             stage (``"interleaved"``, see :func:`~.interleaved.interleaved_schedule`, or ``"zero-bubble"``, see
             :func:`~.looped_zero_bubble.looped_zero_bubble_schedule`).
+        forwards_keep_graphs: With ``recompute``, whether forwards keep an autograd graph (recompute by degree
+            keeps the later segments'): the forwards then run in the order of the schedule without recompute,
+            which bounds the graphs they hold, and each ``R(k)`` right before the backward of ``k`` (see
+            :func:`recompute_before_backward`). The recompute orders let forwards run ahead, each holding only
+            its input.
 
     Returns:
         The validated schedule: one tuple of tasks per stage (per rank with ``stages_per_rank > 1``).
@@ -197,6 +203,11 @@ def make_schedule(
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
     ranks = stage_ranks(num_stages, stages_per_rank)
     split = train and name in SPLIT_BACKWARD
+    if recompute and train and forwards_keep_graphs:
+        without = make_schedule(name, num_stages, num_microbatches, False, stages_per_rank=stages_per_rank)
+        schedule = recompute_before_backward(without, num_stages * stages_per_rank)
+        validate_schedule(schedule, num_microbatches, True, split_backward=split, stage_ranks=ranks)
+        return schedule
     if ranks is not None or name in CHUNKS_REQUIRED:
         if not train:
             schedule = forward_only_looped(num_stages, stages_per_rank, num_microbatches)
@@ -219,6 +230,28 @@ def make_schedule(
         schedule = gpipe_schedule(num_stages, num_microbatches, recompute)
     validate_schedule(schedule, num_microbatches, recompute, train=train, split_backward=split)
     return schedule
+
+
+def recompute_before_backward(schedule: Schedule, num_stages: int) -> Schedule:
+    """``schedule`` (without recompute) with ``R(k)`` inserted right before each non-last stage's ``B(k)``/``I(k)``.
+
+    No message moves, so the order stays deadlock-free; a stage holds the graphs its forwards keep as without
+    recompute, plus one recomputed part at a time.
+
+    Args:
+        schedule: Task lists without recompute (one per stage, or per rank with tasks naming their stage).
+        num_stages: The model's stages (``P v``); the last one never recomputes.
+    """
+    lists = []
+    for rank, tasks in enumerate(schedule):
+        out: list[Task] = []
+        for task in tasks:
+            stage = rank if task.stage is None else task.stage
+            if task.kind in (Kind.B, Kind.I) and stage < num_stages - 1:
+                out.append(Task(Kind.R, task.microbatch, task.stage))
+            out.append(task)
+        lists.append(tuple(out))
+    return tuple(lists)
 
 
 def _backward_steps(stage: int, num_stages: int, microbatch: int, recompute: bool) -> list[Task]:
