@@ -29,9 +29,9 @@ from big_models import GIB, trial  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROCS, PIPELINE = 8, 2
-# bytes per parameter of a replica's stage, from the memory model: weights, gradients, the sync's flat copy,
-# AdamW's two moments (1/D of them sharded, plus the reduce-scatter's output segment)
-BYTES_PER_PARAM = {0: 4 + 4 + 4 + 8, 1: 4 + 4 + 4 + 8 / 4 + 4 / 4}
+# bytes per parameter of a replica's stage, from the memory model: weights, gradients (the sync keeps no copy of
+# them beyond a bucket or two), AdamW's two moments (1/D of them sharded)
+BYTES_PER_PARAM = {0: 4 + 4 + 8, 1: 4 + 4 + 8 / 4}
 
 
 def predicted_layers(zero_stage: int, width: int, budget_gib: float) -> int:
