@@ -6,11 +6,13 @@ Two parts, each in real multi-process jobs (torchrun, gloo on CPU):
    embedding is most of the parameters) trained 4 AdamW steps with ``VarunaStrategy`` at P=2 x D=2 and P=2 x D=4,
    with ``zero_stage=0`` and ``1``. Per rank, after the last step: parameter bytes held, gradient bytes
    (``.grad``),
-   the gradient sync's buffers (flat buckets, and the reduce-scatter segments), the optimizer state (a DTensor counted
+   the gradient sync's peak in the last step (``.grad`` and the sync's own buffers together, sampled whenever the
+   sync allocates or frees one: ``GradientSync.peak_held_bytes``), the optimizer state (a DTensor counted
    by its local shard), the executor's peak stashed inputs (recompute) and autograd graphs in flight (activations,
    which ``zero_stage`` does not change); and the gradient sync's
    payload per step turned into wire bytes per rank as a ring moves them (all-reduce of N bytes over n ranks:
-   2(n-1)/n N; reduce-scatter of an N-byte input or all-gather into an N-byte output: (n-1)/n N).
+   2(n-1)/n N; reduce-scatter of an N-byte input or all-gather into an N-byte output: (n-1)/n N, which is what
+   the all-to-all and the point-to-point sends that run them on gloo send).
 2. **candidates**: one data-parallel module (an embedding-heavy MLP language model, 2 micro-batches per step, AdamW, 3
    steps) on D=4 processes, with each mechanism the issue lists: our flat reduce-scatter/all-gather
    (``ShardedGradientSync`` + ``ShardedStep``), ``torch.distributed.optim.ZeroRedundancyOptimizer`` under
@@ -18,7 +20,8 @@ Two parts, each in real multi-process jobs (torchrun, gloo on CPU):
    ``fully_shard`` (``reshard_after_forward=False``; on earlier micro-batches no gradient sync and no resharding after
    backward, so the parameters are gathered once per step and the gradient reduce-scattered once). Every collective
    call goes through a counting wrapper of ``torch.distributed``'s functions; the same ring formulas give wire
-   bytes (a broadcast of N bytes: (n-1)/n N per rank on average). State bytes: the maximum over ranks.
+   bytes (a broadcast of N bytes: (n-1)/n N per rank on average; an all-to-all of N bytes: the (n-1)/n N it sends
+   to the others; a point-to-point send: its bytes). State bytes: the maximum over ranks.
 
     python benchmarks/zero.py --out benchmarks/results/zero.json
 
@@ -83,7 +86,7 @@ def strategy_job(out: Path, layout: str) -> None:
                 self.record.update(
                     parameters=_tensor_bytes(params),
                     gradients=_tensor_bytes(p.grad for p in params if p.grad is not None),
-                    sync_buffers=_tensor_bytes([*sync._flat.values(), *getattr(sync, "_segments", {}).values()]),
+                    sync_peak=sync.peak_held_bytes,
                     optimizer_state=_tensor_bytes(v for s in optimizer.state.values() for v in s.values()
                                                   if isinstance(v, torch.Tensor)),
                     peak_stash_bytes=counters.peak_stash_bytes,
@@ -110,7 +113,7 @@ def strategy_job(out: Path, layout: str) -> None:
 # -- part 2: the candidates ------------------------------------------------------------------------------------
 COUNTED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
            "all_gather_single", "broadcast", "all_gather", "reduce_scatter", "_reduce_scatter_base",
-           "_all_gather_base")
+           "_all_gather_base", "all_to_all_single", "isend")
 
 
 def _count_collectives(log: list[tuple[str, int, int]]) -> None:
@@ -122,7 +125,7 @@ def _count_collectives(log: list[tuple[str, int, int]]) -> None:
     def payload(name: str, args: tuple, kwargs: dict) -> int:
         if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
             tensor = args[0] if args else kwargs.get("output_tensor")
-        elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
+        elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "all_to_all_single"):
             tensor = args[1] if len(args) > 1 else kwargs.get("input")
         else:
             tensor = args[0] if args else kwargs.get("tensor")
@@ -147,7 +150,7 @@ def _count_collectives(log: list[tuple[str, int, int]]) -> None:
 def _wire(log: list[tuple[str, int, int]]) -> float:
     total = 0.0
     for name, nbytes, n in log:
-        total += nbytes * (2 if name == "all_reduce" else 1) * (n - 1) / n
+        total += nbytes if name == "isend" else nbytes * (2 if name == "all_reduce" else 1) * (n - 1) / n
     return total
 
 
@@ -284,13 +287,14 @@ def _git(*args: str) -> str:
 
 
 def table(ranks: dict[str, list[dict]], candidates: list[dict]) -> str:
-    lines = ["| layout | zero_stage | parameters | gradients | sync buffers | optimizer state | stashed activations"
+    lines = ["| layout | zero_stage | parameters | gradients | sync peak (.grad + buffers) | optimizer state |"
+             " stashed activations"
              " (peak) | graphs in flight (peak) | wire bytes per step |", "|---|---|---|---|---|---|---|---|---|"]
     kib = 1024
     for name, records in ranks.items():
         layout, zero = name.split("-zero")
         worst = {key: max(r[key] for r in records) for key in records[0] if key not in ("rank", "stage")}
-        cells = [f"{worst[key] / kib:.0f} KiB" for key in ("parameters", "gradients", "sync_buffers", "optimizer_state",
+        cells = [f"{worst[key] / kib:.0f} KiB" for key in ("parameters", "gradients", "sync_peak", "optimizer_state",
                                                            "peak_stash_bytes", "wire_per_step")]
         cells.insert(5, str(worst["peak_live_graphs"]))
         lines.append(f"| {layout.upper()} | {zero} | {' | '.join(cells)} |")
