@@ -53,8 +53,8 @@ buffers: the next bucket's start waits for the previous one instead (the backwar
 """
 
 # torch 2.14 names them *_single and deprecates the *_tensor names that torch 2.13 has alone
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_native_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def shard_rows(param: Tensor, shards: int, index: int) -> tuple[int, int]:
@@ -191,10 +191,7 @@ class ShardedGradientSync(GradientSync):
         group = self.topology.data_group
         self._mark_start()
         try:
-            if self._gloo:
-                work = dist.all_to_all_single(received, flat, group=group, async_op=True)
-            else:
-                work = _reduce_scatter(received, flat, group=group, async_op=True)
+            work = _reduce_scatter(received, flat, group, self._gloo)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
             raise self._error("starting", group, err) from err
         self._in_flight.append((i, work, flat, received, then_sum_over))
@@ -313,25 +310,15 @@ class ShardedGradientSync(GradientSync):
             self.gathered_bytes += layout.segment * self.topology.data_size * _element_size(layout)
         with torch.no_grad():
             if self._gloo:
-                self._send_rows(layouts)
+                self._gather_point_to_point(layouts)
             else:
                 for layout in layouts:
                     self._gather_natively(layout)
 
-    def _send_rows(self, layouts: list[_Layout]) -> None:
+    def _gather_point_to_point(self, layouts: list[_Layout]) -> None:
         """gloo: each replica's rows go from its parameters straight into the others' (point-to-point)."""
-        me, group = self.topology.replica, self.topology.data_group
-        works = []
         try:
-            for layout in layouts:
-                for j, rank in enumerate(self._replica_ranks):
-                    if j == me:
-                        continue
-                    # the same order on both sides of each pair: gloo matches a pair's messages in order
-                    for p, a, b, _ in layout.pieces[me]:
-                        works.append(dist.isend(p.detach().view(-1)[a:b], rank, group=group))
-                    for p, a, b, _ in layout.pieces[j]:
-                        works.append(dist.irecv(p.detach().view(-1)[a:b], rank, group=group))
+            works = _send_rows(layouts, self.topology.replica, self._replica_ranks, self.topology.data_group)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
             raise self._gather_error("starting", err) from err
         for work in works:
@@ -349,7 +336,7 @@ class ShardedGradientSync(GradientSync):
         for p, a, b, offset in layout.pieces[me]:
             flat[offset : offset + b - a].copy_(p.detach().view(-1)[a:b])
         try:
-            work = _all_gather(flat, flat[base : base + layout.segment], group=group, async_op=True)
+            work = _native_all_gather(flat, flat[base : base + layout.segment], group=group, async_op=True)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
             raise self._gather_error("starting", err) from err
         try:
@@ -360,6 +347,34 @@ class ShardedGradientSync(GradientSync):
             if j != me:
                 for p, a, b, offset in pieces:
                     p.detach().view(-1)[a:b].copy_(flat[offset : offset + b - a])
+
+
+def _reduce_scatter(received: Tensor, flat: Tensor, group: object, gloo: bool) -> dist.Work:
+    """Starts a bucket's reduce-scatter (the module doc's all-to-all on gloo, else the native one).
+
+    ``received``: on gloo every replica's copy of this replica's segment, else the segment.
+    """
+    if gloo:
+        return dist.all_to_all_single(received, flat, group=group, async_op=True)  # type: ignore[arg-type]
+    return _native_reduce_scatter(received, flat, group=group, async_op=True)
+
+
+def _send_rows(layouts: list[_Layout], me: int, ranks: list[int], group: object) -> list[dist.Work]:
+    """Posts the module doc's point-to-point all-gather; returns the works to wait for.
+
+    This replica's rows of each piece go to every other replica, and theirs into this one's parameters.
+    """
+    works = []
+    for layout in layouts:
+        for j, rank in enumerate(ranks):
+            if j == me:
+                continue
+            # the same order on both sides of each pair: gloo matches a pair's messages in order
+            for p, a, b, _ in layout.pieces[me]:
+                works.append(dist.isend(p.detach().view(-1)[a:b], rank, group=group))  # type: ignore[arg-type]
+            for p, a, b, _ in layout.pieces[j]:
+                works.append(dist.irecv(p.detach().view(-1)[a:b], rank, group=group))  # type: ignore[arg-type]
+    return works
 
 
 def _element_size(layout: _Layout) -> int:
