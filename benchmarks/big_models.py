@@ -107,6 +107,8 @@ def worker(args: argparse.Namespace) -> None:
             record["stage"] = strategy.topology.stage
             # an upper bound: every micro-batch's saved activations held at once (recompute holds fewer)
             record["activation_bytes"] = info.saved_bytes * pipeline
+            # the gradient sync's peak of the last step: .grad plus its own buffers
+            record["sync_peak_bytes"] = strategy.engine.grad_sync.peak_held_bytes
             record["peak_mib"] = _status_mib("VmHWM") - base
 
     pipeline = args.pipeline or args.procs  # P; D = procs / P replicas (benchmarks/zero_largest.py)

@@ -6,11 +6,11 @@ Two parts, each in real multi-process jobs (torchrun, gloo on CPU):
    embedding is most of the parameters) trained 4 AdamW steps with ``VarunaStrategy`` at P=2 x D=2 and P=2 x D=4,
    with ``zero_stage=0`` and ``1``. Per rank, after the last step: parameter bytes held, gradient bytes
    (``.grad``),
-   the gradient sync's buffers (flat buckets, and the reduce-scatter segments), the optimizer state (a DTensor counted
+   the gradient sync's peak in the last step (``.grad`` and the sync's own buffers together, sampled whenever the
+   sync allocates or frees one: ``GradientSync.peak_held_bytes``), the optimizer state (a DTensor counted
    by its local shard), the executor's peak stashed inputs (recompute) and autograd graphs in flight (activations,
-   which ``zero_stage`` does not change); and the gradient sync's
-   payload per step turned into wire bytes per rank as a ring moves them (all-reduce of N bytes over n ranks:
-   2(n-1)/n N; reduce-scatter of an N-byte input or all-gather into an N-byte output: (n-1)/n N).
+   which ``zero_stage`` does not change); and the bytes the gradient sync sends per step and rank: every
+   ``torch.distributed`` call it makes (over the replicas and over the tied copies' holders) counted as in part 2.
 2. **candidates**: one data-parallel module (an embedding-heavy MLP language model, 2 micro-batches per step, AdamW, 3
    steps) on D=4 processes, with each mechanism the issue lists: our flat reduce-scatter/all-gather
    (``ShardedGradientSync`` + ``ShardedStep``), ``torch.distributed.optim.ZeroRedundancyOptimizer`` under
@@ -18,7 +18,8 @@ Two parts, each in real multi-process jobs (torchrun, gloo on CPU):
    ``fully_shard`` (``reshard_after_forward=False``; on earlier micro-batches no gradient sync and no resharding after
    backward, so the parameters are gathered once per step and the gradient reduce-scattered once). Every collective
    call goes through a counting wrapper of ``torch.distributed``'s functions; the same ring formulas give wire
-   bytes (a broadcast of N bytes: (n-1)/n N per rank on average). State bytes: the maximum over ranks.
+   bytes (a broadcast of N bytes: (n-1)/n N per rank on average; an all-to-all of N bytes: the (n-1)/n N it sends
+   to the others; a point-to-point send: its bytes). State bytes: the maximum over ranks.
 
     python benchmarks/zero.py --out benchmarks/results/zero.json
 
@@ -64,6 +65,8 @@ def strategy_job(out: Path, layout: str) -> None:
 
     torch.set_num_threads(1)
     pipeline, data = LAYOUTS[layout]
+    log: list = []
+    _count_collectives(log)
     for zero in (0, 1):
         torch.manual_seed(0)
         model = TinyGPT(vocab_size=2048, n_embd=64, tie_weights=True)
@@ -74,6 +77,7 @@ def strategy_job(out: Path, layout: str) -> None:
 
             def on_train_start(self, trainer, pl_module) -> None:
                 trainer.strategy.engine.events.add(self.counters)
+                log.clear()  # setup's broadcasts are not a step's
 
             def on_train_end(self, trainer, pl_module) -> None:
                 sync = trainer.strategy.engine.grad_sync
@@ -83,7 +87,7 @@ def strategy_job(out: Path, layout: str) -> None:
                 self.record.update(
                     parameters=_tensor_bytes(params),
                     gradients=_tensor_bytes(p.grad for p in params if p.grad is not None),
-                    sync_buffers=_tensor_bytes([*sync._flat.values(), *getattr(sync, "_segments", {}).values()]),
+                    sync_peak=sync.peak_held_bytes,
                     optimizer_state=_tensor_bytes(v for s in optimizer.state.values() for v in s.values()
                                                   if isinstance(v, torch.Tensor)),
                     peak_stash_bytes=counters.peak_stash_bytes,
@@ -91,6 +95,10 @@ def strategy_job(out: Path, layout: str) -> None:
                     reduced_payload_per_step=sync.reduced_bytes / STEPS,
                     gathered_payload_per_step=getattr(sync, "gathered_bytes", 0) / STEPS,
                 )
+                # the calls the gradient sync made: over the replicas, and over the tied copies' holders
+                groups = [sync.topology.data_group, *(g for g, _ in sync.tied_groups),
+                          *getattr(sync, "_replica_tied_groups", [])]
+                self.record["wire_per_step"] = _wire([e for e in log if any(e[3] is g for g in groups)]) / STEPS
 
         strategy = lightning_varuna.VarunaStrategy(pipeline_parallel_size=pipeline, num_microbatches=4,
                                                    zero_stage=zero, partition="params")
@@ -98,23 +106,19 @@ def strategy_job(out: Path, layout: str) -> None:
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[measure := Measure()])
         trainer.fit(model, DataLoader(RandomTokens(n=64 * data, vocab_size=2048, seed=1), batch_size=8))
-        record, n = measure.record, data
-        if zero:  # the reduce-scatter's input and the all-gather's output, each (n-1)/n of it on a ring
-            wire = (record["reduced_payload_per_step"] + record["gathered_payload_per_step"]) * (n - 1) / n
-        else:
-            wire = record["reduced_payload_per_step"] * 2 * (n - 1) / n
-        record.update(wire_per_step=wire, rank=trainer.global_rank, stage=trainer.strategy.topology.stage)
+        record = measure.record
+        record.update(rank=trainer.global_rank, stage=trainer.strategy.topology.stage)
         (out / f"{layout}-zero{zero}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 # -- part 2: the candidates ------------------------------------------------------------------------------------
 COUNTED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
            "all_gather_single", "broadcast", "all_gather", "reduce_scatter", "_reduce_scatter_base",
-           "_all_gather_base")
+           "_all_gather_base", "all_to_all_single", "isend")
 
 
-def _count_collectives(log: list[tuple[str, int, int]]) -> None:
-    """Wraps ``torch.distributed``'s collectives: each call appends ``(name, payload bytes, group size)``."""
+def _count_collectives(log: list) -> None:
+    """Wraps ``torch.distributed``'s collectives: each call appends ``(name, payload bytes, group size, group)``."""
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
@@ -122,7 +126,7 @@ def _count_collectives(log: list[tuple[str, int, int]]) -> None:
     def payload(name: str, args: tuple, kwargs: dict) -> int:
         if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
             tensor = args[0] if args else kwargs.get("output_tensor")
-        elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base"):
+        elif name in ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "all_to_all_single"):
             tensor = args[1] if len(args) > 1 else kwargs.get("input")
         else:
             tensor = args[0] if args else kwargs.get("tensor")
@@ -137,17 +141,17 @@ def _count_collectives(log: list[tuple[str, int, int]]) -> None:
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 group = kwargs.get("group")
-                log.append((_name, payload(_name, args, kwargs), dist.get_world_size(group)))
+                log.append((_name, payload(_name, args, kwargs), dist.get_world_size(group), group))
                 return _original(*args, **kwargs)
 
             counted._counted = True  # type: ignore[attr-defined]
             setattr(module, name, counted)
 
 
-def _wire(log: list[tuple[str, int, int]]) -> float:
+def _wire(log: list) -> float:
     total = 0.0
-    for name, nbytes, n in log:
-        total += nbytes * (2 if name == "all_reduce" else 1) * (n - 1) / n
+    for name, nbytes, n, *_ in log:
+        total += nbytes if name == "isend" else nbytes * (2 if name == "all_reduce" else 1) * (n - 1) / n
     return total
 
 
@@ -176,7 +180,7 @@ def candidates_job(out: Path) -> None:
         return nn.functional.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1)) / 2
 
     results = {}
-    log: list[tuple[str, int, int]] = []
+    log: list = []
     _count_collectives(log)
 
     # (a) ours
@@ -263,10 +267,10 @@ def _steps(log: list, step, optimizer) -> dict:
     for i in range(1, 4):
         step(i)
     calls: dict[str, int] = {}
-    for name, _, _ in log:
+    for name, *_ in log:
         calls[name] = calls.get(name, 0) + 1
     state = optimizer.state if not hasattr(optimizer, "optim") else optimizer.optim.state
-    return {"wire_per_step": _wire(log) / 3, "payload_per_step": sum(b for _, b, _ in log) / 3, "calls": calls,
+    return {"wire_per_step": _wire(log) / 3, "payload_per_step": sum(entry[1] for entry in log) / 3, "calls": calls,
             "optimizer_state": _tensor_bytes(v for s in state.values() for v in s.values()
                                              if isinstance(v, torch.Tensor))}
 
@@ -284,13 +288,14 @@ def _git(*args: str) -> str:
 
 
 def table(ranks: dict[str, list[dict]], candidates: list[dict]) -> str:
-    lines = ["| layout | zero_stage | parameters | gradients | sync buffers | optimizer state | stashed activations"
+    lines = ["| layout | zero_stage | parameters | gradients | sync peak (.grad + buffers) | optimizer state |"
+             " stashed activations"
              " (peak) | graphs in flight (peak) | wire bytes per step |", "|---|---|---|---|---|---|---|---|---|"]
     kib = 1024
     for name, records in ranks.items():
         layout, zero = name.split("-zero")
         worst = {key: max(r[key] for r in records) for key in records[0] if key not in ("rank", "stage")}
-        cells = [f"{worst[key] / kib:.0f} KiB" for key in ("parameters", "gradients", "sync_buffers", "optimizer_state",
+        cells = [f"{worst[key] / kib:.0f} KiB" for key in ("parameters", "gradients", "sync_peak", "optimizer_state",
                                                            "peak_stash_bytes", "wire_per_step")]
         cells.insert(5, str(worst["peak_live_graphs"]))
         lines.append(f"| {layout.upper()} | {zero} | {' | '.join(cells)} |")

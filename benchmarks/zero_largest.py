@@ -29,9 +29,9 @@ from big_models import GIB, trial  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROCS, PIPELINE = 8, 2
-# bytes per parameter of a replica's stage, from the memory model: weights, gradients, the sync's flat copy,
-# AdamW's two moments (1/D of them sharded, plus the reduce-scatter's output segment)
-BYTES_PER_PARAM = {0: 4 + 4 + 4 + 8, 1: 4 + 4 + 4 + 8 / 4 + 4 / 4}
+# bytes per parameter of a replica's stage, from the memory model: weights, gradients (the sync keeps no copy of
+# them beyond a bucket or two), AdamW's two moments (1/D of them sharded)
+BYTES_PER_PARAM = {0: 4 + 4 + 8, 1: 4 + 4 + 8 / 4}
 
 
 def predicted_layers(zero_stage: int, width: int, budget_gib: float) -> int:
@@ -90,6 +90,23 @@ def render(results: dict) -> str:
     if 0 in best and 1 in best:
         lines.append(f"\nlargest that trains: {best[0] / 1e6:.1f} M (zero_stage=0), {best[1] / 1e6:.1f} M"
                      f" (zero_stage=1): {best[1] / best[0]:.2f}x")
+    lines += ["", "Where the bytes go in the largest run that trains, per rank (MiB, the largest rank; peak: growth of"
+              " the rank's resident memory over the process before the model; sync peak: `.grad` and the sync's"
+              " buffers at their most, which holds the gradients once):", "",
+              "| zero_stage | layers | parameters | gradients | optimizer state | activations (bound) | sync peak"
+              " | sync peak - gradients | peak | peak - (parameters + sync peak + optimizer + activations) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for stage, params in sorted(best.items()):
+        t = next(t for t in results["trials"] if t["zero_stage"] == stage and t["fits"] and t["params"] == params)
+        r = max(t["ranks"], key=lambda r: r["peak_mib"])
+        mib = 2**20
+        known = r["param_bytes"] + r.get("sync_peak_bytes", r["grad_bytes"]) + r["optimizer_bytes"]
+        known += r["activation_bytes"]
+        lines.append(f"| {stage} | {t['layers']} | {r['param_bytes'] / mib:.0f} | {r['grad_bytes'] / mib:.0f} |"
+                     f" {r['optimizer_bytes'] / mib:.0f} | {r['activation_bytes'] / mib:.0f} |"
+                     f" {r.get('sync_peak_bytes', 0) / mib:.0f} |"
+                     f" {(r.get('sync_peak_bytes', 0) - r['grad_bytes']) / mib:.0f} | {r['peak_mib']:.0f} |"
+                     f" {r['peak_mib'] - known / mib:.0f} |")
     return "\n".join(lines)
 
 

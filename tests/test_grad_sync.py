@@ -58,19 +58,30 @@ def test_each_bucket_starts_during_the_last_backward_in_order(launches) -> None:
     model, sync = _setup()
     seen_at_first_layer = []
     model[0].weight.register_post_accumulate_grad_hook(lambda p: seen_at_first_layer.append(len(launches)))
-    _loss(model).backward()  # an earlier micro-batch: nothing starts
+    torch.manual_seed(1)
+    inputs = [torch.randn(3, 4), torch.randn(3, 4)]
+    twin = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    twin.load_state_dict(model.state_dict())
+    for x in inputs:  # both micro-batches, accumulated, on a copy that is not synced
+        twin(x).square().sum().backward()
+    model(inputs[0]).square().sum().backward()  # an earlier micro-batch: nothing starts
     assert launches == []
     with sync.overlapping():
-        _loss(model).backward()
+        model(inputs[1]).square().sum().backward()
     assert [n for n, _ in launches] == [26, 72, 32] and sync.overlapped_buckets == 3
     assert seen_at_first_layer[-1] >= 1, "the last layers' bucket started before the first layer's gradient"
-    expected = [p.grad.clone() for p in model.parameters()]  # both micro-batches, accumulated
+    # a started bucket holds its gradients in its flat buffer only
+    assert all(p.grad is None for p in model.parameters())
     sync.start()
     assert len(launches) == 3, "start() starts only what is left"
     sync.finish()
-    for p, want in zip(model.parameters(), expected):
-        torch.testing.assert_close(p.grad, want)  # averaged over two identical replicas
+    for p, want in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, want.grad)  # averaged over two identical replicas
+    # each gradient is a view of its bucket's reduced buffer: no second copy
+    assert model[2].bias.grad.untyped_storage().data_ptr() == model[2].weight.grad.untyped_storage().data_ptr()
     assert sync.reduced_bytes == (26 + 72 + 32) * 4 and not sync.started
+    # at most one bucket held twice (during its copy) beyond the gradients themselves
+    assert sync.peak_held_bytes <= (130 + 72) * 4
 
 
 def test_a_bucket_without_gradient_waits_for_start_and_keeps_the_order(launches) -> None:

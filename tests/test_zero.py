@@ -45,8 +45,9 @@ def configs(ckpt: Path) -> dict[str, str]:
     """The 4-process configurations; ``z1-adamw`` keeps its checkpoints of steps 4 and 8 in ``ckpt``."""
     return {
         # global_batch_size: a resume under D=1 reads the same 16 samples per step
-        "z1-adamw": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,save_every=4,save_all=true,save_dir={ckpt}",
-        "z0-adamw": f"{P2D2},{ADAMW},zero_stage=0",
+        "z1-adamw": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,save_every=4,save_all=true,save_dir={ckpt},"
+        "count_wire=true",
+        "z0-adamw": f"{P2D2},{ADAMW},zero_stage=0,count_wire=true",
         # the sharded state handed to the background writer (test_async_sharded_checkpoint_resumes_elsewhere)
         "z1-adamw-async": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,async_checkpoint=true,save_every=4,"
         f"save_all=true,save_dir={ckpt}/async",
@@ -137,6 +138,39 @@ def test_each_rank_keeps_about_half_the_optimizer_state_at_d2(results: Path) -> 
     chunks = [_load(results, "z1-adamw-il", rank)["state_bytes"] for rank in range(4)]
     print(f"with two chunks per rank: {chunks}: {max(chunks) / max(whole):.3f}x")
     assert 0.4 < max(chunks) / max(whole) <= 0.6
+
+
+@pytest.mark.slow
+def test_each_rank_holds_fewer_tensor_bytes_at_d2(results: Path) -> None:
+    """Parameters, optimizer state and the sync's peak (``.grad`` plus its buffers), the largest rank: at D=2 AdamW's
+    state halves (2 of 4 parameter-sized tensors on top of weights and gradients: 3/4 of the bytes) and the sync
+    holds no full-size copy beyond the gradients, so the sharded rank holds at most 0.8x the unsharded one's."""
+
+    def held(name: str, rank: int) -> int:
+        run = _load(results, name, rank)
+        return run["param_bytes"] + run["state_bytes"] + max(run["sync_peak_bytes"])
+
+    sharded = max(held("z1-adamw", rank) for rank in range(4))
+    whole = max(held("z0-adamw", rank) for rank in range(4))
+    parts = {name: {k: _load(results, name, 0)[k] for k in ("param_bytes", "state_bytes")}
+             | {"sync_peak": max(_load(results, name, 0)["sync_peak_bytes"])} for name in ("z1-adamw", "z0-adamw")}
+    print(f"\ntensor bytes per rank (max): zero_stage=1 {sharded}, zero_stage=0 {whole}: {sharded / whole:.3f}x;"
+          f" rank 0: {parts}")
+    assert sharded / whole <= 0.8
+
+
+@pytest.mark.slow
+def test_sharded_sync_sends_no_more_than_the_all_reduce(results: Path) -> None:
+    """Bytes each rank sends per step on the data-parallel group, counted at the torch.distributed calls the sync
+    makes: the sharded run's reduce-scatter and all-gather together at most the unsharded run's all-reduce (plus
+    the padding of uneven row shards, 2%)."""
+    for rank in range(4):
+        sharded, whole = _load(results, "z1-adamw", rank), _load(results, "z0-adamw", rank)
+        per_step = {name: sum(run["wire_bytes"].values()) / run["wire_steps"] for name, run in
+                    (("z1", sharded), ("z0", whole))}
+        print(f"rank {rank}: sent per step {per_step}, by call {sharded['wire_bytes']} vs {whole['wire_bytes']}")
+        assert "reduce_scatter_tensor" not in sharded["wire_bytes"], "gloo's reduce-scatter sends an all-reduce"
+        assert 0 < per_step["z1"] <= 1.02 * per_step["z0"], f"rank {rank}: {per_step}"
 
 
 @pytest.mark.slow

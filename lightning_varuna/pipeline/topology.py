@@ -139,12 +139,17 @@ class Topology:
             links=links,
         )
 
-    def stages_group(self, stages: tuple[int, ...]) -> object:
-        """The group of every replica's copies of ``stages`` (all ranks must call this in the same order)."""
-        if stages not in self._shared_groups:
-            ranks = [self.rank_of(s, d) for d in range(self.data_size) for s in stages]
-            self._shared_groups[stages] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
-        return self._shared_groups[stages]
+    def stages_group(self, stages: tuple[int, ...], replica: int | None = None) -> object:
+        """The group of every replica's copies of ``stages``, or of one ``replica``'s copies.
+
+        All ranks must call this in the same order.
+        """
+        key = stages if replica is None else (stages, replica)
+        if key not in self._shared_groups:
+            replicas = range(self.data_size) if replica is None else [replica]
+            ranks = {self.rank_of(s, d) for d in replicas for s in stages}
+            self._shared_groups[key] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
+        return self._shared_groups[key]
 
     def destroy_groups(self) -> None:
         """Destroys every process group this rank belongs to that :meth:`create` and :meth:`stages_group` made.

@@ -15,7 +15,10 @@ bytes), ``overlap`` (all-reduce during the last backward, default on), ``acceler
 every 2 steps), ``vocab`` (the vocabulary size) and ``optimizer`` (``adamw``, the model's own: AdamW with a step
 scheduler; ``sgd``: SGD with momentum and the same scheduler; ``groups``: AdamW with two parameter groups,
 weight decay 0.1 on matrices and 0 on the rest). Each rank records its optimizer state's bytes (a DTensor
-counted by its local shard). The configuration the strategy ran (chosen by its planner where ``"auto"``) is recorded.
+counted by its local shard), its parameters' bytes and the gradient sync's peak (``.grad`` plus the sync's own
+buffers, :attr:`GradientSync.peak_held_bytes`). The configuration the strategy ran (chosen by its planner where
+``"auto"``) is recorded. ``count_wire``: every ``torch.distributed`` call on the data-parallel group during the
+training batches is counted (:class:`WireCounter`), as the bytes this rank sends.
 """
 
 from __future__ import annotations
@@ -78,6 +81,61 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+class WireCounter:
+    """Bytes this rank sends in the collectives and point-to-point calls it makes on some groups, by kind.
+
+    Each call is counted by what its algorithm sends per rank on gloo: a ring all-reduce of N bytes over n ranks
+    ``2 (n - 1) / n * N``; gloo's ``reduce_scatter_tensor`` runs an all-reduce of its whole input (measured on a
+    link, ``docs/benchmarks.md``), so it counts as one; an all-to-all sends every chunk but its own; a ring
+    all-gather ``(n - 1) / n`` of its output; ``isend`` its tensor.
+    """
+
+    NAMES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single",
+             "all_gather_into_tensor", "all_gather_single", "isend", "send", "broadcast")
+
+    def __init__(self) -> None:
+        self.groups: list[object] = []
+        self.counting = False
+        self.sent: dict[str, int] = {}
+        dist = torch.distributed
+        for name in self.NAMES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name: str, call):
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            if self.counting and group is not None and any(group is g for g in self.groups):
+                n = torch.distributed.get_world_size(group)
+                self.sent[name] = self.sent.get(name, 0) + self._bytes(name, n, *args, **kwargs)
+            return call(*args, **kwargs)
+
+        return counted
+
+    @staticmethod
+    def _bytes(name: str, n: int, first, second=None, *rest, **kwargs) -> int:
+        def size(t) -> int:
+            return t.numel() * t.element_size()
+
+        if name in ("all_reduce",):
+            return 2 * (n - 1) * size(first) // n
+        if name.startswith("reduce_scatter"):
+            return 2 * (n - 1) * size(second) // n  # gloo: an all-reduce of the input
+        if name == "all_to_all_single":
+            splits = kwargs.get("input_split_sizes") or (rest[1] if len(rest) > 1 else None)
+            if splits:
+                raise NotImplementedError("uneven all-to-all splits are not counted")
+            return (n - 1) * size(second) // n
+        if name.startswith("all_gather"):
+            return (n - 1) * size(first) // n
+        if name in ("isend", "send"):
+            return size(first)
+        return (n - 1) * size(first)  # broadcast from this rank at most
+
+
+WIRE = WireCounter() if "count_wire=true" in " ".join(sys.argv) else None
+
+
 class Recorder(pl.Callback):
     def __init__(self, bucket: int | None = None, overlap: bool = True) -> None:
         self.losses: list[float] = []
@@ -88,12 +146,18 @@ class Recorder(pl.Callback):
         self.overlapped: list[int] = []
         self.bucket, self.overlap = bucket, overlap
         self.counters = StageCounters()
+        self.sync_peaks: list[int] = []
+        self.param_bytes = 0
 
     def on_train_start(self, trainer, pl_module) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             engine.events.add(self.counters)
         sync = getattr(engine, "grad_sync", None)
+        if WIRE is not None and engine is not None:  # the groups the gradient sync talks over
+            WIRE.groups = [engine.topology.data_group, *(group for group, _ in sync.tied_groups),
+                           *getattr(sync, "_replica_tied_groups", [])]
+            WIRE.sent = {}
         if sync is not None:
             sync.overlap = self.overlap
             if self.bucket is not None:
@@ -103,6 +167,8 @@ class Recorder(pl.Callback):
         sync = getattr(getattr(trainer.strategy, "engine", None), "grad_sync", None)
         if sync is not None:
             self.overlapped.append(sync.overlapped_buckets)
+            self.sync_peaks.append(sync.peak_held_bytes)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         self.grad_norms.append(
             {n: float(p.grad.norm()) for n, p in pl_module.named_parameters() if p.grad is not None}
         )
@@ -111,7 +177,13 @@ class Recorder(pl.Callback):
                 if p.grad is not None:
                     self.grads[name] = p.grad.detach().flatten().tolist()
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if WIRE is not None:
+            WIRE.counting = True
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if WIRE is not None:  # ModelCheckpoint saves after this (Lightning runs it last): not counted
+            WIRE.counting = False
         # after the optimizer step .grad still holds the gradients as clipped (zero_grad comes with the next step)
         self.clipped_norms.append(
             {n: float(p.grad.norm()) for n, p in pl_module.named_parameters() if p.grad is not None}
@@ -133,6 +205,7 @@ def run(out: Path, spec: str) -> None:
     accumulate = options.pop("accumulate", 1)
     inject_inf_at = options.pop("inf", None)
     steps = options.pop("steps", STEPS)
+    count_wire = options.pop("count_wire", False)
     epochs = options.pop("epochs", None)
     epoch_steps = options.pop("epoch_steps", STEPS)
     save = options.pop("save", None)
@@ -219,6 +292,11 @@ def run(out: Path, spec: str) -> None:
                             "microbatch_size": config.microbatch_size, "num_microbatches": config.num_microbatches,
                             "schedule": config.schedule, "recompute": config.recompute,
                             "stages_per_rank": config.stages_per_rank}
+        result["sync_peak_bytes"] = recorder.sync_peaks
+        result["param_bytes"] = recorder.param_bytes
+        if count_wire and WIRE is not None:
+            result["wire_bytes"] = dict(WIRE.sent)
+            result["wire_steps"] = len(recorder.losses)
     result["clipped_norms"] = recorder.clipped_norms
     result["state_bytes"] = sum(state_bytes(o) for o in trainer.optimizers)
     result["final"] = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}

@@ -9,6 +9,10 @@
 - A parameter held by several stages (found by the dry run, e.g. a tied embedding and head) has its copies'
   gradients summed over every holder of every replica (and divided by D), so the copies stay identical.
 - The global gradient norm counts each parameter once: a tied parameter only on its first holder stage.
+- Memory: a bucket's flat buffer exists only from its start to the next step. Starting a bucket copies its
+  gradients into a new flat buffer and drops them from ``.grad`` (at most one bucket held twice, during the
+  copy); after the reduction each ``.grad`` is a view of the reduced buffer (as ``DistributedDataParallel``'s
+  ``gradient_as_bucket_view``), so a replica holds its gradients once, not also in persistent bucket copies.
 """
 
 from __future__ import annotations
@@ -97,10 +101,16 @@ class GradientSync:
         """How many buckets started reducing during the last :meth:`overlapping` backward."""
         self.started_at: float | None = None
         """When this step's first reduction started (``time.perf_counter``), or None if it had none."""
+        self.peak_held_bytes = 0
+        """The most bytes this stage's ``.grad`` and the sync's own buffers held together during the last sync.
+
+        Sampled whenever the sync allocates or releases a buffer (per bucket, never per micro-batch).
+        """
+        self._buffer_bytes = 0
+        self._timed = False  # started_at is this step's
         self._started = False
         self._launched = 0
         self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter], object]] = []
-        self._flat: dict[int, Tensor] = {}
         self._accumulated: Mapping[nn.Parameter, Tensor] = {}
         self.bucket_bytes = bucket_bytes  # type: ignore[assignment] - builds the buckets
 
@@ -127,7 +137,6 @@ class GradientSync:
         self._hooks: list[tuple[nn.Parameter, Callable[[nn.Parameter], None]]] = [
             (p, self._ready_hook(i)) for i, bucket in enumerate(self.buckets) for p in bucket
         ]
-        self._flat = {}
 
     def _ready_hook(self, bucket: int) -> Callable[[nn.Parameter], None]:
         def ready(_: nn.Parameter) -> None:
@@ -194,33 +203,46 @@ class GradientSync:
         """
         if self._started:
             raise RuntimeError("GradientSync.start() called twice without finish().")
+        if not self.started:  # a new step: the first bucket of the overlapping backward starts it too
+            self.peak_held_bytes = 0
         self._started = True
         if accumulated is not None:
             self._accumulated = accumulated
         if self.topology.data_size > 1:
             while self._launched < len(self.buckets):
                 self._launch_bucket()
-        d = self.topology.data_size
-        for j, (group, tied) in enumerate(self.tied_groups):
+        self._launch_tied()
+
+    def _launch_tied(self) -> None:
+        """Starts summing the tied copies (over every holder of every replica, divided by D)."""
+        for group, tied in self.tied_groups:
             if tied:
-                flat = self._flatten(len(self.buckets) + j, tied)
-                flat.div_(d)
+                flat = self._flatten(tied)
+                flat.div_(self.topology.data_size)
                 self._all_reduce(flat, tied, group)
 
     def finish(self) -> None:
-        """Waits for the reductions started and writes the results into the gradients."""
+        """Waits for the reductions started; each reduced parameter's ``.grad`` becomes a view of its result."""
         for flat, params in self._wait():
-            _unflatten(flat, params)
+            _adopt(flat, params)
+            self._buffer_bytes -= flat.numel() * flat.element_size()
+        self._sample()
 
     def discard(self) -> None:
-        """Waits for the reductions started and drops their results (``.grad`` stays as it is)."""
-        self._wait()
+        """Waits for the reductions started and drops their results.
+
+        The gradients a started reduction had taken from ``.grad`` are gone with it (``.grad`` is None there):
+        restore the gradients you keep (the strategy puts the accumulation window's back).
+        """
+        for flat, _ in self._wait():
+            self._buffer_bytes -= flat.numel() * flat.element_size()
 
     def _wait(self) -> list[tuple[Tensor, list[nn.Parameter]]]:
         pending, self._pending = self._pending, []
         self._started, self._launched, self._accumulated = False, 0, {}
-        if not pending:
+        if not self._timed:
             self.started_at = None
+        self._timed = False
         for work, _, _, group in pending:
             try:
                 work.wait()
@@ -246,19 +268,26 @@ class GradientSync:
     def _launch_bucket(self) -> None:
         i = self._launched
         self._launched += 1
-        flat = self._flatten(i, self.buckets[i])
+        if i == 0 and not self._started:
+            self.peak_held_bytes = 0
+        flat = self._flatten(self.buckets[i])
         flat.div_(self.topology.data_size)
         self._all_reduce(flat, self.buckets[i], self.topology.data_group)
 
     def _all_reduce(self, flat: Tensor, params: list[nn.Parameter], group: object) -> None:
-        if not self._pending:
-            self.started_at = time.perf_counter()
+        self._mark_start()
         try:
             work = dist.all_reduce(flat, group=group, async_op=True)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
             raise self._error("starting", group, err) from err
         self._pending.append((work, flat, params, group))
         self.reduced_bytes += flat.numel() * flat.element_size()
+
+    def _mark_start(self) -> None:
+        """Notes the time of the step's first reduction (:attr:`started_at`)."""
+        if not self._timed:
+            self.started_at = time.perf_counter()
+            self._timed = True
 
     def _error(self, what: str, group: object, err: Exception) -> PipelineError:
         kind = "averaging gradients over replicas" if group is self.topology.data_group else "summing tied copies"
@@ -268,41 +297,59 @@ class GradientSync:
             ranks = ""
         return peer_error(self.topology, f"{what} the all-reduce {kind}{ranks}", err)
 
-    def _flatten(self, key: int, params: list[nn.Parameter]) -> Tensor:
-        flat = self._flat.get(key)
-        numel = sum(p.numel() for p in params)
-        if flat is None or flat.numel() != numel:
-            flat = self._flat[key] = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            view = flat[offset : offset + n]
+    def _flatten(self, params: list[nn.Parameter], flat: Tensor | None = None,
+                 pieces: Iterable[tuple[nn.Parameter, int, int, int]] | None = None) -> Tensor:
+        """Copies the parameters' gradients (plus the window's earlier sum) into a new flat buffer; drops ``.grad``.
+
+        ``pieces``: ``(param, start, stop, offset)``, the flat elements ``[start, stop)`` of ``param``'s gradient at
+        ``offset`` of ``flat`` (which must then be given, its padding zero); default: the parameters one after
+        another, whole. Dropping ``.grad`` right after its copy keeps one copy of each gradient (the buffer's) while
+        the reduction runs; the flat buffer is new each step so that it is held only until the next one.
+        """
+        if flat is None:
+            numel = sum(p.numel() for p in params)
+            flat = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
+            pieces = _whole(params)
+        assert pieces is not None
+        self._buffer_bytes += flat.numel() * flat.element_size()
+        self._sample()
+        for p, a, b, offset in pieces:
+            view = flat[offset : offset + b - a]
             grad, earlier = p.grad, self._accumulated.get(p)
             if grad is None and earlier is None:
                 view.zero_()
             elif earlier is None or grad is None:
-                view.copy_((grad if grad is not None else earlier).reshape(-1))
+                view.copy_((grad if grad is not None else earlier).reshape(-1)[a:b])
             else:
-                torch.add(grad.reshape(-1), earlier.reshape(-1), out=view)
-            offset += n
+                torch.add(grad.reshape(-1)[a:b], earlier.reshape(-1)[a:b], out=view)
+        for p in params:
+            p.grad = None
         return flat
+
+    def _sample(self) -> None:
+        """Updates :attr:`peak_held_bytes` with what ``.grad`` and the sync's buffers hold now."""
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values() if p.grad is not None)
+        self.peak_held_bytes = max(self.peak_held_bytes, grads + self._buffer_bytes)
 
 
 def _ignore(_: Iterable[nn.Parameter]) -> None:
     """What :meth:`GradientSync.overlapping` yields when it does not overlap."""
 
 
-def _grad(p: nn.Parameter) -> Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
+def _whole(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, int, int, int]]:
+    pieces, offset = [], 0
+    for p in params:
+        pieces.append((p, 0, p.numel(), offset))
+        offset += p.numel()
+    return pieces
 
 
-def _unflatten(flat: Tensor, params: list[nn.Parameter]) -> None:
+def _adopt(flat: Tensor, params: list[nn.Parameter]) -> None:
+    """Each parameter's ``.grad`` becomes its view of ``flat`` (laid out by :func:`_whole`)."""
     offset = 0
     for p in params:
         n = p.numel()
-        _grad(p).copy_(flat[offset : offset + n].view_as(p))
+        p.grad = flat[offset : offset + n].view_as(p)
         offset += n
 
 

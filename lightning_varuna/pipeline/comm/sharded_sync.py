@@ -8,8 +8,19 @@ Row shards are rectangular, so the state saves as DTensors that DCP reshards to 
 :class:`ShardedGradientSync` keeps :class:`~lightning_varuna.pipeline.comm.grad_sync.GradientSync`'s buckets and
 its "bucket is ready" trigger; a bucket is laid out replica by replica (each replica's rows of every parameter of
 the bucket, padded to the same length) and reduce-scattered instead of all-reduced, so every replica receives the
-average of its own rows only. After the step each bucket's updated rows are all-gathered. A reduce-scatter and an
-all-gather of N bytes move what an all-reduce of N bytes moves.
+average of its own rows only. After the step each replica's updated rows are sent to the others. A ring
+reduce-scatter and all-gather of N bytes send what a ring all-reduce of N bytes sends, ``2 (D - 1) / D * N`` per
+rank, and so do the transfers used on gloo:
+
+- gloo's ``reduce_scatter_tensor`` runs an all-reduce of the whole input on a copy (the whole bucket's bytes again
+  on the wire and in memory) and ``all_gather_into_tensor`` stages the whole output in a temporary; on gloo the
+  reduce-scatter is an ``all_to_all_single`` of the replica-major bucket (each replica receives the others' copies
+  of its rows, ``(D - 1) / D`` of the bucket sent per rank, no hidden buffer) summed locally in replica order, and
+  the all-gather is point-to-point: each replica sends its rows of each parameter straight from the parameter and
+  receives the others' rows straight into it (no staging). With NCCL the native reduce-scatter and all-gather run.
+- Memory: starting a bucket moves its gradients into the flat buffer (``.grad`` dropped), so at most
+  :data:`IN_FLIGHT` buckets' receive buffers exist beyond the gradients themselves (a third bucket waits for the
+  first); a finished bucket keeps only this replica's segment until :meth:`ShardedGradientSync.finish`.
 
 Shared (tied) copies are still summed by an all-reduce over every holder of every replica (each holder then
 steps its rows of the same sum, so the copies stay equal without traffic between stages). After
@@ -19,8 +30,8 @@ and zeros elsewhere: the replicas' ``.grad`` add up to the whole averaged gradie
 
 from __future__ import annotations
 
+import collections
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,11 +43,18 @@ from lightning_varuna.fault.failures import PipelineError, peer_error
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["ShardedGradientSync", "shard_rows"]
+__all__ = ["IN_FLIGHT", "ShardedGradientSync", "shard_rows"]
+
+IN_FLIGHT = 1
+"""Buckets whose reduce-scatter may be in flight at once on gloo (each holds a receive buffer of its size).
+
+gloo runs a group's collectives one after another, so a second one in flight would only wait, holding its
+buffers: the next bucket's start waits for the previous one instead (the backward goes on meanwhile).
+"""
 
 # torch 2.14 names them *_single and deprecates the *_tensor names that torch 2.13 has alone
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_native_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def shard_rows(param: Tensor, shards: int, index: int) -> tuple[int, int]:
@@ -102,9 +120,20 @@ class ShardedGradientSync(GradientSync):
             raise ValueError("ShardedGradientSync shards over replicas: it needs a data-parallel size above 1.")
         self._layouts: dict[int, _Layout] = {}
         self._layouts_of: list[list[nn.Parameter]] | None = None
+        self._in_flight: collections.deque[tuple[int, dist.Work, Tensor, Tensor, object]] = collections.deque()
         self._segments: dict[int, Tensor] = {}
-        self._scattered: list[int] = []
+        self._summing: list[tuple[dist.Work, object]] = []
+        tied = list(tied)
         super().__init__(topology, params, tied, bucket_bytes, overlap)
+        # a tied parameter's rows are summed over its holders within the replica, after the reduce-scatter
+        self._replica_tied_groups: list[object] = []
+        for stages in sorted({stages for _, stages in tied}):
+            groups = [topology.stages_group(stages, replica) for replica in range(topology.data_size)]
+            if topology.stage in stages:
+                self._replica_tied_groups.append(groups[topology.replica])
+        # gloo: the exchanges of the module doc; other backends (NCCL) run the native collectives
+        self._gloo = dist.get_backend(topology.data_group) == "gloo"  # type: ignore[arg-type]
+        self._replica_ranks = dist.get_process_group_ranks(topology.data_group)  # type: ignore[arg-type]
         self._tied_params = [p for _, group in self.tied_groups for p in group]
         trainable = [*self._plain, *self._tied_params]
         held = set(trainable)
@@ -117,87 +146,140 @@ class ShardedGradientSync(GradientSync):
         }
         """Each trainable parameter's flat element range ``[start, stop)`` held (and stepped) by this replica."""
         self.gathered_bytes = 0
-        """Payload bytes this rank has all-gathered (its output buffers), all steps together."""
+        """Payload bytes of the parameters this rank has all-gathered (whole, every replica's rows), all steps."""
 
     # -- layouts ------------------------------------------------------------------------------------------
     def _layout_of(self, key: int, params: list[nn.Parameter]) -> _Layout:
         if self._layouts_of is not self.buckets:  # the buckets were rebuilt (bucket_bytes changed)
-            self._layouts, self._segments, self._layouts_of = {}, {}, self.buckets
+            self._layouts, self._layouts_of = {}, self.buckets
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = _layout(params, self.topology.data_size)
         return layout
 
-    def _buffers(self, key: int, layout: _Layout, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-        whole = layout.segment * self.topology.data_size
-        flat, segment = self._flat.get(key), self._segments.get(key)
-        if flat is None or flat.numel() < whole:  # zeros: the padding is never written
-            flat = self._flat[key] = torch.zeros(whole, dtype=dtype, device=device)
-        flat = flat[:whole]
-        if segment is None or segment.numel() != layout.segment:
-            segment = self._segments[key] = torch.zeros(layout.segment, dtype=dtype, device=device)
-        return flat, segment
-
     # -- gradients ----------------------------------------------------------------------------------------
     def _launch_bucket(self) -> None:
         i = self._launched
         self._launched += 1
-        params = self.buckets[i]
+        if i == 0 and not self._started:
+            self.peak_held_bytes = 0
+        self._launch(i, self.buckets[i])
+
+    def _launch_tied(self) -> None:
+        """Tied copies: reduce-scattered over the replicas like a bucket, then summed over their holders.
+
+        Each replica's rows are all-reduced over the stages of that replica that hold a copy: the same bytes as one
+        all-reduce over every holder of every replica, and each replica steps its rows of the same sum.
+        """
+        for j, (_, tied) in enumerate(self.tied_groups):
+            if tied:
+                self._launch(len(self.buckets) + j, tied, self._replica_tied_groups[j])
+
+    def _launch(self, i: int, params: list[nn.Parameter], then_sum_over: object = None) -> None:
+        if self._gloo:  # bounded memory: the oldest bucket's receive buffer goes before a new one comes
+            while len(self._in_flight) >= IN_FLIGHT:
+                self._retire()
         layout = self._layout_of(i, params)
-        flat, segment = self._buffers(i, layout, params[0].dtype, params[0].device)
-        for pieces in layout.pieces:
-            for p, a, b, offset in pieces:
-                view = flat[offset : offset + b - a]
-                grad, earlier = p.grad, self._accumulated.get(p)
-                if grad is None and earlier is None:
-                    view.zero_()
-                elif earlier is None or grad is None:
-                    view.copy_((grad if grad is not None else earlier).reshape(-1)[a:b])
-                else:
-                    torch.add(grad.reshape(-1)[a:b], earlier.reshape(-1)[a:b], out=view)
-        flat.div_(self.topology.data_size)
+        d = self.topology.data_size
+        whole = layout.segment * d
+        padded = any(sum(b - a for _, a, b, _ in pieces) < layout.segment for pieces in layout.pieces)
+        flat = (torch.zeros if padded else torch.empty)(whole, dtype=params[0].dtype, device=params[0].device)
+        flat = self._flatten(params, flat, [piece for pieces in layout.pieces for piece in pieces])
+        flat.div_(d)
+        received = torch.empty(whole if self._gloo else layout.segment, dtype=flat.dtype, device=flat.device)
+        self._held(received)
         group = self.topology.data_group
-        if not self._pending:
-            self.started_at = time.perf_counter()
+        self._mark_start()
         try:
-            work = _reduce_scatter(segment, flat, group=group, async_op=True)
+            work = _reduce_scatter(received, flat, group, self._gloo)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
             raise self._error("starting", group, err) from err
-        self._pending.append((work, segment, [], group))  # no parameter: finish() writes the rows itself
-        self._scattered.append(i)
+        self._in_flight.append((i, work, flat, received, then_sum_over))
         self.reduced_bytes += flat.numel() * flat.element_size()
+
+    def _retire(self) -> None:
+        """Waits for the oldest bucket in flight and keeps this replica's segment of it (the sum, on gloo)."""
+        i, work, flat, received, then_sum_over = self._in_flight.popleft()
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 - a peer that failed or hung
+            raise self._error("waiting for", self.topology.data_group, err) from err
+        if self._gloo:  # the replicas' copies of this replica's rows, added in replica order (the same each step)
+            copies = received.view(self.topology.data_size, -1)
+            segment = torch.add(copies[0], copies[1])
+            for copy in copies[2:]:
+                segment.add_(copy)
+            self._held(segment)
+        else:
+            segment = received
+        self._segments[i] = segment
+        self._held(flat, -1)
+        if received is not segment:
+            self._held(received, -1)
+        if then_sum_over is not None:
+            try:
+                self._summing.append((dist.all_reduce(segment, group=then_sum_over, async_op=True), then_sum_over))
+            except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
+                raise self._error("starting", then_sum_over, err) from err
+            self.reduced_bytes += segment.numel() * segment.element_size()
+
+    def _wait_summing(self) -> None:
+        summing, self._summing = self._summing, []
+        for work, group in summing:
+            try:
+                work.wait()
+            except Exception as err:  # noqa: BLE001 - a peer that failed or hung
+                raise self._error("waiting for", group, err) from err
+
+    def _held(self, tensor: Tensor, sign: int = 1) -> None:
+        self._buffer_bytes += sign * tensor.numel() * tensor.element_size()
+        if sign > 0:
+            self._sample()
 
     def finish(self) -> None:
         """Waits for the reductions; ``.grad`` gets the averaged gradient on this replica's rows, zeros elsewhere."""
-        scattered, self._scattered = self._scattered, []
+        while self._in_flight:
+            self._retire()
+        self._wait_summing()
+        segments, self._segments = self._segments, {}
         super().finish()
         me = self.topology.replica
-        for i in scattered:
-            segment, base = self._segments[i], self._layouts[i].segment * me
+        done = set()
+        for i in sorted(segments):
+            segment = segments.pop(i)
+            base = self._layouts[i].segment * me
             for p, a, b, offset in self._layouts[i].pieces[me]:
-                _grad(p).view(-1)[a:b].copy_(segment[offset - base : offset - base + b - a])
+                if p.grad is None:  # only its rows are written: the zeros elsewhere come with it
+                    p.grad = torch.zeros_like(p)
+                    done.add(p)
+                p.grad.view(-1)[a:b].copy_(segment[offset - base : offset - base + b - a])
+            self._sample()
+            self._held(segment, -1)
+            del segment
         for p, (a, b) in self.shards.items():
-            if p.grad is not None:
+            if p in done:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
                 flat = p.grad.view(-1)
                 flat[:a].zero_()
                 flat[b:].zero_()
 
-    def _flatten(self, key: int, params: list[nn.Parameter]) -> Tensor:
-        """GradientSync's flattening (of tied copies), into the start of a buffer the all-gather may lengthen."""
-        flat = self._flat.get(key)
-        numel = sum(p.numel() for p in params)
-        if flat is None or flat.numel() < numel:
-            flat = self._flat[key] = torch.empty(numel, dtype=params[0].dtype, device=params[0].device)
-        self._flat[key] = flat[:numel]
-        try:
-            return super()._flatten(key, params)
-        finally:
-            self._flat[key] = flat
-
     def discard(self) -> None:
-        """Waits for the reductions started and drops their results (``.grad`` stays as it is)."""
-        self._scattered = []
+        """Waits for the reductions started and drops their results (see :meth:`GradientSync.discard`)."""
+        while self._in_flight:
+            self._retire()
+        self._wait_summing()
+        for segment in self._segments.values():
+            self._held(segment, -1)
+        self._segments = {}
         super().discard()
+
+    @property
+    def started(self) -> bool:
+        """Whether reductions have started this step (and :meth:`finish` is due)."""
+        return super().started or bool(self._in_flight) or bool(self._segments)
 
     def local_norm_sq(self, norm_type: float = 2.0) -> Tensor:
         """This replica's rows' share of the squared global norm (sum it over every rank of the job)."""
@@ -223,39 +305,78 @@ class ShardedGradientSync(GradientSync):
     def gather_parameters(self) -> None:
         """All-gathers every trainable parameter's rows from the replica that stepped them (after each step)."""
         lists = [*self.buckets, *([p for p in group if p.requires_grad] for _, group in self.tied_groups)]
-        me, group = self.topology.replica, self.topology.data_group
-        pending = []
-        for i, params in enumerate(lists):
-            if not params:
-                continue
-            key = i  # a tied list shares its buffer with its all-reduce (GradientSync's key for it)
-            layout = self._layout_of(key, params)
-            flat, segment = self._buffers(key, layout, params[0].dtype, params[0].device)
-            base = layout.segment * me
-            with torch.no_grad():
-                for p, a, b, offset in layout.pieces[me]:
-                    segment[offset - base : offset - base + b - a].copy_(p.detach().view(-1)[a:b])
-            try:
-                work = _all_gather(flat, segment, group=group, async_op=True)
-            except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
-                raise self._gather_error("starting", err) from err
-            pending.append((work, flat, layout))
-            self.gathered_bytes += flat.numel() * flat.element_size()
-        for work, flat, layout in pending:
+        layouts = [self._layout_of(i, params) for i, params in enumerate(lists) if params]
+        for layout in layouts:
+            self.gathered_bytes += layout.segment * self.topology.data_size * _element_size(layout)
+        with torch.no_grad():
+            if self._gloo:
+                self._gather_point_to_point(layouts)
+            else:
+                for layout in layouts:
+                    self._gather_natively(layout)
+
+    def _gather_point_to_point(self, layouts: list[_Layout]) -> None:
+        """gloo: each replica's rows go from its parameters straight into the others' (point-to-point)."""
+        try:
+            works = _send_rows(layouts, self.topology.replica, self._replica_ranks, self.topology.data_group)
+        except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
+            raise self._gather_error("starting", err) from err
+        for work in works:
             try:
                 work.wait()
             except Exception as err:  # noqa: BLE001 - a peer that failed or hung
                 raise self._gather_error("waiting for", err) from err
-            with torch.no_grad():
-                for j, pieces in enumerate(layout.pieces):
-                    if j != me:
-                        for p, a, b, offset in pieces:
-                            p.detach().view(-1)[a:b].copy_(flat[offset : offset + b - a])
+
+    def _gather_natively(self, layout: _Layout) -> None:
+        """NCCL and others: the native all-gather of the replica-major layout, staged in one list's buffer."""
+        me, group = self.topology.replica, self.topology.data_group
+        first = next(p for pieces in layout.pieces for p, _, _, _ in pieces)
+        flat = torch.zeros(layout.segment * self.topology.data_size, dtype=first.dtype, device=first.device)
+        base = layout.segment * me
+        for p, a, b, offset in layout.pieces[me]:
+            flat[offset : offset + b - a].copy_(p.detach().view(-1)[a:b])
+        try:
+            work = _native_all_gather(flat, flat[base : base + layout.segment], group=group, async_op=True)
+        except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
+            raise self._gather_error("starting", err) from err
+        try:
+            work.wait()
+        except Exception as err:  # noqa: BLE001 - a peer that failed or hung
+            raise self._gather_error("waiting for", err) from err
+        for j, pieces in enumerate(layout.pieces):
+            if j != me:
+                for p, a, b, offset in pieces:
+                    p.detach().view(-1)[a:b].copy_(flat[offset : offset + b - a])
 
 
-def _grad(p: nn.Parameter) -> Tensor:
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
+def _reduce_scatter(received: Tensor, flat: Tensor, group: object, gloo: bool) -> dist.Work:
+    """Starts a bucket's reduce-scatter (the module doc's all-to-all on gloo, else the native one).
+
+    ``received``: on gloo every replica's copy of this replica's segment, else the segment.
+    """
+    if gloo:
+        return dist.all_to_all_single(received, flat, group=group, async_op=True)  # type: ignore[arg-type]
+    return _native_reduce_scatter(received, flat, group=group, async_op=True)
 
 
+def _send_rows(layouts: list[_Layout], me: int, ranks: list[int], group: object) -> list[dist.Work]:
+    """Posts the module doc's point-to-point all-gather; returns the works to wait for.
+
+    This replica's rows of each piece go to every other replica, and theirs into this one's parameters.
+    """
+    works = []
+    for layout in layouts:
+        for j, rank in enumerate(ranks):
+            if j == me:
+                continue
+            # the same order on both sides of each pair: gloo matches a pair's messages in order
+            for p, a, b, _ in layout.pieces[me]:
+                works.append(dist.isend(p.detach().view(-1)[a:b], rank, group=group))  # type: ignore[arg-type]
+            for p, a, b, _ in layout.pieces[j]:
+                works.append(dist.irecv(p.detach().view(-1)[a:b], rank, group=group))  # type: ignore[arg-type]
+    return works
+
+
+def _element_size(layout: _Layout) -> int:
+    first = next((p for pieces in layout.pieces for p, _, _, _ in pieces), None)
+    return first.element_size() if first is not None else 0
