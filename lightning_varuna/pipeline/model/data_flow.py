@@ -285,11 +285,9 @@ class DataFlow:
             for (source, destination), value, modules in self._pending:
                 self._transport((source, destination, modules), value, destination, name)
                 if modules is None:
-                    made_by = self._made_by.get(value, "the step's own code")
                     self.from_parameters.setdefault(
                         (source, destination),
-                        f"A tensor ({_describe(value)}) computed from parameters in segment {source} (by {made_by})"
-                        f" and read by {consumer}",
+                        f"A tensor ({_describe(value)}) computed from parameters in segment {source}",
                     )
                 else:
                     producers = ", ".join(sorted(_outermost(modules)))
@@ -361,7 +359,8 @@ class DataFlow:
             if self.transported.get(key) is not None:
                 self.carried.add(key)
             else:
-                unsplittable.setdefault((source, destination), self._refused(what, key))
+                why = self.untransportable.get(key)
+                unsplittable.setdefault((source, destination), f"{what} ({why})" if why else what)
         for (source, destination, modules), what in self.from_modules.items():
             stood_in = {_outermost_ancestor(name, module_segments) for name in modules} - {None}
             blocking = sorted(n for n in stood_in if n not in self.checked or n in self.unclean)
@@ -371,16 +370,14 @@ class DataFlow:
             elif self.transported.get(key) is not None:
                 self.carried.add(key)
             else:
+                why = self.untransportable.get(key)
                 unsplittable.setdefault(
                     (source, destination),
-                    self._refused(f"{what} ({', '.join(blocking)} cannot run on a later stage itself: "
-                                  f"{_why_not(blocking, self.checked)})", key),
+                    f"{what} ({', '.join(blocking)} cannot run on a later stage itself: "
+                    f"{_why_not(blocking, self.checked)}" + (f"; nor can the value be transported: {why})" if why
+                                                             else ")"),
                 )
         return recomputed, unsplittable
-
-    def _refused(self, what: str, key: tuple[int, int, frozenset[str] | None]) -> str:
-        why = self.untransportable.get(key)
-        return f"{what}; it cannot be transported either ({why})" if why else what
 
     def side_values(self) -> dict[CallSite, tuple[set[CallSite], Tensor]]:
         """The side values of the crossings :meth:`recomputed` found carried, by producer (consumers, a tensor)."""
