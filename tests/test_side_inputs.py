@@ -146,7 +146,10 @@ def test_a_side_value_that_cannot_be_recomputed_is_transported_from_its_producer
         assert [(c.module, c.segment, c.leaf) for c in value.consumers] == [
             ("blocks.1", 1, value.producer.leaf + 1), ("blocks.2", 2, value.producer.leaf + 1)]
         assert value.shape == (WIDTH,) and value.batch_dim is None
-    assert len(make_plan(result, 3).stages) == 3
+    plan = make_plan(result, 3)
+    assert len(plan.stages) == 3
+    assert "side values carried with the activations: side (stage 0) to stage 2; side (stage 0) to stage 2" in \
+        plan.table()
 
 
 class ReadByTheStep(Model):
