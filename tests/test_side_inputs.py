@@ -17,9 +17,11 @@ from torch import Tensor, nn
 
 from lightning_varuna import CutPoint, EngineConfig, PartitionError, PipelineEngine
 from lightning_varuna.pipeline import Topology
+from lightning_varuna.pipeline.model.data_flow import local_crossings
 from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.stand_ins import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 
 WIDTH = 4
 
@@ -211,3 +213,16 @@ def test_the_engine_refuses_it_before_any_rank_waits() -> None:
     topology = Topology(world_size=2, rank=1, pipeline_size=2, device=torch.device("cpu"))
     with pytest.raises(PartitionError, match=r"outside any module's output, read by blocks\.1"):
         engine.setup(torch.randn(4, WIDTH), lambda b: model(b), topology=topology)
+
+
+def test_recompute_by_degree_is_refused_where_a_stage_makes_a_side_value_and_uses_it_after_the_recomputed_part(
+        ) -> None:
+    """Its forward made the value without autograd: the use after the recomputed part would lose its gradient."""
+    result = trace(Model(Learned()))
+    stage = range(0, 2)  # segments 0 and 1 on one stage: side made in 0, used by blocks.1 in 1
+    crossings = {**result.crossings, **local_crossings(result.side_values, stage)}
+    with pytest.raises(PartitionError, match=r"recompute=1 .* made by side in segment 0 and used by blocks\.1"):
+        grad_from_cut(None, 1, 1, crossings)
+    # a stage that only receives it keeps recompute by degree: the received value is a leaf with its own gradient
+    assert local_crossings(result.side_values, range(1, 3)) == {}
+    assert grad_from_cut(0, 2, 1, {**result.crossings, **local_crossings(result.side_values, range(1, 3))}) == 1
