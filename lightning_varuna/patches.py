@@ -172,7 +172,8 @@ PATCHES: tuple[Patch, ...] = (
               ("pipeline/model/meta_init.py", "setattr(module, attr, new[id(tensor)])"),
               ("pipeline/model/meta_init.py", "register_module_parameter_registration_hook(to_meta_parameter)"),
               ("pipeline/model/dry_run.py", "register_module_forward_pre_hook(tracer.pre_hook)"),
-              ("pipeline/model/dry_run.py", "register_module_forward_hook(tracer.post_hook)")),
+              ("pipeline/model/dry_run.py", "register_module_forward_hook(tracer.post_hook)"),
+              ("pipeline/model/dry_run.py", "m.register_forward_pre_hook(lambda m, args, kwargs")),
           "The dry run finds cut points, shapes and the modules and parameters of each segment, without memory for"
           " the whole model when it is built on meta.", _TORCH,
           "at the end of each block: the original tensors put back, the hooks removed"),
@@ -199,6 +200,12 @@ PATCHES: tuple[Patch, ...] = (
           " learning rate 0 with zero gradients (the groups' lr set to 0 and put back).", _TORCH,
           "the post-hook puts the module's own parameters and state keys back after every step; the hooks are"
           " removed at the strategy's teardown"),
+    Patch(23, "forward pre-hooks and forward hooks on the user's modules that make or use side values", (
+              ("pipeline/runtime/side_values.py", "register_forward_pre_hook("),
+              ("pipeline/runtime/side_values.py", "register_forward_hook(_capture(name, table), prepend=True)")),
+          "A value a later stage uses other than through a cut point (T5's position bias) is captured where it is"
+          " made and put in place of the argument where it is used (pipeline.runtime.side_values); the hooks act"
+          " only while a stage's forward runs.", _TORCH, "the hooks are removed " + _ENGINE_TEARDOWN),
 )
 """Every change to an object that is not the package's own (``tests/test_architecture.py`` keeps it complete)."""
 

@@ -1,9 +1,10 @@
 """Side inputs: values a later segment reads that do not pass through a cut point (rotary embeddings, masks).
 
 A module called only in an earlier stage's segments is a stand-in (zeros) on later stages, so its output reaching a
-later stage other than through a cut point is either recomputed there (a module without parameters, random numbers
-or state writes, fed nothing computed from parameters) or refused with an error naming the value, the module that
-made it and the one that reads it: never a silently different computation.
+later stage other than through a cut point is recomputed there (a module without parameters, random numbers or state
+writes, fed nothing computed from parameters), or transported with the activation (an element of a module call's
+output used later only as module-call arguments), or refused with an error naming the value, the code that made it
+and the code that reads it: never a silently different computation.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from torch import Tensor, nn
 
 from lightning_varuna import CutPoint, EngineConfig, PartitionError, PipelineEngine
 from lightning_varuna.pipeline import Topology
+from lightning_varuna.pipeline.model.data_flow import local_crossings
 from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.stand_ins import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 
 WIDTH = 4
 
@@ -133,23 +136,69 @@ def test_reading_only_the_shape_of_a_side_value_is_no_crossing() -> None:
     make_plan(result, 3)
 
 
-@pytest.mark.parametrize(
-    ("side", "why"),
-    [
-        (Noise(), "side cannot run on a later stage itself"),
-        (Counting(), "side cannot run on a later stage itself"),
-    ],
-    ids=["draws-random-numbers", "writes-a-buffer"],
-)
-def test_a_side_value_that_cannot_be_recomputed_is_refused_with_its_producer_and_reader(side: nn.Module,
-                                                                                        why: str) -> None:
+@pytest.mark.parametrize("side", [Noise(), Counting(), FromValues(), Learned()],
+                         ids=["draws-random-numbers", "writes-a-buffer", "fed-parameter-values", "has-parameters"])
+def test_a_side_value_that_cannot_be_recomputed_is_transported_from_its_producer_to_its_consumers(
+        side: nn.Module) -> None:
+    """Formerly refused: the value is an element of ``side``'s output and every later use is a block's argument."""
     result = trace(Model(side))
+    assert result.crossings == {} and result.recomputed == set()
+    assert [(v.producer.module, v.producer.leaf) for v in result.side_values] == [("side", 0), ("side", 1)]
+    for value in result.side_values:
+        assert [(c.module, c.segment, c.leaf) for c in value.consumers] == [
+            ("blocks.1", 1, value.producer.leaf + 1), ("blocks.2", 2, value.producer.leaf + 1)]
+        assert value.shape == (WIDTH,) and value.batch_dim is None
+    plan = make_plan(result, 3)
+    assert len(plan.stages) == 3
+    assert "side values carried with the activations: side (stage 0) to stage 2; side (stage 0) to stage 2" in \
+        plan.table()
+
+
+class ReadByTheStep(Model):
+    """The step's own code (no module call) reads the side value in every segment."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        cos, sin = self.side(h, torch.arange(WIDTH, device=x.device))
+        for i, block in enumerate(self.blocks):
+            h = block(h, cos, sin) * sin
+            if i < len(self.cuts):
+                h = self.cuts[i](h)
+        return h.pow(2).mean()
+
+
+class MadeByTheStep(Model):
+    """The step's own code (no module's output) makes the side value from a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__(Rotary())
+        self.table = nn.Parameter(torch.randn(WIDTH))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        cos, sin = self.table.cos(), self.table.sin()
+        for i, block in enumerate(self.blocks):
+            h = block(h, cos, sin)
+            if i < len(self.cuts):
+                h = self.cuts[i](h)
+        return h.pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        (lambda: ReadByTheStep(Learned()), r"made by side, read by mul\(\) in the step's own code, not as an argument"
+                                           r" of a module call in segment 1"),
+        (MadeByTheStep, r"made by the step's own code outside any module's output, read by blocks\.1"),
+    ],
+    ids=["read-outside-a-module-call", "made-outside-a-module-call"],
+)
+def test_a_side_value_that_cannot_be_transported_is_refused_with_its_producer_and_reader(model, why: str) -> None:
+    result = trace(model())
     assert set(result.crossings) == {(0, 1), (0, 2)}
-    message = (
-        r"A tensor \(\(4,\) torch\.float32\) computed by side in segment 0 and read by blocks\.1 \(" + why
-        + r".*\) is used in segment 1 without passing through a CutPoint, so segments 0 to 1 must stay on one stage"
-        r".* at most 1 stage\(s\), not pipeline_parallel_size=2"
-    )
+    message = (r"A tensor \(\(4,\) torch\.float32\) computed from parameters in segment 0 \(" + why
+               + r"\) is used in segment 1 without passing through a CutPoint, so segments 0 to 1 must stay on one"
+               r" stage.* at most 1 stage\(s\), not pipeline_parallel_size=2")
     with pytest.raises(PartitionError, match=message):
         check_pipeline_size(result, 2)
     with pytest.raises(PartitionError, match=message):
@@ -157,19 +206,23 @@ def test_a_side_value_that_cannot_be_recomputed_is_refused_with_its_producer_and
     assert len(make_plan(result, 1).stages) == 1
 
 
-@pytest.mark.parametrize("side", [FromValues(), Learned()], ids=["fed-parameter-values", "has-parameters"])
-def test_a_side_value_computed_from_parameters_is_refused(side: nn.Module) -> None:
-    result = trace(Model(side))
-    assert set(result.crossings) == {(0, 1), (0, 2)}
-    assert result.recomputed == set()
-    with pytest.raises(PartitionError, match=r"computed from parameters in segment 0 is used in segment 1"):
-        make_plan(result, 2)
-
-
 def test_the_engine_refuses_it_before_any_rank_waits() -> None:
     """A topology without a process group: a check made after a collective would fail differently."""
-    model = Model(Noise())
+    model = MadeByTheStep()
     engine = PipelineEngine(model, EngineConfig(2, num_microbatches=2))
     topology = Topology(world_size=2, rank=1, pipeline_size=2, device=torch.device("cpu"))
-    with pytest.raises(PartitionError, match=r"computed by side in segment 0 and read by blocks\.1"):
+    with pytest.raises(PartitionError, match=r"outside any module's output, read by blocks\.1"):
         engine.setup(torch.randn(4, WIDTH), lambda b: model(b), topology=topology)
+
+
+def test_recompute_by_degree_is_refused_where_a_stage_makes_a_side_value_and_uses_it_after_the_recomputed_part(
+        ) -> None:
+    """Its forward made the value without autograd: the use after the recomputed part would lose its gradient."""
+    result = trace(Model(Learned()))
+    stage = range(0, 2)  # segments 0 and 1 on one stage: side made in 0, used by blocks.1 in 1
+    crossings = {**result.crossings, **local_crossings(result.side_values, stage)}
+    with pytest.raises(PartitionError, match=r"recompute=1 .* made by side in segment 0 and used by blocks\.1"):
+        grad_from_cut(None, 1, 1, crossings)
+    # a stage that only receives it keeps recompute by degree: the received value is a leaf with its own gradient
+    assert local_crossings(result.side_values, range(1, 3)) == {}
+    assert grad_from_cut(0, 2, 1, {**result.crossings, **local_crossings(result.side_values, range(1, 3))}) == 1

@@ -26,12 +26,7 @@ from helpers.zoo_results import CI_CONFIGS, CONFIGS, STEPS, applies, error_of, j
 
 # family x configuration the current engine cannot train (measured, tests/helpers/zoo_table.py): strict, so a fix makes
 # them fail until removed here
-_T5 = ("engine limitation: T5's relative position bias is computed by the first block from its parameters and passed"
-       " to every later block (and the encoder's output to every decoder block): values that must be transported"
-       " across stages, so cut_at refuses any split of the encoder")
-EXPECTED_FAILURES: dict[tuple[str, str], str] = {
-    **{("t5", config): _T5 for config in CONFIGS},
-}
+EXPECTED_FAILURES: dict[tuple[str, str], str] = {}
 
 # the first test's timeout includes the module's jobs (the full matrix: about 7 minutes on 2 busy cores)
 pytestmark = [pytest.mark.xdist_group("zoo"), pytest.mark.zoo, pytest.mark.timeout(2400)]

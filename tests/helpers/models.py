@@ -17,7 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_varuna import CutPoint
 
-__all__ = ["TinyGPT", "RandomTokens"]
+__all__ = ["RandomTokens", "SideValueGPT", "TinyGPT"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -187,6 +187,53 @@ class TinyGPT(pl.LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class PositionBias(nn.Module):
+    """A learned bias per position (as T5's relative attention bias, made once and passed to every block)."""
+
+    def __init__(self, block_size: int, n_embd: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, block_size, n_embd) * 0.02)
+
+    def forward(self, length: int) -> Tensor:
+        return self.table[:, :length] * 1.0
+
+
+class SideBlock(Block):
+    """A block that also takes two side values as keyword arguments: a bias added to its input, a gate on its output."""
+
+    def forward(self, x: Tensor, *, bias: Tensor, gate: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(x + bias) * torch.sigmoid(gate)
+
+
+class SideValueGPT(TinyGPT):
+    """TinyGPT whose blocks all take values made in the first segment from parameters, as keyword arguments.
+
+    ``position_bias`` (a learned table, the same for every sample) and ``gate`` (a linear map of the embeddings: it
+    scales with the batch) are computed once before the first block and passed to every block; on a pipeline they
+    must travel from the first stage to every later one, and their gradients back.
+    """
+
+    def _build(self) -> None:
+        super()._build()
+        n_embd, n_head, dropout = self.hparams.n_embd, self.hparams.n_head, self.hparams.dropout
+        self.blocks = nn.ModuleList(SideBlock(n_embd, n_head, dropout) for _ in range(self.hparams.n_layer))
+        self.position_bias = PositionBias(self.hparams.block_size, n_embd)
+        self.gate = nn.Linear(n_embd, n_embd)
+        self.blocks.apply(_init_weights)
+        nn.init.normal_(self.gate.weight, std=0.5)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Return logits of shape ``(B, T, vocab_size)`` for token ids of shape ``(B, T)``."""
+        _, T = idx.shape
+        x = self.drop(self.wte(idx) + self.pos[:, :T])
+        bias, gate = self.position_bias(T), self.gate(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, bias=bias, gate=gate)
+            if self.cuts is not None:
+                x = self.cuts[i](x)
+        return self.lm_head(self.ln_f(x))
 
 
 class RandomTokens(Dataset):

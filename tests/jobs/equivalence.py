@@ -9,8 +9,9 @@ CONFIG is ``name:key=value,key=value`` with keys of VarunaStrategy plus ``tie``,
 ``batch``, ``precision``, ``dropout``, ``accumulate``, ``steps``, ``epoch_steps``, ``epochs``, ``save`` (a path
 written after fit), ``save_every`` (a ModelCheckpoint directory, written every that many steps as ``ckpt.ckpt``)
 (with ``save_all``, every one is kept, as ``ckpt-step=<n>.ckpt``) and ``resume``;
-``gradnorm`` (the model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket
-bytes), ``overlap`` (all-reduce during the last backward, default on), ``accelerator`` (default ``cpu``),
+``side`` (``SideValueGPT``: side values made in the first segment, passed to every block), ``gradnorm`` (the
+model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket bytes),
+``overlap`` (all-reduce during the last backward, default on), ``accelerator`` (default ``cpu``),
 ``shared_gpu`` (every process on ``cuda:0``: gloo process group and p2p), ``log_dir`` (a CSVLogger there, logging
 every 2 steps), ``vocab`` (the vocabulary size) and ``optimizer`` (``adamw``, the model's own: AdamW with a step
 scheduler; ``sgd``: SGD with momentum and the same scheduler; ``groups``: AdamW with two parameter groups,
@@ -35,7 +36,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers.models import RandomTokens, TinyGPT  # noqa: E402
+from helpers.models import RandomTokens, SideValueGPT, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
@@ -225,9 +226,10 @@ def run(out: Path, spec: str) -> None:
     vocab = options.pop("vocab", 64)
     layers = options.pop("layers", 4)
     optimizer_kind = options.pop("optimizer", "adamw")
+    side = options.pop("side", False)
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
-    model_class = with_optimizer(NormLoggingGPT if gradnorm else TinyGPT, optimizer_kind)
+    model_class = with_optimizer(SideValueGPT if side else NormLoggingGPT if gradnorm else TinyGPT, optimizer_kind)
     model = model_class(vocab_size=vocab, tie_weights=tie, use_cut_points=cut_points, dropout=dropout,
                         sync_dist=True, n_layer=layers)
     if inject_inf_at is not None:

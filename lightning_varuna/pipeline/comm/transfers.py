@@ -55,9 +55,14 @@ def encode_header(tensor: Tensor) -> Tensor:
     return torch.tensor(values, dtype=torch.int64).to(tensor.device)
 
 
-def encode_skip_header(device: torch.device) -> Tensor:
-    """The header that says the sending stage skipped the step's batch before the model's forward."""
-    return torch.tensor([_SKIP_CODE] + [0] * (HEADER_SIZE - 1), dtype=torch.int64).to(device)
+def encode_skip_header(device: torch.device, size: int = HEADER_SIZE) -> Tensor:
+    """The header that says the sending stage skipped the step's batch before the model's forward.
+
+    Args:
+        device: Where the header is made.
+        size: Its int64 slots (more than :data:`HEADER_SIZE` when side values travel with the activation).
+    """
+    return torch.tensor([_SKIP_CODE] + [0] * (size - 1), dtype=torch.int64).to(device)
 
 
 def decode_header(header: Tensor) -> tuple[torch.Size, torch.dtype] | None:

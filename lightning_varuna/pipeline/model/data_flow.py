@@ -13,8 +13,17 @@ from parameters cannot be split. A crossing from module outputs (rotary position
 the first block and passed to every block, an ALiBi tensor, a mask module) can, when each such module can run on
 the consuming stage itself: it has no parameters, draws no random numbers, writes none of its buffers or
 attributes, and its output depends on no parameter and no output of a module outside it. Such modules are
-*recomputed*: they run on every stage instead of being stood in for. Any other crossing is an error when it
-spans two stages (:func:`~lightning_varuna.pipeline.model.partition.make_plan`), never a silently different computation.
+*recomputed*: they run on every stage instead of being stood in for.
+
+Any other crossing value (computed from parameters: T5's relative position bias, made by the first block and
+passed to every later one) is a *side value* that the stages transport with the activation when it can be taken
+where it is made and put where it is used: it is an element of the output of a module call made within one segment
+(its *producer*, the innermost such call), and every use of it in a later segment lies inside a module call of that
+segment that takes it as an argument (its *consumers*, the outermost such calls). The stage holding the producer
+captures it there with a forward hook; a stage holding consumers puts the received value in place of the argument
+with a forward pre-hook (:mod:`~lightning_varuna.pipeline.runtime.side_values`). Any other crossing is an error when
+it spans two stages (:func:`~lightning_varuna.pipeline.model.partition.make_plan`), never a silently different
+computation.
 
 Reading a tensor's shape, dtype or device is not a use of its values: stand-ins have the right shapes.
 """
@@ -24,11 +33,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["DataFlow", "Crossings"]
+__all__ = ["CallSite", "Crossings", "DataFlow", "SideValue", "local_crossings"]
 
 RANDOM_OPS = frozenset({
     "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
@@ -74,12 +84,65 @@ def _describe(value: Tensor) -> str:
     return f"{tuple(value.shape)} {value.dtype}"
 
 
+@dataclass(frozen=True, order=True)
+class CallSite:
+    """A place in the forward: one leaf of the arguments or of the output of one module call.
+
+    The ``call``-th call (from 0) of ``module`` in ``segment``; ``leaf`` indexes ``tree_leaves((args, kwargs))``
+    (consumers) or ``tree_leaves(output)`` (producers). Producers are counted by the order their calls end,
+    consumers by the order their calls start.
+    """
+
+    module: str
+    segment: int
+    call: int
+    leaf: int
+
+
+@dataclass(frozen=True)
+class SideValue:
+    """A value a later segment uses other than through a cut point, that the stages transport with the activation."""
+
+    producer: CallSite
+    consumers: tuple[CallSite, ...]
+    shape: tuple[int, ...]
+    """Its shape in the dry run's larger batch."""
+    dtype: torch.dtype
+    batch_dim: int | None
+    """Which dimension scales with the batch (None: none)."""
+    what: str
+
+    @property
+    def last_segment(self) -> int:
+        """The last segment that uses it."""
+        return max(c.segment for c in self.consumers)
+
+
+def local_crossings(side_values: list[SideValue], segments: range) -> Crossings:
+    """The segment pairs within ``segments`` (one stage) that side values cross, as crossings.
+
+    For recompute by degree: a value used on the stage where it is made needs its autograd graph there.
+    """
+    pairs: Crossings = {}
+    for value in side_values:
+        if value.producer.segment in segments:
+            for consumer in value.consumers:
+                if consumer.segment in segments and consumer.segment > value.producer.segment:
+                    pairs.setdefault((value.producer.segment, consumer.segment), value.what)
+    return pairs
+
+
 @dataclass
 class _Call:
     name: str
     segment: int
     state: dict[str, tuple[int, int]] | None
     """Of a module without parameters: the identity and version of each buffer and attribute before the call."""
+    call: int = 0
+    """How many calls of this module started before this one in its segment."""
+    arguments: dict[int, int] | None = None
+    """``id`` of each tensor among its arguments' leaves -> the leaf's index (the arguments are alive during the
+    call, so the ids are theirs)."""
 
 
 def _state(module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -117,8 +180,20 @@ class DataFlow:
         modules outside them: they cannot be recomputed."""
         self._segment_of = WeakTensorKeyDictionary()
         self._modules_of = WeakTensorKeyDictionary()
+        self._produced = WeakTensorKeyDictionary()
+        """Tensor -> the innermost module call (within one segment) whose output holds it, as a :class:`CallSite`."""
+        self._made_by = WeakTensorKeyDictionary()
+        """Tensor computed from parameters -> the innermost module call running when it was made (for errors)."""
+        self._starts: dict[tuple[str, int], int] = {}
+        self._ends: dict[tuple[str, int], int] = {}
         self._calls: list[_Call] = []
         self._pending: list[tuple[tuple[int, int], Tensor, frozenset[str] | None]] = []
+        self.transported: dict[tuple[int, int, frozenset[str] | None], dict[CallSite, tuple[set[CallSite], Tensor]]
+                               | None] = {}
+        """Per crossing ``(from, to, modules or None for parameters)``: the side values read across it, by producer,
+        with their consumers and a tensor (None: a value read across it cannot be transported)."""
+        self.untransportable: dict[tuple[int, int, frozenset[str] | None], str] = {}
+        """Why a crossing cannot be transported (the first value that cannot, its producer and its consumer)."""
 
     # module calls -------------------------------------------------------------------------------------------
 
@@ -127,7 +202,17 @@ class DataFlow:
         name = self.names.get(id(module))
         if name is not None:
             state = _state(module) if id(module) in self.parameter_free else None
-            self._calls.append(_Call(name, self.segment(), state))
+            segment = self.segment()
+            count = self._starts.get((name, segment), 0)
+            self._starts[(name, segment)] = count + 1
+            self._calls.append(_Call(name, segment, state, count))
+
+    def arguments(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The arguments of the module call that just started (from a forward pre-hook that sees keywords)."""
+        call = self._calls[-1] if self._calls else None
+        if call is not None and call.name == self.names.get(id(module)):
+            call.arguments = {id(leaf): index for index, leaf in enumerate(tree_leaves((args, kwargs)))
+                              if isinstance(leaf, Tensor)}
 
     def exit(self, module: nn.Module, output: object) -> None:
         """A module call ends: its output is labelled with the module if the call stayed in one segment."""
@@ -138,7 +223,13 @@ class DataFlow:
         segment = self.segment()
         if call.segment != segment:
             return
-        leaves = [leaf for leaf in tree_leaves(output) if isinstance(leaf, Tensor)]
+        ended = self._ends.get((name, segment), 0)
+        self._ends[(name, segment)] = ended + 1
+        all_leaves = tree_leaves(output)
+        for index, leaf in enumerate(all_leaves):
+            if isinstance(leaf, Tensor) and leaf not in self._produced:  # inner calls end first: the innermost wins
+                self._produced[leaf] = CallSite(name, segment, ended, index)
+        leaves = [leaf for leaf in all_leaves if isinstance(leaf, Tensor)]
         if call.state is not None:
             self.checked.add(name)
             inside = name + "."
@@ -192,6 +283,7 @@ class DataFlow:
         if self._pending and (leaves or name in VALUE_READS):
             consumer = self._consumer()
             for (source, destination), value, modules in self._pending:
+                self._transport((source, destination, modules), value, destination, name)
                 if modules is None:
                     self.from_parameters.setdefault(
                         (source, destination),
@@ -210,10 +302,32 @@ class DataFlow:
         for leaf in leaves:
             if from_parameters:
                 self._segment_of[leaf] = segment
+                self._made_by[leaf] = self._consumer()
             if modules:
                 seen = self._modules_of.get(leaf)
                 earlier = seen[1] if seen is not None and seen[0] == segment else frozenset()
                 self._modules_of[leaf] = (segment, earlier | modules)
+
+    def _transport(self, key: tuple[int, int, frozenset[str] | None], value: Tensor, segment: int,
+                   function: str) -> None:
+        """Records a read of ``value`` across crossing ``key`` as a side value, or why it cannot be one."""
+        seen = self.transported.setdefault(key, {})
+        if seen is None:
+            return
+        producer = self._produced.get(value)
+        consumer = next((CallSite(call.name, segment, call.call, call.arguments[id(value)]) for call in self._calls
+                         if call.segment == segment and call.arguments and id(value) in call.arguments), None)
+        if producer is None or consumer is None:
+            self.transported[key] = None
+            made = f"made by {producer.module}" if producer is not None else (
+                f"made by {self._made_by.get(value, 'the step')} outside any module's output")
+            used = f"read by {consumer.module}" if consumer is not None else (
+                f"read by {function}() in {self._consumer()}, not as an argument of a module call in segment"
+                f" {segment}")
+            self.untransportable.setdefault(key, f"{made}, {used}")
+            return
+        consumers, _ = seen.setdefault(producer, (set(), value))
+        consumers.add(consumer)
 
     def _consumer(self) -> str:
         for call in reversed(self._calls):
@@ -226,28 +340,52 @@ class DataFlow:
     def recomputed(self, module_segments: dict[str, set[int]]) -> tuple[set[str], Crossings]:
         """Which modules must run on every stage, and the crossings no stage layout can split.
 
+        The crossings whose values are transported instead are kept in :attr:`carried`
+        (see :meth:`side_values`).
+
         Args:
             module_segments: The segments of each module whose calls each stay in one segment (the stand-in
                 candidates); a module is stood in for by its outermost such ancestor.
 
         Returns:
             The modules to recompute, and every unsplittable crossing (from parameters or from modules that cannot
-            be recomputed).
+            be recomputed, whose values cannot be transported).
         """
         recomputed: set[str] = set()
-        unsplittable = dict(self.from_parameters)
+        unsplittable: Crossings = {}
+        self.carried: set[tuple[int, int, frozenset[str] | None]] = set()
+        for (source, destination), what in self.from_parameters.items():
+            key = (source, destination, None)
+            if self.transported.get(key) is not None:
+                self.carried.add(key)
+            else:
+                why = self.untransportable.get(key)
+                unsplittable.setdefault((source, destination), f"{what} ({why})" if why else what)
         for (source, destination, modules), what in self.from_modules.items():
             stood_in = {_outermost_ancestor(name, module_segments) for name in modules} - {None}
             blocking = sorted(n for n in stood_in if n not in self.checked or n in self.unclean)
+            key = (source, destination, modules)
             if not blocking:
                 recomputed |= stood_in
+            elif self.transported.get(key) is not None:
+                self.carried.add(key)
             else:
+                why = self.untransportable.get(key)
                 unsplittable.setdefault(
                     (source, destination),
                     f"{what} ({', '.join(blocking)} cannot run on a later stage itself: "
-                    f"{_why_not(blocking, self.checked)})",
+                    f"{_why_not(blocking, self.checked)}" + (f"; nor can the value be transported: {why})" if why
+                                                             else ")"),
                 )
         return recomputed, unsplittable
+
+    def side_values(self) -> dict[CallSite, tuple[set[CallSite], Tensor]]:
+        """The side values of the crossings :meth:`recomputed` found carried, by producer (consumers, a tensor)."""
+        merged: dict[CallSite, tuple[set[CallSite], Tensor]] = {}
+        for key in getattr(self, "carried", ()):
+            for producer, (consumers, value) in (self.transported[key] or {}).items():
+                merged.setdefault(producer, (set(), value))[0].update(consumers)
+        return merged
 
 
 def _outermost(names: frozenset[str]) -> list[str]:

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError, forward_handler
-from lightning_varuna.pipeline.model.data_flow import DataFlow
+from lightning_varuna.pipeline.model.data_flow import DataFlow, SideValue
 from lightning_varuna.pipeline.model.segment_costs import CostCounter, SegmentCost, fit_costs
 
 __all__ = ["CutInfo", "PartitionError", "TIMED_RUNS", "Trace", "time_segments", "trace_step"]
@@ -68,6 +68,9 @@ class Trace:
     :mod:`~lightning_varuna.pipeline.model.data_flow`)."""
     recomputed: set[str] = field(default_factory=set)
     """Modules without parameters whose outputs later segments use: every stage runs them (none stands in)."""
+    side_values: list[SideValue] = field(default_factory=list)
+    """Values later segments use other than through a cut point, that the stages transport with the activation
+    (see :mod:`~lightning_varuna.pipeline.model.data_flow`)."""
     segment_seconds: list[float] = field(default_factory=list)
     """Measured forward time of each segment (empty when not timed, e.g. on the meta device)."""
     costs: list[SegmentCost] = field(default_factory=list)
@@ -186,6 +189,9 @@ def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[i
     tracer = _Tracer(module, cut_names)
     pre = nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook)
     post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
+    # the global pre-hook sees no keyword arguments: each module's own hook records its call's arguments
+    arguments = [m.register_forward_pre_hook(lambda m, args, kwargs: tracer.flow.arguments(m, args, kwargs),
+                                             with_kwargs=True) for m in module.modules()]
     try:
         # compiled modules run eagerly: the tracer must see every torch function and module call
         with forward_handler(tracer), _TraceMode(tracer), tracer.costs, torch.compiler.set_stance("force_eager"):
@@ -196,6 +202,8 @@ def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[i
     finally:
         pre.remove()
         post.remove()
+        for handle in arguments:
+            handle.remove()
     return tracer
 
 
@@ -211,6 +219,28 @@ def _batch_dim(small: Tensor, large: Tensor, name: str) -> int | None:
             " exactly one dimension may scale with the batch."
         )
     return differing[0]
+
+
+def _side_values(one: DataFlow, two: DataFlow) -> list[SideValue]:
+    """The side values of the two dry runs (batch 1 and 2), in the order of their producers."""
+    small, large = one.side_values(), two.side_values()
+    values = []
+    for producer in sorted(large):
+        consumers, tensor = large[producer]
+        seen = small.get(producer)
+        if seen is None or seen[0] != consumers:
+            raise PartitionError(
+                f"The output of {producer.module} is used by later segments differently with a batch of 1 and of 2"
+                " (other module calls, or only once): the model's data flow must not depend on the batch size."
+            )
+        name = f"the output of {producer.module}"
+        values.append(SideValue(
+            producer=producer, consumers=tuple(sorted(consumers)), shape=tuple(tensor.shape), dtype=tensor.dtype,
+            batch_dim=_batch_dim(seen[1], tensor, name),
+            what=f"A tensor ({tuple(tensor.shape)} {tensor.dtype}) made by {producer.module} in segment"
+                 f" {producer.segment} and used by {', '.join(sorted({c.module for c in consumers}))}",
+        ))
+    return values
 
 
 def time_segments(timed_step: Callable[[], object]) -> list[float]:
@@ -277,7 +307,9 @@ def trace_step(
     numel = {name: p.numel() for name, p in params.items()}
     module_segments = {k: v for k, v in two.module_segments.items() if k not in two.spanning}
     two.flow.unclean |= one.flow.unclean
+    one.flow.unclean = two.flow.unclean
     recomputed, crossings = two.flow.recomputed(module_segments)
+    one.flow.recomputed(module_segments)
     trace = Trace(
         param_bytes={name: p.numel() * p.element_size() for name, p in params.items()},
         cuts=cuts,
@@ -286,6 +318,7 @@ def trace_step(
         module_segments=module_segments,
         crossings=crossings,
         recomputed=recomputed,
+        side_values=_side_values(one.flow, two.flow),
         segment_seconds=seconds,
         skipped=not cuts and one.returned_nothing,
         costs=fit_costs(one.costs, two.costs, two.param_segments, params, len(cuts) + 1),

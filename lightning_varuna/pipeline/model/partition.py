@@ -159,6 +159,12 @@ class Plan:
             lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
         if self.trace.recomputed and len(self.stages) > 1:
             lines.append("side inputs recomputed on every stage by: " + ", ".join(sorted(self.trace.recomputed)))
+        stage_of = {seg: s for s, info in enumerate(self.stages) for seg in info.segments}
+        carried = [v for v in self.trace.side_values if stage_of[v.producer.segment] != stage_of[v.last_segment]]
+        if carried:
+            lines.append("side values carried with the activations: " + "; ".join(
+                f"{v.producer.module} (stage {stage_of[v.producer.segment]}) to stage {stage_of[v.last_segment]}"
+                for v in carried))
         return "\n".join(lines)
 
 

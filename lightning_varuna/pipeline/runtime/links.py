@@ -9,20 +9,23 @@ from both sides' lists.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.comm.transfers import P2P, Transfer
+from lightning_varuna.pipeline.model.cut import CutPoint, StageForward
+from lightning_varuna.pipeline.model.data_flow import SideValue
+from lightning_varuna.pipeline.runtime.events import EventHooks
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan
 from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["Boxes", "Chunk", "Inbox", "Outbox", "RankLinks", "Spec", "StageLinks"]
+__all__ = ["Boxes", "Chunk", "Inbox", "Outbox", "RankLinks", "Spec", "StageContext", "StageLinks"]
 
 Spec = tuple[torch.Size, torch.dtype]
 """The shape and dtype of a message's buffer."""
@@ -46,6 +49,10 @@ class Chunk:
     grad_from: int | None = None
     """With recompute by degree: the cut point from which the stage's forward keeps its autograd graph (the segments
     before it run without autograd and are recomputed before the backward); None: the whole stage or nothing."""
+    sides_in: tuple[SideValue, ...] = ()
+    """The side values received with the activation (:mod:`~lightning_varuna.pipeline.runtime.side_values`)."""
+    sides_out: tuple[SideValue, ...] = ()
+    """The side values sent with the output: received ones passed on and ones this stage makes."""
 
     @property
     def first_segment(self) -> int:
@@ -237,6 +244,25 @@ class Outbox:
                 f"Stage {stage} ended its step without sending {list(self.messages[self.sent:])} to rank"
                 f" {self.link.dst}."
             )
+
+
+class StageContext(Protocol):
+    """What a step uses of its stage (:class:`~lightning_varuna.pipeline.runtime.executor.StageExecutor`)."""
+
+    topology: Topology
+    p2p: P2P
+    events: EventHooks
+    cuts: Sequence[CutPoint]
+    chunks: Sequence[Chunk]
+    stage_ranks: tuple[int, ...] | None
+    boundary_dtype: torch.dtype | None
+    current: StageForward | None
+    feed_next_stage: bool
+    summary: Tensor | None
+
+    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype, stage: int = 0) -> Tensor:
+        """A receive buffer, reused across steps."""
+        ...
 
 
 def nbytes(tensor: Tensor | None) -> int:

@@ -7,7 +7,7 @@ from the forward on, as without recompute: memory between "recompute the whole s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -48,10 +48,14 @@ def grad_from_cut(first_cut: int | None, last_cut: int | None, segments: int | N
     return cut
 
 
-def backward_recomputed(boundary: Tensor, recomputed: Tensor) -> None:
-    """The backward of a stage's recomputed segments, from the gradient its other segments gave ``boundary``."""
+def backward_recomputed(boundary: Tensor, recomputed: Tensor, roots: Sequence[Tensor] = (),
+                        grads: Sequence[Tensor] = ()) -> None:
+    """The backward of a stage's recomputed segments, from the gradient its other segments gave ``boundary``.
+
+    ``roots`` are values the recomputed segments made that the stage sent on (side values), with their ``grads``.
+    """
     grad = boundary.grad if boundary.grad is not None else torch.zeros_like(recomputed)
-    torch.autograd.backward(recomputed, grad)
+    torch.autograd.backward([recomputed, *roots], [grad, *grads])
 
 
 def rng_devices(device: torch.device) -> list:

@@ -11,9 +11,10 @@ from typing import Protocol
 
 import torch
 
-from lightning_varuna.pipeline.comm.transfers import encode_skip_header
+from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, encode_skip_header
 from lightning_varuna.pipeline.model.cut import CutPointError
 from lightning_varuna.pipeline.runtime.links import Inbox, Outbox
+from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 
 __all__ = ["StepLinks", "check_skipped_alike"]
@@ -32,6 +33,7 @@ class StepLinks(Protocol):
     from_next: Inbox | None
     to_prev: Outbox | None
     to_next: Outbox | None
+    sides: StageSides | None
 
     def input_shapes_known(self, wait: bool) -> bool:
         """Whether the step's input shapes are known (reads the header; waits for it if asked)."""
@@ -60,7 +62,8 @@ def check_skipped_alike(step: StepLinks, k: int, skipped: bool) -> None:
 def _skip_links(step: StepLinks) -> None:
     """The step's batch is skipped: a skip header goes on, and only the summary is left to exchange."""
     if step.to_next is not None:
-        step.to_next.send(Message(MessageKind.HEADER, step.stage), encode_skip_header(step.device), step.stage)
+        size = HEADER_SIZE if step.sides is None else step.sides.sent_header_size
+        step.to_next.send(Message(MessageKind.HEADER, step.stage), encode_skip_header(step.device, size), step.stage)
         step.to_next.drop_unsent(_DROPPED_WHEN_SKIPPED)
     if step.to_prev is not None:
         step.to_prev.drop_unsent(_DROPPED_WHEN_SKIPPED)

@@ -26,33 +26,37 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_varuna.fault.failures import PipelineError
-from lightning_varuna.pipeline.comm.transfers import (
-    HEADER_SIZE,
-    P2P,
-    Transfer,
-    decode_header,
-    encode_header,
-)
-from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError, StageForward, StageOutputReady, forward_handler
-from lightning_varuna.pipeline.runtime.events import Event, EventHooks, EventKind
+from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, Transfer, decode_header, encode_header
+from lightning_varuna.pipeline.model.cut import CutPointError, StageForward, StageOutputReady, forward_handler
+from lightning_varuna.pipeline.runtime.events import Event, EventKind
 from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     PendingWeightGrads,
     WeightGradWork,
     accumulating_in_place,
     holding_weight_grads,
 )
-from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Inbox, Outbox, Spec, StageLinks, nbytes, scaled_shape
+from lightning_varuna.pipeline.runtime.links import (
+    Boxes,
+    Chunk,
+    Inbox,
+    Outbox,
+    Spec,
+    StageContext,
+    StageLinks,
+    nbytes,
+    scaled_shape,
+)
 from lightning_varuna.pipeline.runtime.recompute import backward_recomputed, rng_devices, rng_state, set_rng_state
+from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
-from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["SUMMARY_SIZE", "StageContext", "StageStep"]
 
@@ -61,25 +65,6 @@ SUMMARY_SIZE = 64
 
 SKIPPED = object()
 """What a forward returns whose step returned None before reaching a cut point (a skipped batch)."""
-
-
-class StageContext(Protocol):
-    """What a step uses of its stage (:class:`~lightning_varuna.pipeline.runtime.executor.StageExecutor`)."""
-
-    topology: Topology
-    p2p: P2P
-    events: EventHooks
-    cuts: Sequence[CutPoint]
-    chunks: Sequence[Chunk]
-    stage_ranks: tuple[int, ...] | None
-    boundary_dtype: torch.dtype | None
-    current: StageForward | None
-    feed_next_stage: bool
-    summary: Tensor | None
-
-    def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype, stage: int = 0) -> Tensor:
-        """A receive buffer, reused across steps."""
-        ...
 
 
 class StageStep:
@@ -139,6 +124,9 @@ class StageStep:
         # recompute by degree: each forward's activation at grad_from (a leaf), and its recomputed value
         self.boundaries: list[Tensor | None] = [None] * m
         self.recomputed: list[Tensor | None] = [None] * m
+        # the side values carried with the activations (None: none)
+        self.sides = StageSides(chunk, sizes, train, executor.boundary_dtype) if chunk.sides_in or chunk.sides_out \
+            else None
         self.held_back = PendingWeightGrads()
         self.weight_work: list[WeightGradWork | None] = [None] * m
         self.last_region = ExitStack()
@@ -271,6 +259,8 @@ class StageStep:
             self.results[k] = out
         if not train and self.prev is not None:
             self.inputs[k] = None
+        if not train and self.sides is not None:
+            self.sides.release(k)
         return graphs, stash
 
     def recompute(self, k: int) -> tuple[int, int]:
@@ -320,10 +310,14 @@ class StageStep:
         else:
             grad = self.receive_grad(k)
             output = self.outputs[k]
+            # the side values sent with the output too (roots and gradients, then those of the recomputed part)
+            grad, *sides = self.sides.backward_roots(k, grad, self.grad_from is not None) if self.sides is not None \
+                else (grad, [], [], [], [])
             with accumulating_in_place(), holding:
-                torch.autograd.backward(output, grad if grad.dtype == output.dtype else grad.to(output.dtype))
+                torch.autograd.backward([output, *sides[0]],
+                                        [grad if grad.dtype == output.dtype else grad.to(output.dtype), *sides[1]])
                 if self.grad_from is not None:  # then through the recomputed first segments
-                    backward_recomputed(self.boundaries[k], self.recomputed[k])  # type: ignore[arg-type]
+                    backward_recomputed(self.boundaries[k], self.recomputed[k], *sides[2:])  # type: ignore[arg-type]
                     self.boundaries[k] = self.recomputed[k] = None
         self.outputs[k] = None
         stash = 0
@@ -335,6 +329,8 @@ class StageStep:
             if self.stashes:
                 stash = -nbytes(received)
             self.inputs[k] = None
+        if self.sides is not None:
+            self.sides.release(k)
         return -1 if self.grad_from is None else -2, stash
 
     def _stage_forward(self, k: int, with_grad: bool, recomputing: bool = False) -> Any:
@@ -350,7 +346,8 @@ class StageStep:
                                chunk.last_cut, fetch, k, recomputing, None if recomputing else self.grad_from)
         executor.current = handler
         try:
-            with forward_handler(handler), torch.set_grad_enabled(with_grad):
+            with forward_handler(handler), torch.set_grad_enabled(with_grad), (
+                    self.sides.forward(k, recomputing, executor.segment) if self.sides is not None else nullcontext()):
                 try:
                     out = self.step(k)
                 except StageOutputReady:
@@ -396,6 +393,8 @@ class StageStep:
                 )
             received = self.from_prev.take(self._activation_in(k),  # type: ignore[union-attr]
                                            f"receiving the activation of micro-batch {k}")
+            if self.sides is not None:
+                received = self.sides.unpack_input(k, received)
             self.inputs[k] = received
         return received
 
@@ -408,8 +407,10 @@ class StageStep:
         out = out.contiguous()
         outbox = self.to_next
         assert outbox is not None
+        sides = self.sides
         if self.output_specs is None:
-            outbox.send(Message(MessageKind.HEADER, self.stage), encode_header(out), self.stage)
+            header = encode_header(out) if sides is None else sides.header(out, k, self.batch_dims[1])
+            outbox.send(Message(MessageKind.HEADER, self.stage), header, self.stage)
             shapes = [scaled_shape(out.shape, self.batch_dims[1], self.sizes[k], n) for n in self.sizes]
             self.output_specs = [(shape, out.dtype) for shape in shapes]
         shape, dtype = self.output_specs[k]
@@ -419,9 +420,10 @@ class StageStep:
                 f" this step's header agreed {tuple(shape)} ({dtype}) with the next stage: the activation at a cut"
                 " point may differ between the micro-batches of a step in its batch dimension only."
             )
-        outbox.send(Message(MessageKind.ACTIVATION, self.stage, k), out, self.stage)
+        outbox.send(Message(MessageKind.ACTIVATION, self.stage, k),
+                    out if sides is None else sides.pack_output(k, out), self.stage)
         if self.train:
-            self.sent_specs[k] = (out.shape, out.dtype)
+            self.sent_specs[k] = (out.shape, out.dtype) if sides is None else sides.grad_spec(k)
             self.from_next.advance()  # type: ignore[union-attr] - the gradient's receive can be posted now
 
     def receive_grad(self, k: int) -> Tensor:
@@ -438,6 +440,8 @@ class StageStep:
                 f"Stage {self.stage}'s input gradient for micro-batch {k} has shape {tuple(grad.shape)}"
                 f" ({grad.dtype}), but the activation it answers had {tuple(received.shape)} ({received.dtype})."
             )
+        if self.sides is not None:
+            grad = self.sides.pack_input_grad(k, grad)
         self.to_prev.send(Message(MessageKind.GRADIENT, self.stage, k), grad, self.stage)
 
     def pass_summary(self) -> None:
@@ -466,13 +470,15 @@ class StageStep:
         header = Message(MessageKind.HEADER, self.stage - 1)
         if not wait and not inbox.arrived(header):
             return False
-        decoded = decode_header(inbox.take(header, "receiving the activation header"))
+        raw = inbox.take(header, "receiving the activation header")
+        decoded = decode_header(raw)
         if decoded is None:
             self.upstream_skipped = True
             return True
         shape, dtype = decoded
         shapes = [scaled_shape(shape, self.batch_dims[0], self.sizes[0], n) for n in self.sizes]
-        self.input_specs = [(s, dtype) for s in shapes]
+        self.input_specs = [(s, dtype) for s in shapes] if self.sides is None else \
+            self.sides.input_specs(raw, self.batch_dims[0])
         inbox.advance()  # every activation's receive can be posted now
         return True
 
@@ -483,7 +489,7 @@ class StageStep:
         if kind is MessageKind.GRADIENT:
             return self.sent_specs[message.microbatch]  # type: ignore[index]
         if kind is MessageKind.HEADER:
-            return torch.Size([HEADER_SIZE]), torch.int64
+            return torch.Size([HEADER_SIZE if self.sides is None else self.sides.header_size]), torch.int64
         return torch.Size([SUMMARY_SIZE]), torch.float64
 
     def _buffer(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:

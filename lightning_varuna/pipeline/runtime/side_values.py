@@ -1,0 +1,357 @@
+"""Side values: what a later stage needs besides the activation, carried with it across each stage boundary.
+
+The dry run finds them (:class:`~lightning_varuna.pipeline.model.data_flow.SideValue`): a value computed from
+parameters (T5's relative position bias, made by the first block and passed to every later one) that is an element
+of a module call's output (its *producer*) and is used in later segments only as an argument of module calls (its
+*consumers*). At run time:
+
+- the stage holding the producer captures the value with a forward hook (it runs before the hooks of ``cut_at``,
+  which may end the stage's forward);
+- each boundary carries the side values made at or before it and used after it, forwarded unchanged through
+  stages that only pass them on; the activation and its side values travel as one message (their bytes packed,
+  each piece aligned), their shapes and dtypes agreed in the step's header, ``boundary_dtype`` applied to floating
+  ones as to the activation;
+- a received side value is a leaf that requires grad like the activation; a forward pre-hook puts it in place of
+  the argument of each consumer on the stage (where the stood-in producer gave zeros);
+- the backward runs autograd over the stage's output and the side values it sent, with the gradients received
+  for them (one message with the activation's), and sends back the gradients of its received leaves. A value
+  captured again by a recompute is differentiated there; with recompute by degree, in the recomputed part's
+  backward.
+
+The hooks act only while a stage's forward runs (:meth:`StageSides.forward`); they run uncompiled (a graph break
+in a compiled block that takes a side value, as at a cut point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, encode_header
+from lightning_varuna.pipeline.model.data_flow import SideValue
+from lightning_varuna.pipeline.runtime.links import Chunk, Spec, scaled_shape
+
+__all__ = ["SideValueHooks", "StageSides", "pack", "side_values_sent", "unpack"]
+
+ALIGN = 16
+"""Bytes each piece of a packed message starts at a multiple of (any dtype can view it)."""
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8)
+
+_active: _Forward | None = None
+"""The forward whose hooks act (None: hooks do nothing, e.g. in a plain run or the dry run)."""
+
+
+def _offsets(specs: Sequence[Spec]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += -(-shape.numel() * dtype.itemsize // ALIGN) * ALIGN
+    return offsets, total
+
+
+def packed_spec(specs: Sequence[Spec]) -> Spec:
+    """The spec of the message that packs tensors of ``specs``."""
+    return torch.Size([_offsets(specs)[1]]), torch.uint8
+
+
+def pack(tensors: Sequence[Tensor], specs: Sequence[Spec]) -> Tensor:
+    """One byte tensor holding ``tensors`` (of ``specs``), each at an aligned offset."""
+    offsets, total = _offsets(specs)
+    packed = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    for tensor, offset in zip(tensors, offsets):
+        size = tensor.numel() * tensor.element_size()
+        packed[offset : offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+    return packed
+
+
+def unpack(packed: Tensor, specs: Sequence[Spec]) -> list[Tensor]:
+    """Views of the tensors :func:`pack` put in ``packed`` (no copy)."""
+    offsets, _ = _offsets(specs)
+    return [packed[o : o + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for (shape, dtype), o in zip(specs, offsets)]
+
+
+def side_values_sent(values: Sequence[SideValue], stages: Sequence[range]) -> list[tuple[SideValue, ...]]:
+    """What each stage sends with its output: the side values made on it or before and used after it.
+
+    Args:
+        values: The dry run's side values.
+        stages: Each stage's segments.
+    """
+    stage_of = {segment: s for s, segments in enumerate(stages) for segment in segments}
+    return [tuple(v for v in values if stage_of[v.producer.segment] <= s < stage_of[v.last_segment])
+            for s in range(len(stages))]
+
+
+def _encode(tensor: Tensor) -> list[int]:
+    if tensor.dim() > HEADER_SIZE - 2 or tensor.dtype not in _DTYPES:
+        raise PipelineError(f"A side value of shape {tuple(tensor.shape)} ({tensor.dtype}) cannot cross a stage"
+                            f" boundary: at most {HEADER_SIZE - 2} dimensions and a dtype of {_DTYPES}.")
+    values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    return values + [0] * (HEADER_SIZE - len(values))
+
+
+def _decode(values: list[int]) -> Spec:
+    return torch.Size(values[2 : 2 + values[1]]), _DTYPES[values[0]]
+
+
+@dataclass
+class _Forward:
+    """One forward of one stage: its calls counted per module and segment, the values its producers gave."""
+
+    sides: StageSides
+    k: int
+    segment: Callable[[], int]
+    starts: dict[tuple[str, int], int] = field(default_factory=dict)
+    ends: dict[tuple[str, int], int] = field(default_factory=dict)
+    captured: dict[SideValue, Tensor] = field(default_factory=dict)
+    substitutes: dict[SideValue, Tensor] | None = None
+
+
+def _count(counts: dict[tuple[str, int], int], key: tuple[str, int]) -> int:
+    call = counts.get(key, 0)
+    counts[key] = call + 1
+    return call
+
+
+_Table = dict[tuple[int, int], list[tuple[int, SideValue]]]
+"""(segment, call) -> the leaves of the call's arguments or output that are side values."""
+
+
+class SideValueHooks:
+    """The hooks of one rank: producers capture side values, consumers take the received ones.
+
+    Args:
+        root: The model (module names are its ``named_modules()`` names).
+        chunks: The stages the rank runs.
+    """
+
+    def __init__(self, root: nn.Module, chunks: Sequence[Chunk]) -> None:
+        consumers: dict[str, _Table] = {}
+        producers: dict[str, _Table] = {}
+        for chunk in chunks:
+            last = chunk.last_cut if chunk.last_cut is not None else float("inf")
+            for value in chunk.sides_in:
+                for c in value.consumers:
+                    if chunk.first_segment <= c.segment <= last:
+                        consumers.setdefault(c.module, {}).setdefault((c.segment, c.call), []).append((c.leaf, value))
+            for value in chunk.sides_out:
+                p = value.producer
+                if value not in chunk.sides_in:
+                    producers.setdefault(p.module, {}).setdefault((p.segment, p.call), []).append((p.leaf, value))
+        self.handles: list[RemovableHandle] = []
+        for name, table in consumers.items():
+            self.handles.append(root.get_submodule(name).register_forward_pre_hook(
+                _substitute(name, table), with_kwargs=True))
+        for name, table in producers.items():
+            # first: a cut_at hook on the same module may end the stage's forward
+            self.handles.append(root.get_submodule(name).register_forward_hook(_capture(name, table), prepend=True))
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _substitute(name: str, table: _Table) -> Callable[..., object]:
+    @torch.compiler.disable  # Python bookkeeping, as at a cut point
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        forward = _active
+        if forward is None:
+            return None
+        segment = forward.segment()
+        targets = table.get((segment, _count(forward.starts, (name, segment))))
+        if not targets:
+            return None
+        if forward.substitutes is None:
+            forward.substitutes = forward.sides.substitutes(forward.k)
+        leaves, spec = tree_flatten((args, kwargs))
+        for leaf, value in targets:
+            received = forward.substitutes.get(value)
+            if received is not None:
+                leaves[leaf] = received
+        return tree_unflatten(leaves, spec)
+
+    return hook
+
+
+def _capture(name: str, table: _Table) -> Callable[..., object]:
+    @torch.compiler.disable  # Python bookkeeping, as at a cut point
+    def hook(module: nn.Module, args: tuple, output: object) -> None:
+        forward = _active
+        if forward is None:
+            return
+        segment = forward.segment()
+        targets = table.get((segment, _count(forward.ends, (name, segment))))
+        if targets:
+            leaves = tree_leaves(output)
+            for leaf, value in targets:
+                forward.captured[value] = leaves[leaf]
+
+    return hook
+
+
+class StageSides:
+    """The side values of one step of one stage: received, captured, sent, and their gradients.
+
+    Args:
+        chunk: The stage (its ``sides_in`` and ``sides_out``).
+        sizes: The batch size of each micro-batch.
+        train: Whether received side values require grad (a backward follows).
+        wire: The dtype floating values travel in (``boundary_dtype``; None: their own).
+    """
+
+    def __init__(self, chunk: Chunk, sizes: Sequence[int], train: bool, wire: torch.dtype | None) -> None:
+        self.stage, self.ins, self.outs, self.sizes, self.train, self.wire = \
+            chunk.stage, chunk.sides_in, chunk.sides_out, sizes, train, wire
+        m = len(sizes)
+        self.received: list[dict[SideValue, Tensor]] = [{} for _ in range(m)]
+        self.captured: list[dict[SideValue, Tensor]] = [{} for _ in range(m)]
+        self.recaptured: list[dict[SideValue, Tensor] | None] = [None] * m
+        self.in_specs: list[list[Spec]] | None = None
+        """Per micro-batch: the received activation's spec, then the received side values'."""
+        self.out_specs: list[list[Spec]] | None = None
+
+    @property
+    def header_size(self) -> int:
+        """int64 slots of the header this stage receives."""
+        return HEADER_SIZE * (1 + len(self.ins))
+
+    @property
+    def sent_header_size(self) -> int:
+        """int64 slots of the header this stage sends."""
+        return HEADER_SIZE * (1 + len(self.outs))
+
+    # -- forward --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward(self, k: int, recomputing: bool, segment: Callable[[], int]) -> Iterator[None]:
+        """Inside the block, this stage's hooks act for micro-batch ``k``."""
+        global _active
+        previous, _active = _active, _Forward(self, k, segment)
+        forward = _active
+        try:
+            yield
+        finally:
+            _active = previous
+            if recomputing:
+                self.recaptured[k] = forward.captured
+            else:
+                self.captured[k] = forward.captured
+
+    def substitutes(self, k: int) -> dict[SideValue, Tensor]:
+        """The received side values, in the dtypes the model had for them."""
+        return {v: t if t.dtype == v.dtype or not t.is_floating_point() else t.to(v.dtype)
+                for v, t in self.received[k].items()}
+
+    def _sent(self, k: int) -> list[Tensor]:
+        values = []
+        for value in self.outs:
+            tensor = self.received[k].get(value) if value in self.ins else self.captured[k].get(value)
+            if tensor is None:
+                raise PipelineError(
+                    f"Stage {self.stage}'s forward of micro-batch {k} did not make a side value the dry run saw:"
+                    f" {value.what}. The model's data flow must be the same in every forward."
+                )
+            tensor = tensor.detach()
+            if self.wire is not None and tensor.is_floating_point() and tensor.dtype != self.wire:
+                tensor = tensor.to(self.wire)
+            values.append(tensor)
+        return values
+
+    # -- sending --------------------------------------------------------------------------------------------
+    def header(self, out: Tensor, k: int, batch_dim: int | None) -> Tensor:
+        """The step's header for the activation ``out`` of micro-batch ``k`` and the side values sent with it."""
+        values = self._sent(k)
+        slots = encode_header(out).tolist() + [slot for value in values for slot in _encode(value)]
+        dims = [batch_dim, *(v.batch_dim for v in self.outs)]
+        self.out_specs = [[(scaled_shape(t.shape, d, self.sizes[k], n), t.dtype) for t, d in zip([out, *values], dims)]
+                          for n in self.sizes]
+        return torch.tensor(slots, dtype=torch.int64).to(out.device)
+
+    def pack_output(self, k: int, out: Tensor) -> Tensor:
+        """The message of micro-batch ``k``: ``out`` (checked against the header by the caller), the side values."""
+        assert self.out_specs is not None
+        values = self._sent(k)
+        for value, tensor, (shape, dtype) in zip(self.outs, values, self.out_specs[k][1:]):
+            if tensor.shape != shape or tensor.dtype != dtype:
+                raise PipelineError(
+                    f"Stage {self.stage}'s side value for micro-batch {k} has shape {tuple(tensor.shape)}"
+                    f" ({tensor.dtype}), but this step's header agreed {tuple(shape)} ({dtype}): {value.what}."
+                )
+        return pack([out, *values], self.out_specs[k])
+
+    def grad_spec(self, k: int) -> Spec:
+        """The spec of the gradient message that answers the activation sent for micro-batch ``k``."""
+        assert self.out_specs is not None
+        return packed_spec(_floating(self.out_specs[k]))
+
+    # -- receiving ------------------------------------------------------------------------------------------
+    def input_specs(self, header: Tensor, batch_dim: int | None) -> list[Spec]:
+        """Reads the received header; returns the spec of each micro-batch's message."""
+        values = header.tolist()
+        pieces = [_decode(values[i : i + HEADER_SIZE]) for i in range(0, len(values), HEADER_SIZE)]
+        dims = [batch_dim, *(v.batch_dim for v in self.ins)]
+        self.in_specs = [[(scaled_shape(shape, d, self.sizes[0], n), dtype) for (shape, dtype), d in zip(pieces, dims)]
+                         for n in self.sizes]
+        return [packed_spec(specs) for specs in self.in_specs]
+
+    def unpack_input(self, k: int, packed: Tensor) -> Tensor:
+        """The activation of a received message; its side values become leaves that require grad if training."""
+        assert self.in_specs is not None
+        activation, *values = unpack(packed, self.in_specs[k])
+        for value, tensor in zip(self.ins, values):
+            self.received[k][value] = tensor.requires_grad_(self.train and tensor.is_floating_point())
+        return activation
+
+    # -- backward -------------------------------------------------------------------------------------------
+    def backward_roots(self, k: int, packed: Tensor, partial: bool) -> tuple[Tensor, list, list, list, list]:
+        """Splits a received gradient message into the activation's gradient and the side values' roots.
+
+        Returns the activation's gradient, then the side values sent with their gradients, as ``roots, grads`` of
+        the backward of the rest of the stage and again of its recomputed part (recompute by degree).
+        """
+        assert self.out_specs is not None
+        grad, *grads = unpack(packed, _floating(self.out_specs[k]))
+        roots: tuple[list, list, list, list] = ([], [], [], [])
+        sent = [v for v, (_, dtype) in zip(self.outs, self.out_specs[k][1:]) if dtype.is_floating_point]
+        recaptured = self.recaptured[k] or {}
+        for value, g in zip(sent, grads):
+            if value in self.ins:
+                root, recomputed = self.received[k][value], False
+            elif value in recaptured:
+                root, recomputed = recaptured[value], partial
+            else:
+                root, recomputed = self.captured[k][value], False
+            if root.requires_grad:
+                roots[2 * recomputed].append(root)
+                roots[2 * recomputed + 1].append(g if g.dtype == root.dtype else g.to(root.dtype))
+        return (grad, *roots)
+
+    def pack_input_grad(self, k: int, grad: Tensor) -> Tensor:
+        """The gradient message for the previous stage: ``grad`` (the activation's), the received side values'."""
+        assert self.in_specs is not None
+        tensors = [grad]
+        for value in self.ins:
+            leaf = self.received[k][value]
+            if leaf.is_floating_point():
+                tensors.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+                leaf.grad = None
+        return pack(tensors, _floating(self.in_specs[k]))
+
+    def release(self, k: int) -> None:
+        """Forgets micro-batch ``k``'s values."""
+        self.received[k], self.captured[k], self.recaptured[k] = {}, {}, None
+
+
+def _floating(specs: list[Spec]) -> list[Spec]:
+    """The activation's spec and those of the floating side values (the pieces of a gradient message)."""
+    return [specs[0], *(spec for spec in specs[1:] if spec[1].is_floating_point)]
