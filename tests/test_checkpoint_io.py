@@ -239,6 +239,10 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
     # checkpoint it replaces (save_top_k=1) stayed until then
     overlapped = [s for s in train["seen"] if s["in_flight"] and any(n.endswith(".varuna-tmp") for n in s["names"])]
     assert overlapped, train["seen"]
+    # the first of them: the step-2 checkpoint, whose publication the job held back while it looked (saving
+    # last.ckpt of the same state right after it did not wait for that write)
+    assert overlapped[0]["step"] == 2 and "epoch=0-step=2.ckpt.varuna-tmp" in overlapped[0]["names"], train["seen"]
+    assert not (tmp_path / "gate" / "timed-out").exists(), "the first publication waited out its gate"
     first = next(i for i, s in enumerate(train["seen"]) if s["complete"])
     assert all(s["complete"] for s in train["seen"][first:]), train["seen"]
     assert all(set(s["complete"]) == {n for n in s["names"] if n.endswith(".ckpt")} for s in train["seen"])
@@ -411,11 +415,12 @@ def test_a_lost_writer_process_fails_every_rank_and_keeps_the_last_good_checkpoi
                    f"kill_writer:pipeline_parallel_size=2,async_checkpoint=true,folder=localdisk://{folder},"
                    "p2p_timeout=30", timeout=300, check=False)
     output = run.stdout + run.stderr
-    # rank 1's save at step 4 finds its writer gone; the other writers' write fails without it; every rank
-    # ends at the next save (ModelCheckpoint's save of last.ckpt, at the same step)
+    # rank 1's save at step 4 finds its writer gone; the other writers' write fails without it; ModelCheckpoint's
+    # save of last.ckpt at the same step is queued behind it on every rank (no rank waits there), and every rank
+    # raises at the next save of a new state, at step 6
     assert not not_raised(tmp_path, "kill_writer", 4, "could not be written"), output[-6000:]
     own = own_errors(tmp_path, "kill_writer", 4)
-    assert all(r["error_step"] == 4 for r in own.values()), own
+    assert all(r["error_step"] == 6 for r in own.values()), own
     assert "checkpoint writer process ended" in own[1]["error"], own[1]["error"]
     # the step-2 checkpoints stay complete: nothing replaced or removed them
     assert is_complete(folder / "last.ckpt") and is_complete(folder / "epoch=0-step=2.ckpt"), os.listdir(folder)

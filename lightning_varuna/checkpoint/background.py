@@ -217,7 +217,15 @@ class WriterProcess:
         self._staging: _Staging | None = None
         self._filesystems: dict[str, type] = {}
 
-    def submit(self, job: Any, tensors: list[Tensor], filesystem: type | None = None) -> None:
+    def holds(self, tensors: list[Tensor]) -> bool:
+        """Whether the staging buffer holds exactly ``tensors`` (layout and bits), so a job may reuse it."""
+        if self._staging is None or self._staging.layout != [(t.dtype, tuple(t.shape)) for t in tensors]:
+            return False
+        with torch.no_grad():  # bits, not values: -0.0 is not 0.0, and a NaN equals itself
+            return all(torch.equal(_bits(view), _bits(tensor.detach().cpu()))
+                       for view, tensor in zip(self._staging.views, tensors))
+
+    def submit(self, job: Any, tensors: list[Tensor], filesystem: type | None = None, staged: bool = False) -> None:
         """Copies ``tensors`` into the staging buffer and sends ``job`` (whose state holds their slots).
 
         Args:
@@ -225,6 +233,8 @@ class WriterProcess:
             tensors: The tensors its slots stand for.
             filesystem: The fsspec filesystem class of the job's location: one defined in the main script
                 cannot be imported by the helper.
+            staged: The staging buffer already holds ``tensors`` (:meth:`holds`): nothing is copied, and the helper
+                writes this job from it after the jobs sent before.
 
         Raises:
             ValueError: ``filesystem`` is defined in the main script.
@@ -247,6 +257,9 @@ class WriterProcess:
                                              if v.__module__ != "__main__"}))
             self._filesystems.update(registered)
         layout = [(t.dtype, tuple(t.shape)) for t in tensors]
+        if staged:
+            self._conn.send_bytes(message)
+            return
         if tensors and (self._staging is None or self._staging.layout != layout):
             if self._staging is not None:
                 self._staging.close()
@@ -304,6 +317,10 @@ class WriterProcess:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+
+
+def _bits(tensor: Tensor) -> Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _send(conn: Connection, message: Any) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,8 +41,10 @@ class CheckpointWriter:
     Args:
         asynchronous: ``save`` copies this rank's tensors into shared memory and returns; this rank's helper
             process (started by :meth:`start`) writes them, and rank 0's helper publishes the checkpoint once
-            every rank's shards are written. A second save waits for the first; :meth:`remove` calls for
-            older checkpoints take effect once the write in flight has succeeded (they are dropped if it fails).
+            every rank's shards are written. A second save waits for the first, unless it saves the very
+            tensors staged for the write in flight (``ModelCheckpoint(save_last=True)`` saving ``last.ckpt``
+            after the step's checkpoint): then it is queued behind it, nothing copied. :meth:`remove` calls for
+            older checkpoints take effect once the write sent before them has succeeded (dropped if it fails).
         timeout: Timeout of the helpers' process group (default 30 minutes).
     """
 
@@ -49,7 +52,8 @@ class CheckpointWriter:
         self.asynchronous = asynchronous
         self._timeout = timeout
         self._process: WriterProcess | None = None
-        self._busy = False
+        self._pending = 0  # writes handed to the helper whose outcome has not been collected
+        self._staged_key: Hashable | None = None  # the state_key of the last save handed to the helper
         self._error: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -89,6 +93,7 @@ class CheckpointWriter:
         param_names: Sequence[str] = (),
         verify: bool = True,
         lease: LeaseTicket | None = None,
+        state_key: Hashable | None = None,
     ) -> None:
         """Writes a checkpoint directory atomically (collective: every rank calls it).
 
@@ -100,14 +105,12 @@ class CheckpointWriter:
             param_names: The full model's parameter names in ``named_parameters()`` order.
             verify: Record checksums, and refuse to publish parameters that are not finite.
             lease: Rank 0: the lease to take on the checkpoint's folder (:mod:`~lightning_varuna.checkpoint.lease`).
+            state_key: The same on every rank for one training state (e.g. epoch and step): a save with the key of
+                the write in flight is queued behind it, and its failure is raised at a later save.
 
         Raises:
             CheckpointError: On every rank, if this write (blocking) or the background write before it failed.
         """
-        self.wait()
-        error = self._take_error()  # agreed by every rank at the end of that write
-        if error is not None:
-            raise raised_on_every_rank(CheckpointError(f"The previous checkpoint could not be written: {error}"))
         meta, problem = None, None
         if dist.get_rank() == 0:
             try:
@@ -122,6 +125,7 @@ class CheckpointWriter:
         job = WriteJob(target, shards, meta, list(groups), hyper, list(param_names), problem, verify,
                        lease if dist.get_rank() == 0 else None)
         if not self.asynchronous or self._process is None:  # outside fit (no writer started): blocking
+            self._raise_previous_error()
             error = write_job(job, None)
             if error is not None:
                 log.error(f"Writing checkpoint {target} failed ({error}); older checkpoints are kept.")
@@ -129,10 +133,21 @@ class CheckpointWriter:
             return
         tensors: list[Tensor] = []
         job.shards = hollow(shards, tensors)
+        # the same state saved again at once (last.ckpt after the step's checkpoint) is queued behind the write
+        # in flight, from its staged copy: training does not wait for that write. The choice to wait and raise is
+        # made on every rank alike (from the key); the staged copy is checked on each rank, and one that differs
+        # (the user changed weights between the two saves) waits for its own write, raising nothing yet
+        same_state = self._pending > 0 and state_key is not None and state_key == self._staged_key
+        staged = same_state and self._process.holds(tensors)
+        if not same_state:
+            self._raise_previous_error()
+        elif not staged:
+            self.wait()
+        self._staged_key = state_key
         loc = Location.of(target)
         try:
             try:
-                self._process.submit(job, tensors, type(loc.fs) if loc.url else None)
+                self._process.submit(job, tensors, type(loc.fs) if loc.url else None, staged)
             except pickle.PicklingError as err:
                 # the other ranks' writers are about to wait for this one: it joins them with the problem instead
                 problem = f"rank {dist.get_rank()} could not hand its state to the writer: {err}"
@@ -140,28 +155,34 @@ class CheckpointWriter:
         except ValueError as err:
             raise CheckpointError(str(err)) from None
         except (ConnectionError, EOFError):
-            # this rank's helper is gone: the other helpers' write fails too, and every rank raises at the next save
-            self._error = self._process.ended()
-            log.error(f"Writing checkpoint {target} failed ({self._error}); older checkpoints are kept.")
-            return
-        self._busy = True
+            # this rank's helper is gone: the other helpers' write fails too, and every rank raises where it waits
+            # for this write's outcome (here: the helper's end), like the others for theirs
+            log.error(f"Writing checkpoint {target} failed ({self._process.ended()}); older checkpoints are kept.")
+        self._pending += 1
+
+    def _raise_previous_error(self) -> None:
+        """Waits for the writes in flight; raises their failure (agreed by every rank at the end of each write)."""
+        self.wait()
+        error = self._take_error()
+        if error is not None:
+            raise raised_on_every_rank(CheckpointError(f"The previous checkpoint could not be written: {error}"))
 
     def _take_error(self) -> str | None:
         error, self._error = self._error, None
         return error
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits for the background write in flight, if any; returns whether none is left running."""
-        if not self._busy:
-            return True
-        assert self._process is not None
-        done, error = self._process.outcome(timeout)
-        if not done:
-            return False
-        self._busy = False
-        self._error = error
-        if error is not None:
-            log.error(f"Writing a checkpoint failed ({error}); older checkpoints are kept.")
+        """Waits for the background writes in flight, if any; returns whether none is left running."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            assert self._process is not None
+            done, error = self._process.outcome(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not done:
+                return False
+            self._pending -= 1
+            if error is not None:
+                self._error = self._error or error  # the first failure is the one to report
+                log.error(f"Writing a checkpoint failed ({error}); older checkpoints are kept.")
         return True
 
     def remove(self, path: str | os.PathLike) -> None:
@@ -205,7 +226,7 @@ class CheckpointWriter:
         if self._process is not None:
             self._process.close()
             self._process = None
-            self._busy = False
+            self._pending = 0
         if not finished:
             log.error("A background checkpoint write did not finish in time; it stays unpublished (not loadable).")
             return

@@ -71,7 +71,9 @@ class StrategyCheckpoints:
             shards[f"optimizer_{i}"] = state
         groups = checkpoint_state.param_groups_by_name(module, unwrapped(optimizers))
         ticket = self._lease_ticket(path) if rank_zero else None
-        self.writer.save(path, shards, checkpoint, groups, param_names, self.verify, ticket)
+        # one training state per (epoch, step) on every rank; the writer checks the tensors themselves too
+        state_key = (checkpoint.get("epoch"), checkpoint.get("global_step"))
+        self.writer.save(path, shards, checkpoint, groups, param_names, self.verify, ticket, state_key)
 
     def _lease_ticket(self, path: str) -> LeaseTicket | None:
         """How rank 0's save takes its folder's lease (kept and renewed during fit, released after it otherwise)."""

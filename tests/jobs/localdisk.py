@@ -5,7 +5,8 @@ it. ``LOCALDISK_PUBLISH_GATE`` (a folder, in the environment, which the writer p
 back the publication of the first checkpoint written in the job: once its ``meta.pt`` is written, before
 the directory is moved into place (publication's fault hook at ``publish/meta-written``), the writer puts
 ``reached`` into the folder and waits until the job puts ``released`` there (at most ``GATE_TIMEOUT``
-seconds, so that a broken test fails instead of hanging). Later checkpoints are published at once.
+seconds, then it leaves ``timed-out`` there and publishes, so that a broken test fails instead of hanging). Later
+checkpoints are published at once.
 """
 
 import os
@@ -43,7 +44,8 @@ def hold_first_publication(gate: Path) -> None:
     if released.exists():
         return
     (gate / "reached").touch()
-    wait_for(released)
+    if not wait_for(released):
+        (gate / "timed-out").touch()  # the job never released it (it waited for this write): the test fails
 
 
 def wait_for(path: Path, timeout: float = GATE_TIMEOUT) -> bool:
