@@ -2,10 +2,11 @@
 
 :func:`looped_zero_bubble_schedule` generates per-rank task lists over either placement
 (:mod:`~lightning_varuna.pipeline.scheduling.placement`; ``schedule="zero-bubble"`` runs it looped,
-``"zero-bubble-v"`` V-shaped, :mod:`~lightning_varuna.pipeline.scheduling.zero_bubble_v`) by a discrete-time simulation with unit costs per
-chunk task (``F = R = I = W = 1``: a chunk is ``1/v`` of a stage, a backward two forwards split evenly), like
-:func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule` does for one chunk per rank. Whenever
-a rank is idle it starts the first ready task of its chunks by priority ``I > R > F > W``:
+``"zero-bubble-v"`` V-shaped, :mod:`~lightning_varuna.pipeline.scheduling.zero_bubble_v`) by a discrete-time
+simulation with unit costs per chunk task (``F = R = I = W = 1``: a chunk is ``1/v`` of a stage, a backward two
+forwards split evenly), like :func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule` does
+for one chunk per rank. Whenever a rank is idle it starts the first ready task of its chunks by priority
+``I > R > F > W``:
 
 - ``I(k)@s`` is ready once the gradient of ``k`` from stage ``s + 1`` has arrived (on the last stage once ``F(k)`` is
   done) and, with recompute, ``R(k)@s`` is done; among several, the lowest micro-batch, then the latest stage.

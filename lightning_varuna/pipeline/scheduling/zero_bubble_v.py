@@ -24,7 +24,10 @@ placement. Two properties, checked by the tests for ``P = 2..8``, ``m = 1..32``:
 
 from __future__ import annotations
 
-from lightning_varuna.pipeline.scheduling.looped_zero_bubble import looped_zero_bubble_bound, looped_zero_bubble_schedule
+from lightning_varuna.pipeline.scheduling.looped_zero_bubble import (
+    looped_zero_bubble_bound,
+    looped_zero_bubble_schedule,
+)
 from lightning_varuna.pipeline.scheduling.placement import V_SHAPED
 from lightning_varuna.pipeline.scheduling.tasks import Schedule
 
