@@ -159,7 +159,8 @@ class Plan:
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         lines.append(f"balanced by {BALANCED_BY[self.balanced_by]}; micro-batch of {self.microbatch};"
                      f" dry run on {DRY_RUNS.get(self.trace.dry_run, self.trace.dry_run)}"
-                     + (f"; {self.stages_per_rank} stages per rank, {self.placement}" if chunks else ""))
+                     + (f"; {self.stages_per_rank} stages per rank, {'V-shaped' if self.placement == 'v' else 'looped'}"
+                        if chunks else ""))
         if self.tied:
             lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
         if self.trace.recomputed and len(self.stages) > 1:

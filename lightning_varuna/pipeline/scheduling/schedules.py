@@ -207,6 +207,8 @@ def make_schedule(
     check_sizes(num_stages, num_microbatches)
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
+    if name == "zero-bubble-v":  # before its placement is asked for v chunks per rank
+        check_schedule_shape(name, num_stages, stages_per_rank, num_microbatches)
     ranks = stage_ranks(num_stages, stages_per_rank, name)
     split = train and name in SPLIT_BACKWARD
     if ranks is not None or name in CHUNKS_REQUIRED:
