@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.partition import Plan, StageInfo
 from lightning_varuna.pipeline.scheduling.lowering import MessageKind, link_messages, summary_path
@@ -147,6 +148,12 @@ def test_shapes_it_cannot_run_are_refused_with_what_to_use() -> None:
         make_schedule(V, 4, 8, False)
     with pytest.raises(ScheduleError, match="use stages_per_rank=2, or schedule='zero-bubble' for the looped"):
         make_schedule(V, 4, 8, False, stages_per_rank=3)
+
+
+def test_the_strategy_s_configuration_refuses_other_chunk_counts_before_any_process_waits() -> None:
+    assert EngineConfig(schedule=V, pipeline_parallel_size=4, stages_per_rank=2).schedule == V
+    with pytest.raises(ValueError, match="use stages_per_rank=2"):
+        EngineConfig(schedule=V, pipeline_parallel_size=4)
 
 
 def test_the_local_edge_carries_nothing_and_the_summary_leaves_rank_0() -> None:
