@@ -198,3 +198,23 @@ def test_the_plan_places_v_shaped_and_a_tied_embedding_needs_no_synchronization(
     assert plan.rank_params(0) == ("wte.weight", "b0.weight", "head.weight")
     assert plan.rank_params(1) == ("b1.weight", "b2.weight")
     assert plan.rank_tied == (), "the first and the last stage share rank 0: one tensor, nothing to sum"
+
+
+def test_a_local_edge_hands_over_in_memory_and_says_what_was_never_taken() -> None:
+    import torch
+
+    from lightning_varuna.fault.failures import PipelineError
+    from lightning_varuna.pipeline.runtime.links import LocalLink
+    from lightning_varuna.pipeline.scheduling.lowering import Message
+
+    link, out = LocalLink(), torch.ones(2)
+    activation = Message(MessageKind.ACTIVATION, 3, 0)
+    assert not link.arrived(activation)
+    with pytest.raises(PipelineError, match="has not run yet"):
+        link.take(activation, "receiving the activation of micro-batch 0")
+    link.send(activation, out, 3)
+    assert link.arrived(activation) and link.take(activation, "") is out and link.arrived(activation)
+    link.check_complete(3)
+    link.send(Message(MessageKind.GRADIENT, 4, 0), out, 4)
+    with pytest.raises(PipelineError, match="never taken"):
+        link.check_complete(4)
