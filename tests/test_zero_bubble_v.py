@@ -6,11 +6,14 @@ import random
 import statistics
 
 import pytest
+import torch
 
+from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.partition import Plan, StageInfo
-from lightning_varuna.pipeline.scheduling.lowering import MessageKind, link_messages, summary_path
+from lightning_varuna.pipeline.runtime.links import LocalLink
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, summary_path
 from lightning_varuna.pipeline.scheduling.nccl_replay import plan_trace, replay
 from lightning_varuna.pipeline.scheduling.placement import placement_ranks, rank_stages
 from lightning_varuna.pipeline.scheduling.schedules import Kind, ScheduleError, Task, make_schedule, stage_ranks
@@ -201,12 +204,6 @@ def test_the_plan_places_v_shaped_and_a_tied_embedding_needs_no_synchronization(
 
 
 def test_a_local_edge_hands_over_in_memory_and_says_what_was_never_taken() -> None:
-    import torch
-
-    from lightning_varuna.fault.failures import PipelineError
-    from lightning_varuna.pipeline.runtime.links import LocalLink
-    from lightning_varuna.pipeline.scheduling.lowering import Message
-
     link, out = LocalLink(), torch.ones(2)
     activation = Message(MessageKind.ACTIVATION, 3, 0)
     assert not link.arrived(activation)
