@@ -81,9 +81,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         microbatch_size: Size of each micro-batch, instead of ``num_microbatches``; ``"auto"``: chosen by the
             planner among the sizes that divide the replica's batch.
         schedule: ``"varuna"`` (recompute-aware, tolerant of late messages), ``"1f1b"``, ``"gpipe"``,
-            ``"zero-bubble"`` (the backward split into input-gradient and weight-gradient tasks, the latter held
-            back to fill the pipeline's waits; 1F1B's peak memory over the stages), or ``"auto"`` (chosen by the
-            planner).
+            ``"zero-bubble"`` (backward split into input- and weight-gradient tasks, the latter filling the waits;
+            1F1B's peak memory), ``"interleaved"``, ``"zero-bubble-v"`` (two chunks per rank placed V-shaped: rank
+            ``r`` holds stages ``r`` and ``2P-1-r``), or ``"auto"`` (chosen by the planner).
         recompute: Non-last stages keep only their input during forwards and rerun the forward with
             autograd just before backward (activation memory of one micro-batch per stage); ``"auto"``: chosen
             by the planner. A number ``n``: only each non-last stage's first ``n`` segments recompute, the rest
@@ -159,9 +159,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             every parameter (ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step, the
             same bytes as the all-reduce); the optimizer must be elementwise (SGD, Adam, AdamW, ...; LBFGS and the
             like are refused). ``0``: every replica keeps the whole state. 2 and 3 are refused.
-        stages_per_rank: Model chunks per rank (``schedule="interleaved"`` or ``"zero-bubble"``): the model is cut
-            into P x this many stages, rank ``r`` running stages ``r, r + P, ...``, which divides the pipeline's fill
-            and drain by it; ``"auto"``: the planner chooses 1 or 2.
+        stages_per_rank: Model chunks per rank (``"interleaved"``, ``"zero-bubble"``; 2 for ``"zero-bubble-v"``):
+            the model is cut into P x this many stages, rank ``r`` running ``r, r + P, ...`` (V-shaped: ``r, 2P-1-r``),
+            which divides the pipeline's fill and drain by it; ``"auto"``: the planner chooses 1 or 2.
         loss_weighting: A micro-batch's loss weighs by its share of the batch's samples (``"samples"``), of its labels
             other than -100 (``"tokens"``; ``"shifted_tokens"``: of ``labels[..., 1:]``, for ``*ForCausalLM``), or
             of the count a function of the micro-batch returns: exact for a mean over tokens (user guide section 2).

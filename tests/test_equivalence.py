@@ -61,6 +61,11 @@ CONFIGS = {
     "p4-lzb-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,stages_per_rank=2,layers=8",
     "tied-clip-p2d2-lzb": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
+    # the V schedule over the V-shaped placement: P=4 (rank 3's two stages hand over in memory; the first and last
+    # stage on rank 0), tied embedding + clipping under P x D = 2 x 2 (the tied copies on one rank: one tensor)
+    "p4-zbv-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble-v,stages_per_rank=2,layers=8",
+    "tied-clip-p2d2-zbv": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=zero-bubble-v,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
     # recompute by degree: each non-last stage recomputes its first segment, the rest keeps its graph
     "p2-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,recompute=1,partition=params",
     "tied-clip-p2d2-zb-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
@@ -86,6 +91,15 @@ FULL_MATRIX = {
     "p2-il-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=interleaved,stages_per_rank=2,"
     "recompute=1,layers=8,partition=params",
     "p2-lzb-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble,stages_per_rank=2,"
+    "recompute=1,layers=8,partition=params",
+    "p2-zbv-m5": "pipeline_parallel_size=2,num_microbatches=5,schedule=zero-bubble-v,stages_per_rank=2,batch=8",
+    "p4-zbv-norecompute-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble-v,stages_per_rank=2,"
+    "recompute=false,layers=8",
+    "tied-clip-p2d2-zbv-recompute": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,"
+    "gradnorm=true,schedule=zero-bubble-v,stages_per_rank=2,bucket=4096,partition=params",
+    "tied-clip-p4d1-zbv-l8": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true,layers=8,"
+    "schedule=zero-bubble-v,stages_per_rank=2,recompute=false",
+    "p2-zbv-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble-v,stages_per_rank=2,"
     "recompute=1,layers=8,partition=params",
 }
 
@@ -177,8 +191,10 @@ def test_every_copy_of_a_parameter_is_identical(results: Path, name: str) -> Non
         first_rank, first = held[0]
         for rank, values in held[1:]:
             assert values == first, f"{param} differs between rank {first_rank} and rank {rank}"
-    if "tied" in name and "p1" not in name:
+    if "tied" in name and "p1" not in name and "zbv" not in name:
         assert len(copies["wte.weight"]) >= 2, "the tied embedding is held by the first and the last stage"
+    if "tied" in name and "zbv" in name:  # V-shaped: the first and the last stage on one rank, one tensor there
+        assert len(copies["wte.weight"]) == int(name.split("-p")[1][2]), "one copy per replica"
 
 
 @pytest.mark.slow
@@ -252,7 +268,8 @@ def test_buckets_reduce_during_the_last_backward(results: Path, name: str) -> No
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
         assert run["data_size"] > 1 and run["overlapped"]
-        if name.startswith("accum") or name.endswith(("-zb", "-il", "-lzb", "-lzb-recompute", "-zb-rc1")):
+        if name.startswith("accum") or name.endswith(("-zb", "-il", "-lzb", "-lzb-recompute", "-zb-rc1", "-zbv",
+                                                      "-zbv-recompute")):
             assert run["buckets"] > 2, "bucket=4096 makes several buckets per stage"
         expected = run["buckets"] if overlap else 0
         assert run["overlapped"] == [expected] * len(run["overlapped"]), f"rank {rank}"

@@ -87,6 +87,19 @@ def test_two_chunks_hold_what_each_stage_holds() -> None:
     assert one.memory[0].activations == 4 * 20  # 1F1B's first stage: P graphs of its two segments
 
 
+def test_the_v_schedule_is_predicted_over_its_own_placement() -> None:
+    profile = uniform(8)
+    v = predict(profile, Cluster(4, 4), 4, 1, 16, "zero-bubble-v", False, stages_per_rank=2)
+    looped = predict(profile, Cluster(4, 4), 4, 1, 16, "zero-bubble", False, stages_per_rank=2)
+    # rank 0 holds stages 0 and 7 (V-shaped), not 0 and 4: its tasks name those
+    assert {t.stage for t in v.schedule.order[0]} == {0, 7}
+    assert {t.stage for t in looped.schedule.order[0]} == {0, 4}
+    assert v.candidate.memory[0].weights == 200  # two stages' parameters
+    # every rank within 2P chunk graphs (one segment of 10 bytes each, micro-batches of 1 sample)
+    assert max(m.activations for m in v.candidate.memory) <= 2 * 4 * 10
+    assert v.candidate.step_s <= looped.candidate.step_s
+
+
 def test_a_model_with_too_few_segments_for_two_chunks_says_so() -> None:
     with pytest.raises(PlanError, match="2 chunks per rank"):
         search(uniform(3), Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, stages_per_rank=2),

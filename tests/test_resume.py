@@ -58,6 +58,34 @@ def test_a_checkpoint_written_with_two_chunks_per_rank_resumes_with_one(tmp_path
     assert is_complete(ckpt)
     torchrun("equivalence.py", str(tmp_path),
              f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},schedule=1f1b")
+    # the looped placement's checkpoint resumed V-shaped (rank 0 now holds stages 0 and 3, rank 1 stages 1 and 2)
+    torchrun("equivalence.py", str(tmp_path),
+             f"v:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},"
+             "schedule=zero-bubble-v,stages_per_rank=2")
     reference = _losses(tmp_path, "reference")
     assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
-    assert _losses(tmp_path, "p4") == pytest.approx(reference[4:], abs=5e-4)
+    for name in ("p4", "v"):
+        assert _losses(tmp_path, name) == pytest.approx(reference[4:], abs=5e-4), name
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_v_shaped_resumes_looped_and_with_one_chunk_per_rank(tmp_path: Path) -> None:
+    """Written at P=2 x D=2 by the V schedule (stages 0 and 3 on rank 0, with the tied embedding, 1 and 2 on rank 1),
+    resumed with the same four stages looped (zero-bubble: 0 and 2 on rank 0) and at P=4 x D=1 with one chunk."""
+    ckpt_dir = tmp_path / "ckpt"
+    python("equivalence.py", str(tmp_path), "reference:epoch_steps=8,tie=true")
+    torchrun("equivalence.py", str(tmp_path),
+             f"first:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,steps=4,tie=true,"
+             f"save_every=4,save_dir={ckpt_dir},schedule=zero-bubble-v,stages_per_rank=2")
+    ckpt = ckpt_dir / "ckpt.ckpt"
+    assert is_complete(ckpt)
+    torchrun("equivalence.py", str(tmp_path),
+             f"looped:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},tie=true,"
+             "schedule=zero-bubble,stages_per_rank=2")
+    torchrun("equivalence.py", str(tmp_path),
+             f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},tie=true,"
+             "schedule=1f1b")
+    reference = _losses(tmp_path, "reference")
+    assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
+    for name in ("looped", "p4"):
+        assert _losses(tmp_path, name) == pytest.approx(reference[4:], abs=5e-4), name

@@ -27,7 +27,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 # The options' types, written once: EngineConfig's fields and VarunaStrategy's parameters (which LightningCLI reads)
 PipelineSize = int | Literal["auto"]
 MicrobatchSize = int | Literal["auto"] | None
-ScheduleName = Literal["varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "auto"]
+ScheduleName = Literal["varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "zero-bubble-v", "auto"]
 Recompute = bool | int | Literal["auto"]
 PartitionBy = Literal["time", "params"]
 P2PBackend = Literal["auto", "nccl", "gloo"]
@@ -55,7 +55,8 @@ class EngineConfig:
         microbatch_size: Alternatively, the size of each micro-batch; ``"auto"``: chosen by the planner among the
             sizes that divide the replica's batch.
         schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"``, ``"zero-bubble"``, ``"interleaved"`` (with
-            ``stages_per_rank >= 2``) or ``"auto"``.
+            ``stages_per_rank >= 2``), ``"zero-bubble-v"`` (with ``stages_per_rank=2``: the V schedule over the
+            V-shaped placement, rank ``r`` holding stages ``r`` and ``2 P - 1 - r``) or ``"auto"``.
         recompute: Non-last stages keep only their inputs during forwards and recompute before backward
             (``"auto"``: chosen by the planner). A number ``n``: only the first ``n`` segments of each non-last
             stage recompute, the rest keep their autograd graph as without recompute (recompute by degree; a stage
@@ -97,7 +98,8 @@ class EngineConfig:
         stages_per_rank: Model chunks per rank ``v``: the model is cut into ``P v`` stages and rank ``r`` runs stages
             ``r, r + P, ...`` (the looped placement), which divides the pipeline's fill and drain time by ``v`` at
             the cost of ``v`` times the messages. Needs ``schedule="interleaved"`` (micro-batches divisible by ``P``)
-            or ``"zero-bubble"`` (``v <= 2``). ``"auto"``: the planner chooses 1 or 2.
+            or ``"zero-bubble"`` (``v <= 2``), or ``v = 2`` with ``"zero-bubble-v"`` (stages ``r`` and
+            ``2 P - 1 - r`` on rank ``r``). ``"auto"``: the planner chooses 1 or 2.
         loss_weighting: What weights each micro-batch's loss within its batch: ``"samples"`` (``size_k / batch``),
             ``"tokens"`` (its labels other than -100 over the batch's), ``"shifted_tokens"`` (the same of
             ``labels[..., 1:]``, for causal language models that shift inside) or a function of the micro-batch

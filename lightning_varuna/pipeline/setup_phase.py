@@ -45,6 +45,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_acc
 from lightning_varuna.pipeline.runtime.links import Chunk
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 from lightning_varuna.pipeline.runtime.side_values import SideValueHooks, side_values_sent
+from lightning_varuna.pipeline.scheduling.placement import LOOPED, V_SHAPED, placement_of
 from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
@@ -99,10 +100,12 @@ class SetupPhase:
             cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
         watch_job()
+        placement = placement_of(config.schedule) if config.stages_per_rank > 1 else LOOPED
         self.topology = topology or Topology.create(
             self.pipeline_size, self.device, timeout=config.p2p_timeout, link_backend=link_backend,
-            wrap_around=config.stages_per_rank > 1,
+            wrap_around=config.stages_per_rank > 1 and placement == LOOPED,  # V-shaped: neighbours only
         )
+        self.topology.last_position = 0 if placement == V_SHAPED else None
         destroy_process_groups_at_exit()
         topo = self.topology
         seed = config.init_seed if config.init_seed is not None else torch.initial_seed()
@@ -117,7 +120,7 @@ class SetupPhase:
         v = config.stages_per_rank
         self.plan = make_plan(trace, topo.pipeline_size * v, by=self.config.partition,
                               microbatch=max(1, size // m), num_microbatches=m, rates=DeviceRates.nominal(self.device),
-                              stages_per_rank=v)
+                              stages_per_rank=v, placement=placement)
         if self.config.recompute_segments is not None:  # every rank checks every stage: each raises the error
             for s, stage in enumerate(self.plan.stages[:-1]):
                 grad_from_cut(stage.segments.start - 1 if s else None, stage.segments.stop - 1,
@@ -127,7 +130,7 @@ class SetupPhase:
         chunks = self._chunks(trace)
         self._trace_p2p(run)
         self.executor = StageExecutor(topo, self._p2p(), cut_modules, None, None, self.events, chunks=chunks,
-                                      stage_ranks=stage_ranks(topo.pipeline_size, v))
+                                      stage_ranks=stage_ranks(topo.pipeline_size, v, config.schedule))
         self.executor.boundary_dtype = self.config.boundary_dtype
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
         if any(c.sides_in or c.sides_out for c in chunks):

@@ -37,6 +37,9 @@ class Topology:
     """Timeout of collectives in the pipeline, data and shared-parameter groups (None: torch's default)."""
     links: dict[tuple[int, int], object] = field(default_factory=dict)
     """The process group of each link this rank is on, by ``(sending rank, receiving rank)``."""
+    last_position: int | None = None
+    """The position (0..P-1) of the rank that runs the model's last stage: ``P - 1`` (None), or 0 in the V-shaped
+    placement of two stages per rank, where rank 0 holds the first stage and the last."""
     _shared_groups: dict = field(default_factory=dict)
 
     @property
@@ -60,9 +63,14 @@ class Topology:
         return self.stage == 0
 
     @property
+    def last_stage_position(self) -> int:
+        """The position of the rank that runs the model's last stage (see :attr:`last_position`)."""
+        return self.pipeline_size - 1 if self.last_position is None else self.last_position
+
+    @property
     def is_last(self) -> bool:
-        """Whether this rank runs the last stage."""
-        return self.stage == self.pipeline_size - 1
+        """Whether this rank runs the last stage (computes the loss)."""
+        return self.stage == self.last_stage_position
 
     def rank_of(self, stage: int, replica: int | None = None) -> int:
         """Global rank of ``stage`` in ``replica`` (default: this rank's replica)."""
@@ -71,7 +79,7 @@ class Topology:
     @property
     def pipe_src_rank(self) -> int:
         """Global rank of this replica's last stage, which broadcasts losses and logged values."""
-        return self.rank_of(self.pipeline_size - 1)
+        return self.rank_of(self.last_stage_position)
 
     @staticmethod
     def check(world_size: int, pipeline_size: int) -> None:

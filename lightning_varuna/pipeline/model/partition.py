@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from lightning_varuna.pipeline.model.dry_run import PartitionError, Trace
 from lightning_varuna.pipeline.model.segment_costs import DeviceRates, estimated_seconds
+from lightning_varuna.pipeline.scheduling.placement import Placement, placement_ranks, rank_stages
 
 __all__ = [
     "BALANCED_BY", "Plan", "StageInfo", "balance", "check_pipeline_size", "forbidden_boundaries", "make_plan",
@@ -109,7 +110,11 @@ class Plan:
     microbatch: int = 1
     """The micro-batch size the costs are given for."""
     stages_per_rank: int = 1
-    """Model chunks per rank ``v``: stage ``s`` runs on rank ``s % P`` (the looped placement)."""
+    """Model chunks per rank ``v``: stage ``s`` runs on rank ``s % P`` (the looped placement) unless ``placement``
+    is ``"v"``."""
+    placement: Placement = "looped"
+    """Where the stages of several chunks per rank live: ``"looped"`` or ``"v"`` (rank ``r`` runs stages ``r`` and
+    ``2 P - 1 - r``; :mod:`~lightning_varuna.pipeline.scheduling.placement`)."""
 
     @property
     def num_ranks(self) -> int:
@@ -118,11 +123,11 @@ class Plan:
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank (position in the pipeline, 0..P-1) that runs ``stage``."""
-        return stage % self.num_ranks
+        return placement_ranks(self.num_ranks, self.stages_per_rank, self.placement)[stage]
 
     def rank_stages(self, rank: int) -> tuple[int, ...]:
         """The stages pipeline rank ``rank`` runs, in pipeline order."""
-        return tuple(range(rank, len(self.stages), self.num_ranks))
+        return rank_stages(rank, self.num_ranks, self.stages_per_rank, self.placement)
 
     def rank_params(self, rank: int) -> tuple[str, ...]:
         """The names of the parameters pipeline rank ``rank`` holds (of all its stages, each once)."""
@@ -154,7 +159,8 @@ class Plan:
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         lines.append(f"balanced by {BALANCED_BY[self.balanced_by]}; micro-batch of {self.microbatch};"
                      f" dry run on {DRY_RUNS.get(self.trace.dry_run, self.trace.dry_run)}"
-                     + (f"; {self.stages_per_rank} stages per rank, looped" if chunks else ""))
+                     + (f"; {self.stages_per_rank} stages per rank, {'V-shaped' if self.placement == 'v' else 'looped'}"
+                        if chunks else ""))
         if self.tied:
             lines.append("shared across stages: " + ", ".join(f"{n} (stages {list(s)})" for n, s in self.tied))
         if self.trace.recomputed and len(self.stages) > 1:
@@ -245,7 +251,7 @@ def segment_costs(
 
 def make_plan(
     trace: Trace, num_stages: int, by: str = "time", microbatch: int = 1, num_microbatches: int = 1,
-    rates: DeviceRates | None = None, stages_per_rank: int = 1,
+    rates: DeviceRates | None = None, stages_per_rank: int = 1, placement: Placement = "looped",
 ) -> Plan:
     """Groups the traced segments into ``num_stages`` stages.
 
@@ -258,6 +264,7 @@ def make_plan(
         num_microbatches: Micro-batches per step (for estimates).
         rates: The device speeds estimates assume (default: :meth:`DeviceRates.nominal` of a CPU).
         stages_per_rank: ``v``: ``num_stages`` is then ``P v``, and stage ``s`` runs on rank ``s % P``.
+        placement: ``"v"``: stage ``s`` runs on rank ``s`` or ``2 P - 1 - s`` instead (two stages per rank).
 
     Returns:
         The plan. Raises :class:`PartitionError` if it cannot be made.
@@ -298,7 +305,7 @@ def make_plan(
         for s, r in enumerate(ranges)
     )
     return Plan(stages=stages, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch,
-                stages_per_rank=stages_per_rank)
+                stages_per_rank=stages_per_rank, placement=placement)
 
 
 _MOVED_TO_DRY_RUN = frozenset({"CutInfo", "TIMED_RUNS", "time_segments", "trace_step"})

@@ -40,7 +40,7 @@ from lightning_varuna.pipeline.planning.memory_model import (
 )
 from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
-from lightning_varuna.pipeline.scheduling.schedules import Kind, make_schedule
+from lightning_varuna.pipeline.scheduling.schedules import Kind, make_schedule, stage_ranks
 from lightning_varuna.pipeline.scheduling.simulator import SimResult, StageCosts, simulate
 
 __all__ = ["predict", "recomputed_segments", "stage_ranges"]
@@ -101,7 +101,8 @@ def predict(
         schedule: The schedule's name.
         recompute: Whether non-last stages recompute; a number ``n``: their first ``n`` segments (by degree).
         choices: The bucket size, overlap, partition and wire dtype used (the searched fields are ignored).
-        stages_per_rank: Model chunks per rank ``v``: ``P v`` stages, stage ``s`` on rank ``s % P`` (looped).
+        stages_per_rank: Model chunks per rank ``v``: ``P v`` stages, stage ``s`` on rank ``s % P`` (looped), or
+            on rank ``s`` or ``2 P - 1 - s`` for ``"zero-bubble-v"`` (V-shaped).
 
     Raises:
         PartitionError: If the model cannot be split into ``P v`` stages, or recomputed by that degree.
@@ -111,7 +112,9 @@ def predict(
     num_stages = P * v
     D = cluster.world_size // P
     ranges = stage_ranges(profile, num_stages, microbatch_size, choices.partition)
-    rank_of = [s % P for s in range(num_stages)]
+    placed = stage_ranks(P, v, schedule)  # looped, or V-shaped for "zero-bubble-v"
+    rank_of = list(placed) if placed is not None else list(range(num_stages))
+    stages_of = [[s for s in range(num_stages) if rank_of[s] == r] for r in range(P)]
     recomputed = recomputed_segments(ranges, recompute, profile.crossings)
     costs = tuple(_stage_costs(profile, r, part, microbatch_size) for r, part in zip(ranges, recomputed, strict=True))
     # a forward adds no autograd graph where the whole stage recomputes: the run-time rules may move it
@@ -124,9 +127,9 @@ def predict(
                        forwards_keep_graphs=not isinstance(recompute, bool)), costs,
         jitter=lambda src, dst, kind, k: links[min(src, dst)].latency_s,
         opportunistic=True, transfer=[n / link.bandwidth for n, link in zip(boundary_bytes, links, strict=True)],
-        stage_ranks=rank_of if v > 1 else None, forwards_stash=stashes.__getitem__,
+        stage_ranks=placed, forwards_stash=stashes.__getitem__,
     )
-    held = [[i for s in range(r, num_stages, P) for i in ranges[s]] for r in range(P)]
+    held = [[i for s in stages_of[r] for i in ranges[s]] for r in range(P)]
     sync, optimizer = [], []
     for r in range(P):
         start, end, last_backward, backward_s = _schedule_span(sim, costs, r)
@@ -137,8 +140,8 @@ def predict(
         shards = D if choices.zero_stage == 1 else 1
         optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable / shards + gather_s))
     step = max(end for _, end in optimizer)
-    memory = tuple(_rank_memory(profile, sim, ranges, recomputed, r, D, microbatch_size, num_microbatches, choices)
-                   for r in range(P))
+    memory = tuple(_rank_memory(profile, sim, ranges, recomputed, r, D, microbatch_size, num_microbatches, choices,
+                                stages_of[r]) for r in range(P))
     candidate = Candidate(
         pipeline_size=P, data_size=D, microbatch_size=math.ceil(microbatch_size), num_microbatches=num_microbatches,
         schedule=schedule, recompute=recompute, step_s=step, bubble=sim.bubble,
@@ -148,24 +151,25 @@ def predict(
 
 
 def _rank_memory(profile: Profile, sim: SimResult, ranges: Sequence[range], recomputed: Sequence[range], rank: int,
-                 data_size: int, microbatch_size: float, num_microbatches: int, choices: Choices) -> StageMemory:
+                 data_size: int, microbatch_size: float, num_microbatches: int, choices: Choices,
+                 stages: Sequence[int]) -> StageMemory:
     """A rank's peak: its stages' weights, state and buffers added, and the graphs of its chunks as they overlap.
 
     Each graph counts what its own chunk saves (chunks of a rank may differ in size), a forward what its kept
     segments save, a recompute what its recomputed segments save, along the simulated order.
     """
-    P, num_stages = len(sim.order), len(ranges)
+    num_stages = len(ranges)
     mbs = math.ceil(microbatch_size)
     per_stage = [
         stage_memory(profile, ranges[s], s, num_stages, data_size, mbs, num_microbatches, 0,
                      choices.wire_bytes_per_element, choices.zero_stage)
-        for s in range(rank, num_stages, P)
+        for s in stages
     ]
     again = [sum(profile.saved_bytes(i, mbs) for i in part) for part in recomputed]
     kept = [sum(profile.saved_bytes(i, mbs) for i in r) - a for r, a in zip(ranges, again, strict=True)]
     activations = activation_peak(sim.order[rank], kept, again, rank)
     # a parameter that two chunks of the rank use is one tensor, with one gradient and one optimizer state
-    shared, shared_trainable = _shared_bytes(profile, [ranges[s] for s in range(rank, num_stages, P)])
+    shared, shared_trainable = _shared_bytes(profile, [ranges[s] for s in stages])
     shards = data_size if choices.zero_stage == 1 else 1
     return StageMemory(
         weights=sum(m.weights for m in per_stage) - shared,

@@ -25,7 +25,7 @@ from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, 
 from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["Boxes", "Chunk", "Inbox", "Outbox", "RankLinks", "Spec", "StageContext", "StageLinks"]
+__all__ = ["Boxes", "Chunk", "Inbox", "LocalLink", "Outbox", "RankLinks", "Spec", "StageContext", "StageLinks"]
 
 Spec = tuple[torch.Size, torch.dtype]
 """The shape and dtype of a message's buffer."""
@@ -121,10 +121,10 @@ class Boxes:
 
     prev: int | None
     next: int | None
-    from_prev: Inbox | None
-    from_next: Inbox | None
-    to_prev: Outbox | None
-    to_next: Outbox | None
+    from_prev: Inbox | LocalLink | None
+    from_next: Inbox | LocalLink | None
+    to_prev: Outbox | LocalLink | None
+    to_next: Outbox | LocalLink | None
     sends: list[Transfer]
 
     @classmethod
@@ -213,6 +213,51 @@ class Inbox:
         if self.taken != len(self.messages):
             left = [m for i, m in enumerate(self.messages) if i >= self.posted or self.transfers[i] is not None]
             raise PipelineError(f"Stage {stage} ended its step without receiving {left} from rank {self.link.src}.")
+
+
+class LocalLink:
+    """The messages between two stages of one rank (a local edge, in the V-shaped placement): handed over in memory.
+
+    It stands in for both stages' inbox and outbox on that edge. The activation handed over is the sending stage's
+    detached output (a transfer would copy it into the receiver's buffer; a forward that changed its input in place
+    would then change the sender's saved output too, which autograd reports at the sender's backward as a tensor
+    modified in place); the gradient is the receiving stage's input gradient. Nothing is sent, so nothing is posted.
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[Message, Tensor] = {}
+        self.taken: set[Message] = set()
+
+    def advance(self) -> None:
+        """Nothing to post."""
+
+    def arrived(self, message: Message) -> bool:
+        """Whether ``message`` was handed over (or taken already)."""
+        return message in self.held or message in self.taken
+
+    def take(self, message: Message, what: str) -> Tensor:
+        """The tensor handed over as ``message``."""
+        if message not in self.held:
+            raise PipelineError(f"{what}: the stage on this rank that makes it has not run yet (a schedule runs the"
+                                " task that makes a message before the task that takes it, on a local edge too).")
+        self.taken.add(message)
+        return self.held.pop(message)
+
+    def send(self, message: Message, tensor: Tensor, stage: int) -> None:
+        """Hands ``tensor`` over as ``message``."""
+        self.held[message] = tensor
+
+    def drop_unposted(self, kinds: tuple[MessageKind, ...]) -> None:
+        """Nothing is planned on a local edge (a skipped batch hands nothing over)."""
+
+    def drop_unsent(self, kinds: tuple[MessageKind, ...]) -> None:
+        """Nothing is planned on a local edge (a skipped batch hands nothing over)."""
+
+    def check_complete(self, stage: int) -> None:
+        """Raises if a message was handed over and never taken this step."""
+        if self.held:
+            raise PipelineError(f"Stage {stage} ended its step with {sorted(map(repr, self.held))} handed over on this"
+                                " rank but never taken.")
 
 
 class Outbox:

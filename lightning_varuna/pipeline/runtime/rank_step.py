@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_varuna.pipeline.runtime.events import Event, EventKind
 from lightning_varuna.pipeline.runtime.fused_linear_grad import PendingWeightGrads
-from lightning_varuna.pipeline.runtime.links import Boxes, Inbox, Outbox, RankLinks, Spec
+from lightning_varuna.pipeline.runtime.links import Boxes, Inbox, LocalLink, Outbox, RankLinks, Spec
 from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageContext, StageStep
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
@@ -69,6 +69,8 @@ class RankStep:
                         for peer, messages in links.inbound.items()}
         self.outboxes = {peer: Outbox(self.p2p, me, peer, messages, self.sends)
                          for peer, messages in links.outbound.items()}
+        self.local = LocalLink()
+        """The edge between two stages of this rank, if it has one (V-shaped placement): handed over in memory."""
         self.steps: dict[int, StageStep] = {}
         for chunk in executor.chunks:
             s = chunk.stage
@@ -76,10 +78,8 @@ class RankStep:
             after = topo.rank_of(ranks[s + 1]) if s < self.last_stage else None
             boxes = Boxes(
                 prev=prev, next=after,
-                from_prev=self.inboxes.get(prev) if prev is not None else None,
-                from_next=self.inboxes.get(after) if after is not None else None,
-                to_prev=self.outboxes.get(prev) if prev is not None else None,
-                to_next=self.outboxes.get(after) if after is not None else None,
+                from_prev=self._box(self.inboxes, prev), from_next=self._box(self.inboxes, after),
+                to_prev=self._box(self.outboxes, prev), to_next=self._box(self.outboxes, after),
                 sends=self.sends,
             )
             self.steps[s] = StageStep(executor, None, (), step, sizes, None, train, recompute, loss_of, summary,
@@ -90,6 +90,12 @@ class RankStep:
         mixed = any({m.kind for m in messages} >= {MessageKind.ACTIVATION, MessageKind.GRADIENT}
                     for messages in links.outbound.values())
         self.moves = train and not mixed
+
+    def _box(self, boxes: dict[int, Any], peer: int | None) -> Any:
+        """The box towards ``peer`` (a global rank): this rank's local edge for itself, None for no neighbour."""
+        if peer is None:
+            return None
+        return self.local if peer == self.rank else boxes.get(peer)
 
     def _final_backwards(self) -> dict[Task, set[Any]]:
         """Each stage's last backward (``B`` or ``I``), with the parameters whose gradients are final after it.
@@ -174,6 +180,8 @@ class RankStep:
         """Passes the step summary on: made on the last stage's rank, received from the next rank on the others."""
         topo = self.executor.topology
         position = topo.stage
+        # away from the last stage's rank: towards rank 0, or from rank 0 on (V-shaped placement)
+        away = 1 if topo.last_stage_position == 0 else -1
         last = self.steps.get(self.last_stage)
         if last is not None:
             values = self.summary(last.results)  # type: ignore[misc]
@@ -181,10 +189,10 @@ class RankStep:
             buffer.zero_()
             buffer[: values.numel()].copy_(values)
         else:
-            inbox = self.inboxes[topo.rank_of(position + 1)]
-            buffer = inbox.take(Message(MessageKind.SUMMARY, position + 1), "receiving the step summary")
-        if position > 0:
-            outbox = self.outboxes[topo.rank_of(position - 1)]
+            inbox = self.inboxes[topo.rank_of(position - away)]
+            buffer = inbox.take(Message(MessageKind.SUMMARY, position - away), "receiving the step summary")
+        if 0 <= position + away < topo.pipeline_size:
+            outbox = self.outboxes[topo.rank_of(position + away)]
             outbox.send(Message(MessageKind.SUMMARY, position), buffer, position)
         self.executor.summary = buffer
 
@@ -194,7 +202,7 @@ class RankStep:
             self.p2p.wait(transfer, f"sending {transfer.message!r}")
         self.sends.clear()
         position = self.executor.topology.stage
-        for box in (*self.inboxes.values(), *self.outboxes.values()):
+        for box in (*self.inboxes.values(), *self.outboxes.values(), self.local):
             box.check_complete(position)
 
     # -- routing of received messages to their stage --------------------------------------------------------

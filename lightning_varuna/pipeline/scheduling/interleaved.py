@@ -22,6 +22,8 @@ stage (``P`` when ``m = P``: every forward runs before the first backward), plus
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 
 __all__ = [
@@ -141,16 +143,22 @@ def _backward(i: int, rank: int, num_ranks: int, stages_per_rank: int, recompute
     return [Task(Kind.B, k, stage)]
 
 
-def forward_only_looped(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> Schedule:
-    """Evaluation over the looped placement: each rank runs its chunks' forwards in interleaved order."""
+def forward_only_looped(
+    num_ranks: int, stages_per_rank: int, num_microbatches: int, ranks: Sequence[int] | None = None
+) -> Schedule:
+    """Evaluation over several chunks per rank: each rank runs its chunks' forwards in interleaved order.
+
+    ``ranks`` is the rank of each stage (default: the looped placement).
+    """
     if num_microbatches < 1:
         raise ScheduleError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    placed = looped_ranks(num_ranks, stages_per_rank) if ranks is None else tuple(ranks)
     rounds = range(0, num_microbatches, num_ranks)
     return tuple(
         tuple(
-            Task(Kind.F, k, rank + chunk * num_ranks)
+            Task(Kind.F, k, stage)
             for start in rounds
-            for chunk in range(stages_per_rank)
+            for stage in (s for s, r in enumerate(placed) if r == rank)
             for k in range(start, min(start + num_ranks, num_microbatches))
         )
         for rank in range(num_ranks)

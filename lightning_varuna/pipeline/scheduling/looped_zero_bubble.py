@@ -1,9 +1,12 @@
-"""Zero-bubble over several model chunks per rank (the looped placement): interleaving and the I/W split together.
+"""Zero-bubble over two model chunks per rank: interleaving and the I/W split together, looped or V-shaped.
 
-:func:`looped_zero_bubble_schedule` generates per-rank task lists by a discrete-time simulation with unit costs per
-chunk task (``F = R = I = W = 1``: a chunk is ``1/v`` of a stage, a backward two forwards split evenly), like
-:func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule` does for one chunk per rank. Whenever
-a rank is idle it starts the first ready task of its chunks by priority ``I > R > F > W``:
+:func:`looped_zero_bubble_schedule` generates per-rank task lists over either placement
+(:mod:`~lightning_varuna.pipeline.scheduling.placement`; ``schedule="zero-bubble"`` runs it looped,
+``"zero-bubble-v"`` V-shaped, :mod:`~lightning_varuna.pipeline.scheduling.zero_bubble_v`) by a discrete-time
+simulation with unit costs per chunk task (``F = R = I = W = 1``: a chunk is ``1/v`` of a stage, a backward two
+forwards split evenly), like :func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule` does
+for one chunk per rank. Whenever a rank is idle it starts the first ready task of its chunks by priority
+``I > R > F > W``:
 
 - ``I(k)@s`` is ready once the gradient of ``k`` from stage ``s + 1`` has arrived (on the last stage once ``F(k)`` is
   done) and, with recompute, ``R(k)@s`` is done; among several, the lowest micro-batch, then the latest stage.
@@ -16,23 +19,25 @@ a rank is idle it starts the first ready task of its chunks by priority ``I > R 
 **Memory bound** (:func:`looped_zero_bubble_bound`), in chunk graphs a rank holds at once: without recompute
 ``2 P`` until ``W`` (of chunk size ``1/v`` of a stage: ``2 P / v`` stages' worth, as much as 1F1B's first stage holds
 for ``v = 2``); with recompute one until ``I`` and two until ``W`` (three on the rank of the last stage, whose
-forwards keep their graphs), plus the stashed inputs.
+forwards keep their graphs: rank ``P - 1`` looped, rank 0 V-shaped), plus the stashed inputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_varuna.pipeline.scheduling.interleaved import looped_ranks
+from lightning_varuna.pipeline.scheduling.placement import LOOPED, Placement, placement_ranks
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 
 __all__ = ["looped_zero_bubble_bound", "looped_zero_bubble_schedule"]
 
 
-def looped_zero_bubble_bound(rank: int, num_ranks: int, recompute: bool) -> tuple[int, int]:
+def looped_zero_bubble_bound(
+    rank: int, num_ranks: int, recompute: bool, placement: Placement = LOOPED
+) -> tuple[int, int]:
     """The most chunk graphs rank ``rank`` holds until their ``I`` and until their ``W`` (module docstring)."""
     if recompute:
-        return (2, 3) if rank == num_ranks - 1 else (1, 2)
+        return (2, 3) if rank == placement_ranks(num_ranks, 2, placement)[-1] else (1, 2)
     return 2 * num_ranks, 2 * num_ranks
 
 
@@ -61,15 +66,16 @@ class _Rank:
 
 
 def looped_zero_bubble_schedule(
-    num_ranks: int, stages_per_rank: int, num_microbatches: int, recompute: bool
+    num_ranks: int, stages_per_rank: int, num_microbatches: int, recompute: bool, placement: Placement = LOOPED
 ) -> Schedule:
-    """The zero-bubble schedule over the looped placement (see the module docstring).
+    """The zero-bubble schedule over two chunks per rank (see the module docstring).
 
     Args:
         num_ranks: ``P``.
-        stages_per_rank: ``v``.
+        stages_per_rank: ``v`` (2 for the V-shaped placement).
         num_microbatches: ``m`` (any number from 1).
         recompute: Whether every stage but the last runs its forwards without autograd and recomputes before ``I``.
+        placement: Where the stages live: ``"looped"`` or ``"v"``.
 
     Returns:
         Per rank its task list, every task naming its stage. Not validated.
@@ -79,12 +85,12 @@ def looped_zero_bubble_schedule(
     """
     if num_ranks < 1 or stages_per_rank < 1 or num_microbatches < 1:
         raise ScheduleError(f"sizes must be at least 1, got P={num_ranks}, v={stages_per_rank}, m={num_microbatches}")
-    placement = looped_ranks(num_ranks, stages_per_rank)
-    last = len(placement) - 1
+    ranks_of = placement_ranks(num_ranks, stages_per_rank, placement)
+    last = len(ranks_of) - 1
     chunks = [_Chunk(s, recompute and s < last) for s in range(last + 1)]
     chunks[0].inputs.update(range(num_microbatches))
-    ranks = [_Rank([chunks[s] for s in range(r, last + 1, num_ranks)],
-                   looped_zero_bubble_bound(r, num_ranks, recompute)) for r in range(num_ranks)]
+    ranks = [_Rank([chunks[s] for s in range(last + 1) if ranks_of[s] == r],
+                   looped_zero_bubble_bound(r, num_ranks, recompute, placement)) for r in range(num_ranks)]
     total = sum(num_microbatches * (4 if c.recomputes else 3) for c in chunks)
     for tick in range(4 * total + 1):
         for rank in ranks:

@@ -13,8 +13,11 @@ order, as the sending rank runs it:
   ``header@s`` (shape and dtype of the step's activations) before the first activation of the step;
 - ``B`` or ``I`` (input-gradient backward) of stage ``s > 0`` sends ``grad k@s`` to the rank of stage ``s-1``;
 - ``R`` and ``W`` (weight-gradient backward) send nothing;
-- with a summary, each rank but the first sends ``summary`` to the rank before it, behind everything else on that
-  link (the last stage's losses and logs travel back along the pipeline).
+- nothing crosses a *local* edge, between two stages of one rank (stages ``P - 1`` and ``P`` in the V-shaped
+  placement): the activation and its gradient are handed over in memory, and no link carries them;
+- with a summary, the last stage's losses and logs travel from its rank to every other, rank by rank
+  (:func:`summary_path`: towards the first rank, or with the last stage on rank 0, V-shaped, towards the last),
+  behind everything else on each link.
 
 Both sides of a link derive the same sequence from the same schedule, so the receiver posts its receives in the
 sender's order even where it consumes them in another (several stages per rank). The run-time rules
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 from lightning_varuna.pipeline.scheduling.schedules import Kind, ScheduleError, Task
 
-__all__ = ["Link", "Message", "MessageKind", "RankPlan", "link_messages", "rank_plan", "stage_of"]
+__all__ = ["Link", "Message", "MessageKind", "RankPlan", "link_messages", "rank_plan", "stage_of", "summary_path"]
 
 Link = tuple[int, int]
 """A link as ``(sending rank, receiving rank)``, ranks counted inside one pipeline."""
@@ -80,6 +83,15 @@ def stage_of(task: Task, rank: int) -> int:
     return rank if task.stage is None else task.stage
 
 
+def summary_path(num_ranks: int, source: int) -> tuple[Link, ...]:
+    """The links the step summary takes from ``source`` (the rank of the last stage: ``P - 1`` or 0), in order."""
+    if source == 0:
+        return tuple((rank, rank + 1) for rank in range(num_ranks - 1))
+    if source != num_ranks - 1:
+        raise ScheduleError(f"the last stage runs on rank {source}: the summary starts at the first or the last rank")
+    return tuple((rank, rank - 1) for rank in range(num_ranks - 1, 0, -1))
+
+
 def link_messages(
     schedule: Sequence[Sequence[Task]], stage_ranks: Sequence[int] | None = None, summary: bool = False
 ) -> dict[Link, tuple[Message, ...]]:
@@ -88,11 +100,11 @@ def link_messages(
     Args:
         schedule: Per rank, its task list in the order it runs.
         stage_ranks: The rank of each stage (default: stage ``s`` on rank ``s``). Interleaved schedules place
-            stage ``s`` on rank ``s % P``.
+            stage ``s`` on rank ``s % P``; ``"zero-bubble-v"`` places stages ``r`` and ``2 P - 1 - r`` on rank ``r``.
         summary: Whether the step ends with the summary travelling from the last rank to the first.
 
     Returns:
-        For each link that carries anything, its messages in sending order.
+        For each link that carries anything, its messages in sending order (never a rank's link to itself).
 
     Raises:
         ScheduleError: For a task whose stage does not live on the rank that lists it.
@@ -106,19 +118,19 @@ def link_messages(
             stage = stage_of(task, rank)
             if not 0 <= stage <= last or ranks[stage] != rank:
                 raise ScheduleError(f"rank {rank} lists {task!r}, but stage {stage} does not run on rank {rank}")
-            if task.kind is Kind.F and stage < last:
+            if task.kind is Kind.F and stage < last and ranks[stage + 1] != rank:
                 queue = links.setdefault((rank, ranks[stage + 1]), [])
                 if stage not in headers:
                     headers.add(stage)
                     queue.append(Message(MessageKind.HEADER, stage))
                 queue.append(Message(MessageKind.ACTIVATION, stage, task.microbatch))
-            elif task.kind in (Kind.B, Kind.I) and stage > 0:
+            elif task.kind in (Kind.B, Kind.I) and stage > 0 and ranks[stage - 1] != rank:
                 links.setdefault((rank, ranks[stage - 1]), []).append(
                     Message(MessageKind.GRADIENT, stage, task.microbatch)
                 )
     if summary:
-        for rank in range(len(schedule) - 1, 0, -1):
-            links.setdefault((rank, rank - 1), []).append(Message(MessageKind.SUMMARY, rank))
+        for rank, towards in summary_path(len(schedule), ranks[last]):
+            links.setdefault((rank, towards), []).append(Message(MessageKind.SUMMARY, rank))
     return {link: tuple(messages) for link, messages in links.items()}
 
 

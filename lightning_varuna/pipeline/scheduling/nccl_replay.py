@@ -266,22 +266,26 @@ class _RankModel:
         last = len(self.ranks) - 1
         for task in tasks:
             stage, k = stage_of(task, self.rank), task.microbatch
-            if task.kind is Kind.F and stage > 0:
-                self._take(self.ranks[stage - 1], Message(MessageKind.ACTIVATION, stage - 1, k))
-            if task.kind in (Kind.B, Kind.I) and stage < last:
-                self._take(self.ranks[stage + 1], Message(MessageKind.GRADIENT, stage + 1, k))
-            if task.kind is Kind.F and stage < last:
-                dst = self.ranks[stage + 1]
+            # a local edge (two stages of this rank) hands its messages over in memory: nothing is posted
+            before = self.ranks[stage - 1] if stage > 0 else self.rank
+            after = self.ranks[stage + 1] if stage < last else self.rank
+            if task.kind is Kind.F and before != self.rank:
+                self._take(before, Message(MessageKind.ACTIVATION, stage - 1, k))
+            if task.kind in (Kind.B, Kind.I) and after != self.rank:
+                self._take(after, Message(MessageKind.GRADIENT, stage + 1, k))
+            if task.kind is Kind.F and after != self.rank:
                 header = Message(MessageKind.HEADER, stage)
-                if header in outbound.get(dst, ()) and header not in self.ids:
-                    self._post("send", dst, header)
-                self._post("send", dst, Message(MessageKind.ACTIVATION, stage, k))
-            if task.kind in (Kind.B, Kind.I) and stage > 0:
-                self._post("send", self.ranks[stage - 1], Message(MessageKind.GRADIENT, stage, k))
-        if self.rank + 1 in self.inbound and any(m.kind is MessageKind.SUMMARY for m in self.inbound[self.rank + 1]):
-            self._take(self.rank + 1, Message(MessageKind.SUMMARY, self.rank + 1))
-        if any(m.kind is MessageKind.SUMMARY for m in outbound.get(self.rank - 1, ())):
-            self._post("send", self.rank - 1, Message(MessageKind.SUMMARY, self.rank))
+                if header in outbound.get(after, ()) and header not in self.ids:
+                    self._post("send", after, header)
+                self._post("send", after, Message(MessageKind.ACTIVATION, stage, k))
+            if task.kind in (Kind.B, Kind.I) and before != self.rank:
+                self._post("send", before, Message(MessageKind.GRADIENT, stage, k))
+        for src, messages in self.inbound.items():
+            if any(m.kind is MessageKind.SUMMARY for m in messages):
+                self._take(src, Message(MessageKind.SUMMARY, src))
+        for dst, messages in outbound.items():
+            if any(m.kind is MessageKind.SUMMARY for m in messages):
+                self._post("send", dst, Message(MessageKind.SUMMARY, self.rank))
         if self.sends:
             self.events.append(Wait(tuple(self.sends)))
         return self.events

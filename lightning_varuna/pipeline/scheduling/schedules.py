@@ -17,12 +17,13 @@ from lightning_varuna.pipeline.scheduling.interleaved import (
     check_interleaved_sizes,
     forward_only_looped,
     interleaved_schedule,
-    looped_ranks,
 )
 from lightning_varuna.pipeline.scheduling.looped_zero_bubble import looped_zero_bubble_schedule
+from lightning_varuna.pipeline.scheduling.placement import LOOPED, placement_of, placement_ranks
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 from lightning_varuna.pipeline.scheduling.validation import check_sizes, validate_schedule
 from lightning_varuna.pipeline.scheduling.zero_bubble import zero_bubble_schedule
+from lightning_varuna.pipeline.scheduling.zero_bubble_v import zero_bubble_v_schedule
 
 __all__ = [
     "Kind",
@@ -47,15 +48,16 @@ __all__ = [
 ]
 
 
-SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe", "zero-bubble", "interleaved")
+SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "zero-bubble-v")
 
-MULTI_CHUNK: frozenset[str] = frozenset({"interleaved", "zero-bubble"})
-"""Schedules that run several model chunks per rank (``stages_per_rank >= 2``, the looped placement)."""
+MULTI_CHUNK: frozenset[str] = frozenset({"interleaved", "zero-bubble", "zero-bubble-v"})
+"""Schedules that run several model chunks per rank (``stages_per_rank >= 2``; placed V-shaped for
+``"zero-bubble-v"``, looped for the others: :mod:`~lightning_varuna.pipeline.scheduling.placement`)."""
 
-CHUNKS_REQUIRED: frozenset[str] = frozenset({"interleaved"})
+CHUNKS_REQUIRED: frozenset[str] = frozenset({"interleaved", "zero-bubble-v"})
 """Schedules that run only with several model chunks per rank."""
 
-SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble"})
+SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble", "zero-bubble-v"})
 """Schedules whose backward runs as an input-gradient task ``I`` and a weight-gradient task ``W``."""
 
 # Unit costs of Varuna's generating simulation (time ticks).
@@ -136,9 +138,11 @@ def _forward_first(pending: Sequence[Task], arrived: Callable[[Task], bool], fee
     return None
 
 
-def stage_ranks(num_ranks: int, stages_per_rank: int) -> tuple[int, ...] | None:
-    """The rank of each stage when ranks hold several (the looped placement); None for one stage per rank."""
-    return looped_ranks(num_ranks, stages_per_rank) if stages_per_rank > 1 else None
+def stage_ranks(num_ranks: int, stages_per_rank: int, schedule: str = "") -> tuple[int, ...] | None:
+    """The rank of each stage when ranks hold several (in the placement of ``schedule``); None for one per rank."""
+    if stages_per_rank == 1:
+        return None
+    return placement_ranks(num_ranks, stages_per_rank, placement_of(schedule) if schedule else LOOPED)
 
 
 def check_schedule_shape(name: str, num_ranks: int, stages_per_rank: int, num_microbatches: int | None) -> None:
@@ -158,7 +162,13 @@ def check_schedule_shape(name: str, num_ranks: int, stages_per_rank: int, num_mi
             f"schedule='zero-bubble' runs one or two model chunks per rank, but stages_per_rank={stages_per_rank}"
             " (its memory bound is stated for those); use stages_per_rank=2, or schedule='interleaved'."
         )
-    if name in CHUNKS_REQUIRED:
+    if name == "zero-bubble-v" and stages_per_rank != 2:
+        raise ScheduleError(
+            f"schedule='zero-bubble-v' runs two model chunks per rank (the V-shaped placement), but"
+            f" stages_per_rank={stages_per_rank}; use stages_per_rank=2, or schedule='zero-bubble' for"
+            f" {'one chunk' if stages_per_rank == 1 else 'the looped placement'}."
+        )
+    if name == "interleaved":
         check_interleaved_sizes(num_ranks, stages_per_rank, num_microbatches or num_ranks)
 
 
@@ -175,16 +185,18 @@ def make_schedule(
 
     Args:
         name: One of :data:`SCHEDULES`: ``"varuna"`` (see :func:`varuna_schedule`), ``"1f1b"`` (see
-            :func:`one_f_one_b_schedule`), ``"gpipe"`` (see :func:`gpipe_schedule`) or ``"zero-bubble"`` (see
-            :func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule`).
+            :func:`one_f_one_b_schedule`), ``"gpipe"`` (see :func:`gpipe_schedule`), ``"zero-bubble"`` (see
+            :func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule`), or one of the
+            schedules of several chunks per rank (``stages_per_rank`` below).
         num_stages: Number of pipeline stages ``P`` (at least 1).
         num_microbatches: Number of micro-batches ``m`` per step (at least 1; may be smaller than ``P``).
         recompute: Whether non-last stages recompute their forward before the backward.
         train: ``False`` for a forward-only (evaluation) schedule.
         stages_per_rank: Model chunks per rank ``v``; with ``v > 1`` ``num_stages`` is the number of ranks ``P``,
-            the model has ``P v`` stages in the looped placement (:func:`stage_ranks`), and every task names its
-            stage (``"interleaved"``, see :func:`~.interleaved.interleaved_schedule`, or ``"zero-bubble"``, see
-            :func:`~.looped_zero_bubble.looped_zero_bubble_schedule`).
+            the model has ``P v`` stages in the schedule's placement (:func:`stage_ranks`), and every task names
+            its stage (``"interleaved"``, see :func:`~.interleaved.interleaved_schedule`, ``"zero-bubble"``, see
+            :func:`~.looped_zero_bubble.looped_zero_bubble_schedule`, or ``"zero-bubble-v"``, see
+            :func:`~.zero_bubble_v.zero_bubble_v_schedule`).
         forwards_keep_graphs: With ``recompute``, whether forwards keep an autograd graph (recompute by degree
             keeps the later segments'): the forwards then run in the order of the schedule without recompute,
             which bounds the graphs they hold, and each ``R(k)`` right before the backward of ``k`` (see
@@ -201,7 +213,9 @@ def make_schedule(
     check_sizes(num_stages, num_microbatches)
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
-    ranks = stage_ranks(num_stages, stages_per_rank)
+    if name == "zero-bubble-v":  # before its placement is asked for v chunks per rank
+        check_schedule_shape(name, num_stages, stages_per_rank, num_microbatches)
+    ranks = stage_ranks(num_stages, stages_per_rank, name)
     split = train and name in SPLIT_BACKWARD
     if recompute and train and forwards_keep_graphs:
         without = make_schedule(name, num_stages, num_microbatches, False, stages_per_rank=stages_per_rank)
@@ -210,11 +224,14 @@ def make_schedule(
         return schedule
     if ranks is not None or name in CHUNKS_REQUIRED:
         if not train:
-            schedule = forward_only_looped(num_stages, stages_per_rank, num_microbatches)
+            schedule = forward_only_looped(num_stages, stages_per_rank, num_microbatches, ranks)
         else:
             check_schedule_shape(name, num_stages, stages_per_rank, num_microbatches)
-            generate = looped_zero_bubble_schedule if name == "zero-bubble" else interleaved_schedule
-            schedule = generate(num_stages, stages_per_rank, num_microbatches, recompute)
+            if name == "zero-bubble-v":
+                schedule = zero_bubble_v_schedule(num_stages, num_microbatches, recompute)
+            else:
+                generate = looped_zero_bubble_schedule if name == "zero-bubble" else interleaved_schedule
+                schedule = generate(num_stages, stages_per_rank, num_microbatches, recompute)
         validate_schedule(schedule, num_microbatches, recompute, train=train, split_backward=split,
                           stage_ranks=ranks)
         return schedule
