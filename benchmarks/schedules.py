@@ -29,7 +29,9 @@ the last stage's, as ``emulated.py`` does; ``sac`` = ``create_selective_checkpoi
 that must save ``varuna_bench::work``'s output and prefers to recompute everything else.
 torch's multi-chunk schedules run v=2 chunks per rank: looped (rank r holds stages r and r+P) for
 Interleaved1F1B, LoopedBFS, InterleavedZeroBubble; V-shaped (r and 2P-1-r) for ZBVZeroBubble and DualPipeV
-(the edge between a rank's two chunks is local: no jitter there). A chunk's forward takes F/v.
+(the edge between a rank's two chunks is local: no jitter there). A chunk's forward takes F/v. Ours with
+``stages_per_rank=2`` are placed alike: looped for ``interleaved`` and ``zero-bubble``, V-shaped for
+``zero-bubble-v`` (its local edge handed over in memory, no jitter either).
 Our systems are (name, PipelineEngine keywords) in ``OURS``: one line each; one the engine refuses at
 construction or setup (ValueError/TypeError) is recorded as not available.
 """
@@ -85,13 +87,16 @@ OURS = {
     "ours-zb-v2": dict(schedule="zero-bubble", recompute=False, stages_per_rank=2),
     "ours-zb-v2-rc": dict(schedule="zero-bubble", recompute=True, stages_per_rank=2),
     "ours-zb-v2-rc1": dict(schedule="zero-bubble", recompute=1, stages_per_rank=2),
+    "ours-zbv": dict(schedule="zero-bubble-v", recompute=False, stages_per_rank=2),
+    "ours-zbv-rc": dict(schedule="zero-bubble-v", recompute=True, stages_per_rank=2),
     # recompute by degree: with a cut point after every layer (``--layers`` segments per chunk), the first n
     # segments of each non-last stage are recomputed and the rest keep their graph
     **{f"ours-zb-rc{n}": dict(schedule="zero-bubble", recompute=n) for n in (1, 2, 3)},
     **{f"ours-1f1b-rc{n}": dict(schedule="1f1b", recompute=n) for n in (1, 2, 3)},
+    **{f"ours-zbv-rc{n}": dict(schedule="zero-bubble-v", recompute=n, stages_per_rank=2) for n in (1, 2, 3)},
 }
 SMOKE_SYSTEMS = ("torch-1f1b,torch-1f1b-full,torch-1f1b-sac,torch-interleavedzb-full,torch-zbv,torch-zbv-sac,"
-                 "ours-varuna-rc,ours-zb")
+                 "ours-varuna-rc,ours-zb,ours-zbv")
 
 
 def _stage_ids(rank: int, P: int, v: int, placement: str) -> list[int]:
@@ -180,10 +185,14 @@ def run_ours(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
     import lightning_varuna
     from lightning_varuna.pipeline.config import EngineConfig
     from lightning_varuna.pipeline.engine import PipelineEngine
+    from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
 
     kwargs = OURS[name]
     v = int(kwargs.get("stages_per_rank", 1))
     S = P * v
+    placed = stage_ranks(P, v, kwargs["schedule"])  # looped, or V-shaped for zero-bubble-v
+    # the edge between stages P-1 and P of the V-shaped placement stays on one rank: no jitter there (as for torch's)
+    rt.local_boundaries = frozenset(s + 1 for s in range(S - 1) if placed is not None and placed[s] == placed[s + 1])
     model = FullModel(S, args, rt, v, lightning_varuna.CutPoint)
 
     def step_fn(microbatch):
@@ -203,7 +212,7 @@ def run_ours(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
     recompute = kwargs.get("recompute")
     # every held chunk but the last stage's runs `redone` of its L layers' forwards twice: all of them with
     # recompute=True, the first n with recompute=n (1 == True in Python: a degree is told apart by its type)
-    held = [s for s in range(S) if s % P == rank] if v > 1 else [rank]
+    held = [s for s in range(S) if placed[s] == rank] if placed is not None else [rank]
     redone = L if recompute is True else (0 if recompute is False else int(recompute))
     fwd = m * (L * v + redone * sum(1 for s in held if s != S - 1))
     expected = {"fwd": fwd, "i": m * L * v, "w": m * L * v}

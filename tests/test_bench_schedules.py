@@ -19,7 +19,7 @@ def test_schedules_benchmark_smoke_counts_and_report(tmp_path) -> None:
     assert result.p2p_steps > 0  # our engine's steps replayed under NCCL's rules
     data = json.loads(out.read_text())
     rows = {(r["system"], r["jitter"]): r for r in data["rows"]}
-    assert len(rows) == 14
+    assert len(rows) == 16
     # torch's split backward under selective checkpointing: refused before any rank waits, with torch's reason
     assert {u["system"] for u in data["unavailable"]} == {"torch-zbv-sac"}
     assert all("backward" in u["reason"] for u in data["unavailable"])
