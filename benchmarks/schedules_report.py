@@ -192,9 +192,13 @@ def main(argv: list[str]) -> int:
     bad = sorted({(r["system"], r["m"]) for r in rows if not r["counts_ok"]})
     unavailable = sorted({(u["system"], u["reason"]) for d in data for u in d.get("unavailable", [])})
     meta = data[0]["meta"]
-    md = [f"P={meta['P']}, F={meta['F_s'] * 1e3:.0f} ms, B={meta['B_s'] * 1e3:.0f} ms (I and W B/2 each), "
-          f"{meta['repetitions']} interleaved repetitions, commit {meta['commit'][:9]}, load "
-          f"{meta['loadavg_start'][0]:.1f} at start, {meta.get('loadavg_end', [0])[0]:.1f} at end.", "",
+    runs = [f"- `{os.path.basename(p)}`: P={d['meta']['P']}, F={d['meta']['F_s'] * 1e3:.0f} ms, B="
+            f"{d['meta']['B_s'] * 1e3:.0f} ms (I and W B/2 each), {d['meta']['layers_per_chunk']} layers per chunk, "
+            f"m={d['meta']['microbatches']}, {d['meta']['repetitions']} interleaved repetitions, commit "
+            f"{d['meta']['commit'][:9]}, load {d['meta']['loadavg_start'][0]:.1f} at start, "
+            f"{d['meta'].get('loadavg_end', [0])[0]:.1f} at end, {d['meta'].get('wall_s', 0):.0f} s"
+            for p, d in zip(paths, data, strict=True)]
+    md = [f"{meta['cpus']} CPUs, torch {meta['torch']}. Runs:", "", *runs, "",
           table(rows), "", "Counts differ from one recompute per micro-batch: "
           + (", ".join(f"{s} (m={m})" for s, m in bad) or "none") + ".", "",
           "Not available: " + ("; ".join(f"{s}: {why}" for s, why in unavailable) or "none") + ".", "",
