@@ -35,3 +35,8 @@ def test_schedules_benchmark_smoke_counts_and_report(tmp_path) -> None:
     report = run_checked([sys.executable, str(ROOT / "benchmarks" / "schedules_report.py"), str(out)], timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     assert (tmp_path / "smoke.png").stat().st_size > 0 and "c_holds" in (tmp_path / "smoke_targets.json").read_text()
+    # target (b) compares our best measured step with the simulator's best over ours at torch-1f1b-full's memory
+    targets = json.loads((tmp_path / "smoke_targets.json").read_text())
+    for key in ("P=2 m=4 jitter=0.0", "P=2 m=4 jitter=0.5"):
+        b = targets[key]["b"]
+        assert b["sim_best_step_ms"] > 0 and b["measured_over_sim"] > 0, (key, b)
