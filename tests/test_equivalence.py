@@ -70,6 +70,10 @@ CONFIGS = {
     "p2-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,recompute=1,partition=params",
     "tied-clip-p2d2-zb-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble,recompute=1,bucket=4096,partition=params",
+    # recompute by degree over the V-shaped placement: forwards in the V schedule's order, each R(k) right before
+    # I(k) (rank 1's two stages hand over in memory)
+    "p2-zbv-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble-v,stages_per_rank=2,"
+    "recompute=1,layers=8,partition=params",
 }
 FULL_MATRIX = {
     "p2-il-m8": "pipeline_parallel_size=2,num_microbatches=8,schedule=interleaved,stages_per_rank=2,batch=8",
@@ -99,8 +103,6 @@ FULL_MATRIX = {
     "gradnorm=true,schedule=zero-bubble-v,stages_per_rank=2,bucket=4096,partition=params",
     "tied-clip-p4d1-zbv-l8": "pipeline_parallel_size=4,num_microbatches=4,tie=true,clip=0.5,gradnorm=true,layers=8,"
     "schedule=zero-bubble-v,stages_per_rank=2,recompute=false",
-    "p2-zbv-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble-v,stages_per_rank=2,"
-    "recompute=1,layers=8,partition=params",
 }
 
 

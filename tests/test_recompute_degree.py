@@ -125,7 +125,7 @@ def _bytes_per_rank(order: tuple[Task, ...], kept: int, recomputed: int, recompu
 
 
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("varuna", 1), ("gpipe", 1), ("zero-bubble", 1),
-                                             ("interleaved", 2), ("zero-bubble", 2)])
+                                             ("interleaved", 2), ("zero-bubble", 2), ("zero-bubble-v", 2)])
 def test_by_degree_a_rank_never_holds_more_than_without_recompute(schedule: str, v: int) -> None:
     # recompute by degree: forwards keep their later segments' graph, so they run in the order without recompute
     # and each R(k) right before the backward of k: every micro-batch holds at most what it holds without

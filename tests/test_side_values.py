@@ -4,7 +4,8 @@
 both to every block as keyword arguments (as T5 passes its relative position bias). At P=4 they travel from stage
 0 through every later stage with the activations, and their gradients come back: the pipelined run's losses and
 step-1 gradients equal the plain run's, with recompute and without, under several schedules, with uneven
-micro-batches and with several stages per rank. Every pipelined step is replayed under NCCL's rules.
+micro-batches and with several stages per rank (looped and V-shaped). Every pipelined step is replayed under
+NCCL's rules.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ CONFIGS = {
     "p4-1f1b-cut_at": f"pipeline_parallel_size=4,num_microbatches=8,schedule=1f1b,cut_at=blocks,{SIDE}",
     "p2d2-il": f"pipeline_parallel_size=2,num_microbatches=4,schedule=interleaved,stages_per_rank=2,batch=8,{SIDE}",
     "p2d2-lzb-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble,stages_per_rank=2,"
+    f"recompute=false,batch=8,{SIDE}",
+    # the V-shaped placement: rank 1 holds stages 1 and 2, so the side values cross their edge in memory (with the
+    # activation) and their gradients come back the same way
+    "p2d2-zbv": f"pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble-v,stages_per_rank=2,batch=8,{SIDE}",
+    "p2d2-zbv-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble-v,stages_per_rank=2,"
     f"recompute=false,batch=8,{SIDE}",
 }
 LOSS_TOLERANCE = 5e-4
