@@ -26,7 +26,7 @@ from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine_inputs import Choice, OptimizerSpec, Planner
-from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
+from lightning_varuna.pipeline.model.cut import CutPoint, check_cut_at_order, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import Trace, time_segments, trace_step
 from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
@@ -182,6 +182,7 @@ class SetupPhase:
             else:
                 trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
                                                 cut_names=cut_names)
+            check_cut_at_order(self._cuts, cut_modules)
             world = topology.world_size if topology is not None else _world_size()
             if config.searches and topology is None:  # a model on meta is profiled a segment at a time
                 self._autoconfigure(trace, sample_batch, step, optimizer)
