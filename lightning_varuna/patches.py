@@ -162,7 +162,7 @@ PATCHES: tuple[Patch, ...] = (
               ("pipeline/runtime/fused_linear_grad.py", 'del module.__dict__["forward"]')),
           "Later micro-batches' weight gradients are added into .grad with one multiply-add, without a"
           " weight-sized temporary (fuse_grad_accumulation).", _TORCH, _ENGINE_TEARDOWN),
-    Patch(18, "forward hooks on the children of the user's container named by cut_at", (
+    Patch(18, "forward hooks on the children of the user's containers named by cut_at", (
               ("pipeline/model/cut.py", "child.register_forward_hook(hook)"),),
           "cut_at cuts between blocks without code changes: each block's output goes through a cut point.",
           _TORCH, "the hooks are removed " + _ENGINE_TEARDOWN),

@@ -172,7 +172,8 @@ def install_cut_at(root: nn.Module, path: str | Sequence[str]) -> tuple[list[Cut
         for index, child in enumerate(cut_after):
             cut = CutPoint()
             cut._varuna_name = f"{p}.{index}:output"  # type: ignore[assignment]
-            handles.append(child.register_forward_hook(_cut_hook(cut, f"{p}.{index}")))
+            hook = _cut_hook(cut, f"{p}.{index}")
+            handles.append(child.register_forward_hook(hook))
             cuts.append(cut)
     return cuts, handles
 
