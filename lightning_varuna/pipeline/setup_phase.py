@@ -43,7 +43,8 @@ from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
-from lightning_varuna.pipeline.runtime.side_values import SideValueHooks, side_values_kept, side_values_sent
+from lightning_varuna.pipeline.runtime.side_value_hooks import SideValueHooks
+from lightning_varuna.pipeline.runtime.side_values import side_values_kept, side_values_sent
 from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning

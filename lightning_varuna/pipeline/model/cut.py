@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["CutPoint", "CutPointError", "ForwardHandler", "StageForward", "StageOutputReady", "check_cut_at_order",
-           "install_cut_at"]
+           "install_cut_at", "segment_boundaries"]
 
 
 class CutPointError(RuntimeError):
@@ -56,6 +56,25 @@ def forward_handler(handler: ForwardHandler) -> Iterator[ForwardHandler]:
         _handler, _active = previous, previous is not None
 
 
+_boundary: Callable[[bool], None] | None = None
+"""Called with False before a cut point's hand-over (a segment ends) and True after it (the next one starts)."""
+
+
+@contextlib.contextmanager
+def segment_boundaries(listener: Callable[[bool], None]) -> Iterator[None]:
+    """Inside the block, ``listener`` is called around every cut point's hand-over (uncompiled, as the hand-over).
+
+    The side values' hooks learn there what each segment's module calls take and give, so that the hooks
+    themselves are code the compiler traces (:mod:`~lightning_varuna.pipeline.runtime.side_value_hooks`).
+    """
+    global _boundary
+    previous, _boundary = _boundary, listener
+    try:
+        yield
+    finally:
+        _boundary = previous
+
+
 @torch.compiler.disable
 def _report(cut: CutPoint, x: object) -> Tensor:
     """Hands a cut point's input to the handler.
@@ -71,7 +90,13 @@ def _report(cut: CutPoint, x: object) -> Tensor:
             f"A CutPoint was called on a {type(x).__name__}; it takes exactly one tensor. Move the cut point to"
             " a place where a single activation tensor flows, or pack the values into one tensor."
         )
-    return handler.on_cut(cut, x)
+    boundary = _boundary
+    if boundary is None:
+        return handler.on_cut(cut, x)
+    boundary(False)
+    out = handler.on_cut(cut, x)
+    boundary(True)
+    return out
 
 
 class CutPoint(nn.Module):

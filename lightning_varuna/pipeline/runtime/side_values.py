@@ -22,8 +22,9 @@ of a module call's output (its *producer*) and is used in later segments only as
   the kept part's backward gives the leaf its gradient, which the recomputed part's backward continues from the
   value the recompute makes again (:func:`~lightning_varuna.pipeline.runtime.recompute.backward_recomputed`).
 
-The hooks act only while a stage's forward runs (:meth:`StageSides.forward`); they run uncompiled (a graph break
-in a compiled block that takes a side value, as at a cut point).
+The hooks (:mod:`~lightning_varuna.pipeline.runtime.side_value_hooks`) act only while a stage's forward runs
+(:meth:`StageSides.forward`); the compiler traces them (no graph break in a compiled region that holds a hooked
+module), their bookkeeping runs uncompiled at the cut points.
 """
 
 from __future__ import annotations
@@ -33,25 +34,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
-from torch.utils.hooks import RemovableHandle
+from torch import Tensor
 
 from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, encode_header
 from lightning_varuna.pipeline.model.data_flow import SideValue
 from lightning_varuna.pipeline.runtime.links import Chunk, Spec, scaled_shape
+from lightning_varuna.pipeline.runtime.side_value_hooks import acting_for
 
-__all__ = ["SideValueHooks", "StageSides", "pack", "side_values_kept", "side_values_sent", "unpack"]
+__all__ = ["StageSides", "pack", "side_values_kept", "side_values_sent", "unpack"]
 
 ALIGN = 16
 """Bytes each piece of a packed message starts at a multiple of (any dtype can view it)."""
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8)
-
-_active: _Forward | None = None
-"""The forward whose hooks act (None: hooks do nothing, e.g. in a plain run or the dry run)."""
-
 
 def _offsets(specs: Sequence[Spec]) -> tuple[list[int], int]:
     offsets, total = [], 0
@@ -139,8 +135,6 @@ class _Forward:
     k: int
     segment: Callable[[], int]
     recomputing: bool
-    starts: dict[tuple[str, int], int] = field(default_factory=dict)
-    ends: dict[tuple[str, int], int] = field(default_factory=dict)
     captured: dict[SideValue, Tensor] = field(default_factory=dict)
     substitutes: dict[SideValue, Tensor] | None = None
     kept: dict[SideValue, Tensor] = field(default_factory=dict)
@@ -165,91 +159,6 @@ class _Forward:
                 )
             leaf = self.kept[value] = made.detach().requires_grad_(made.is_floating_point())
         return leaf
-
-
-def _count(counts: dict[tuple[str, int], int], key: tuple[str, int]) -> int:
-    call = counts.get(key, 0)
-    counts[key] = call + 1
-    return call
-
-
-_Table = dict[tuple[int, int], list[tuple[int, SideValue]]]
-"""(segment, call) -> the leaves of the call's arguments or output that are side values."""
-
-
-class SideValueHooks:
-    """The hooks of one rank: producers capture side values, consumers take the received ones.
-
-    Args:
-        root: The model (module names are its ``named_modules()`` names).
-        chunks: The stages the rank runs.
-    """
-
-    def __init__(self, root: nn.Module, chunks: Sequence[Chunk]) -> None:
-        consumers: dict[str, _Table] = {}
-        producers: dict[str, _Table] = {}
-        for chunk in chunks:
-            last = chunk.last_cut if chunk.last_cut is not None else float("inf")
-            kept_from = chunk.grad_from if chunk.grad_from is not None else last
-            for value in (*chunk.sides_in, *chunk.sides_kept):
-                start = chunk.first_segment if value in chunk.sides_in else kept_from + 1
-                for c in value.consumers:
-                    if start <= c.segment <= last:
-                        consumers.setdefault(c.module, {}).setdefault((c.segment, c.call), []).append((c.leaf, value))
-            for value in dict.fromkeys((*chunk.sides_out, *chunk.sides_kept)):
-                p = value.producer
-                if value not in chunk.sides_in:
-                    producers.setdefault(p.module, {}).setdefault((p.segment, p.call), []).append((p.leaf, value))
-        self.handles: list[RemovableHandle] = []
-        for name, table in consumers.items():
-            self.handles.append(root.get_submodule(name).register_forward_pre_hook(
-                _substitute(name, table), with_kwargs=True))
-        for name, table in producers.items():
-            # first: a cut_at hook on the same module may end the stage's forward
-            self.handles.append(root.get_submodule(name).register_forward_hook(_capture(name, table), prepend=True))
-
-    def remove(self) -> None:
-        """Removes the hooks."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
-def _substitute(name: str, table: _Table) -> Callable[..., object]:
-    @torch.compiler.disable  # Python bookkeeping, as at a cut point
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        forward = _active
-        if forward is None:
-            return None
-        segment = forward.segment()
-        targets = table.get((segment, _count(forward.starts, (name, segment))))
-        if not targets:
-            return None
-        leaves, spec = tree_flatten((args, kwargs))
-        replaced = False
-        for leaf, value in targets:
-            replacement = forward.replacement(value)
-            if replacement is not None:
-                leaves[leaf], replaced = replacement, True
-        return tree_unflatten(leaves, spec) if replaced else None
-
-    return hook
-
-
-def _capture(name: str, table: _Table) -> Callable[..., object]:
-    @torch.compiler.disable  # Python bookkeeping, as at a cut point
-    def hook(module: nn.Module, args: tuple, output: object) -> None:
-        forward = _active
-        if forward is None:
-            return
-        segment = forward.segment()
-        targets = table.get((segment, _count(forward.ends, (name, segment))))
-        if targets:
-            leaves = tree_leaves(output)
-            for leaf, value in targets:
-                forward.captured[value] = leaves[leaf]
-
-    return hook
 
 
 class StageSides:
@@ -292,13 +201,11 @@ class StageSides:
     @contextlib.contextmanager
     def forward(self, k: int, recomputing: bool, segment: Callable[[], int]) -> Iterator[None]:
         """Inside the block, this stage's hooks act for micro-batch ``k``."""
-        global _active
-        previous, _active = _active, _Forward(self, k, segment, recomputing)
-        forward = _active
+        forward = _Forward(self, k, segment, recomputing)
         try:
-            yield
+            with acting_for(forward):
+                yield
         finally:
-            _active = previous
             if recomputing:
                 self.recaptured[k] = forward.captured
             else:
