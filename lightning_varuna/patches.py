@@ -162,7 +162,7 @@ PATCHES: tuple[Patch, ...] = (
               ("pipeline/runtime/fused_linear_grad.py", 'del module.__dict__["forward"]')),
           "Later micro-batches' weight gradients are added into .grad with one multiply-add, without a"
           " weight-sized temporary (fuse_grad_accumulation).", _TORCH, _ENGINE_TEARDOWN),
-    Patch(18, "forward hooks on the children of the user's container named by cut_at", (
+    Patch(18, "forward hooks on the children of the user's containers named by cut_at", (
               ("pipeline/model/cut.py", "child.register_forward_hook(hook)"),),
           "cut_at cuts between blocks without code changes: each block's output goes through a cut point.",
           _TORCH, "the hooks are removed " + _ENGINE_TEARDOWN),
@@ -201,11 +201,12 @@ PATCHES: tuple[Patch, ...] = (
           "the post-hook puts the module's own parameters and state keys back after every step; the hooks are"
           " removed at the strategy's teardown"),
     Patch(23, "forward pre-hooks and forward hooks on the user's modules that make or use side values", (
-              ("pipeline/runtime/side_values.py", "register_forward_pre_hook("),
-              ("pipeline/runtime/side_values.py", "register_forward_hook(_capture(name, table), prepend=True)")),
+              ("pipeline/runtime/side_value_hooks.py", "register_forward_pre_hook(_substitute(slot),"),
+              ("pipeline/runtime/side_value_hooks.py", "register_forward_hook(_capture(slot), prepend=True)")),
           "A value a later stage uses other than through a cut point (T5's position bias) is captured where it is"
-          " made and put in place of the argument where it is used (pipeline.runtime.side_values); the hooks act"
-          " only while a stage's forward runs.", _TORCH, "the hooks are removed " + _ENGINE_TEARDOWN),
+          " made and put in place of the argument where it is used (pipeline.runtime.side_value_hooks); the hooks"
+          " act only while a stage's forward runs, and the compiler traces them.", _TORCH,
+          "the hooks are removed " + _ENGINE_TEARDOWN),
 )
 """Every change to an object that is not the package's own (``tests/test_architecture.py`` keeps it complete)."""
 

@@ -43,7 +43,7 @@ from lightning_varuna.patches import meta_dry_run
 from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import AUTO, EngineConfig
 from lightning_varuna.pipeline.engine import batch_size_of, default_loss, first_samples, samples
-from lightning_varuna.pipeline.model.cut import install_cut_at
+from lightning_varuna.pipeline.model.cut import check_cut_at_order, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
@@ -163,10 +163,11 @@ def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: 
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if has_meta_tensors(model):
                 meta_batch = to_meta(batch)
-                trace, _ = trace_unmaterialized(model, lambda n: step(first_samples(meta_batch, n)),
-                                                lambda n: step(first_samples(batch, n)), device, names)
+                trace, executed = trace_unmaterialized(model, lambda n: step(first_samples(meta_batch, n)),
+                                                       lambda n: step(first_samples(batch, n)), device, names)
             else:
-                trace, _ = trace_step(model, lambda n: step(first_samples(batch, n)), cut_names=names)
+                trace, executed = trace_step(model, lambda n: step(first_samples(batch, n)), cut_names=names)
+            check_cut_at_order(cuts, executed)
             cluster = Cluster(args.devices, args.devices_per_node or args.devices)
             return plan(config, model, trace, lambda n: step(samples(batch, n)), default_loss, batch_size_of(batch),
                         device, optimizer_spec(model), cluster, _network(args, config, device))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
@@ -88,8 +88,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             autograd just before backward (activation memory of one micro-batch per stage); ``"auto"``: chosen
             by the planner. A number ``n``: only each non-last stage's first ``n`` segments recompute, the rest
             keep their activations (recompute by degree: memory between ``True`` and ``False``).
-        cut_at: Dotted path (from the LightningModule) of an ``nn.ModuleList``/``nn.Sequential`` whose
-            children are cut apart, for models without ``CutPoint`` modules, e.g. ``"model.blocks"``.
+        cut_at: Dotted path (from the LightningModule) of an ``nn.ModuleList``/``nn.Sequential`` whose children are
+            cut apart, for models without ``CutPoint``s (``"model.blocks"``), or a list of them in execution order.
         partition: Balance stages by measured forward ``"time"`` (dry run) or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a neighbour before it ends the job with an error.
         boundary_dtype: The dtype activations and their gradients travel in between stages. ``"auto"``: the
@@ -177,7 +177,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         microbatch_size: engine_config.MicrobatchSize = None,
         schedule: engine_config.ScheduleName = "varuna",
         recompute: engine_config.Recompute = True,
-        cut_at: str | None = None,
+        cut_at: str | Sequence[str] | None = None,
         partition: engine_config.PartitionBy = "time",
         p2p_timeout: float = 300.0,
         boundary_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",

@@ -17,11 +17,12 @@ from torch import Tensor, nn
 
 from lightning_varuna import CutPoint, EngineConfig, PartitionError, PipelineEngine
 from lightning_varuna.pipeline import Topology
-from lightning_varuna.pipeline.model.data_flow import local_crossings
 from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.stand_ins import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.planning.prediction import recomputed_segments
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
+from lightning_varuna.pipeline.runtime.side_values import side_values_kept
 
 WIDTH = 4
 
@@ -215,14 +216,17 @@ def test_the_engine_refuses_it_before_any_rank_waits() -> None:
         engine.setup(torch.randn(4, WIDTH), lambda b: model(b), topology=topology)
 
 
-def test_recompute_by_degree_is_refused_where_a_stage_makes_a_side_value_and_uses_it_after_the_recomputed_part(
+def test_recompute_by_degree_keeps_a_side_value_that_its_stage_makes_in_the_recomputed_part_and_uses_after_it(
         ) -> None:
-    """Its forward made the value without autograd: the use after the recomputed part would lose its gradient."""
+    """Formerly refused: the forward makes the value without autograd, so the kept part takes a leaf of it (whose
+    gradient the recompute's value continues); exact against the plain run in ``test_side_values.py`` (``*rc*``)."""
     result = trace(Model(Learned()))
-    stage = range(0, 2)  # segments 0 and 1 on one stage: side made in 0, used by blocks.1 in 1
-    crossings = {**result.crossings, **local_crossings(result.side_values, stage)}
-    with pytest.raises(PartitionError, match=r"recompute=1 .* made by side in segment 0 and used by blocks\.1"):
-        grad_from_cut(None, 1, 1, crossings)
-    # a stage that only receives it keeps recompute by degree: the received value is a leaf with its own gradient
-    assert local_crossings(result.side_values, range(1, 3)) == {}
-    assert grad_from_cut(0, 2, 1, {**result.crossings, **local_crossings(result.side_values, range(1, 3))}) == 1
+    # segments 0 and 1 on one stage: side made in 0 (recomputed with recompute=1), used by blocks.1 in 1 (kept)
+    assert grad_from_cut(None, 1, 1, result.crossings) == 0
+    assert side_values_kept(result.side_values, range(0, 2), 0) == tuple(result.side_values)
+    assert side_values_kept(result.side_values, range(0, 3), 1) == tuple(result.side_values)  # used by blocks.2
+    assert side_values_kept(result.side_values, range(0, 2), None) == ()  # no recompute by degree
+    # a stage that only receives it: the received value is a leaf with its own gradient already
+    assert side_values_kept(result.side_values, range(1, 3), 1) == ()
+    # the planner's rule is the engine's: both refuse only what crosses the recomputed part's end unsplittably
+    assert recomputed_segments([range(0, 2), range(2, 3)], 1, tuple(result.crossings)) == [range(0, 1), range(2, 2)]

@@ -4,8 +4,9 @@
 both to every block as keyword arguments (as T5 passes its relative position bias). At P=4 they travel from stage
 0 through every later stage with the activations, and their gradients come back: the pipelined run's losses and
 step-1 gradients equal the plain run's, with recompute and without, under several schedules, with uneven
-micro-batches and with several stages per rank (looped and V-shaped). Every pipelined step is replayed under
-NCCL's rules.
+micro-batches, with several stages per rank (looped and V-shaped), and recomputed by degree where stage 0
+makes the values in its recomputed segment and uses them in its kept ones. Every pipelined step is replayed
+under NCCL's rules.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ CONFIGS = {
     "p2d2-zbv": f"pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble-v,stages_per_rank=2,batch=8,{SIDE}",
     "p2d2-zbv-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble-v,stages_per_rank=2,"
     f"recompute=false,batch=8,{SIDE}",
+    # recompute by degree where stage 0 makes both values in its recomputed segment and uses them after it
+    "p2d2-rc1": f"pipeline_parallel_size=2,num_microbatches=4,recompute=1,batch=8,{SIDE}",
+    "p2d2-lzb-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble,stages_per_rank=2,"
+    f"recompute=1,batch=8,layers=8,{SIDE}",
 }
 LOSS_TOLERANCE = 5e-4
 GRAD_TOLERANCE = 1e-5
@@ -44,7 +49,7 @@ pytestmark = pytest.mark.xdist_group("side_values")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("side_values")
-    python("equivalence.py", str(out), "reference:side=true")
+    python("equivalence.py", str(out), "reference:side=true", "reference-l8:side=true,layers=8")
     job = torchrun("equivalence.py", str(out), *(f"{name}:{options}" for name, options in CONFIGS.items()),
                    timeout=900)
     assert job.p2p_steps >= 8 * len(CONFIGS)  # every step of every configuration replayed under NCCL's rules
@@ -58,7 +63,7 @@ def _load(path: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_side_values_train_like_the_plain_run(results: Path, name: str) -> None:
-    reference = _load(results / "reference.rank0.json")
+    reference = _load(results / ("reference-l8.rank0.json" if name.endswith("-l8") else "reference.rank0.json"))
     seen: set[str] = set()
     for rank in range(4):
         run = _load(results / f"{name}.rank{rank}.json")
@@ -70,6 +75,8 @@ def test_side_values_train_like_the_plain_run(results: Path, name: str) -> None:
             assert worst < GRAD_TOLERANCE, f"rank {rank}: gradient of {param} differs by {worst}"
             seen.add(param)
     assert seen == set(reference["grads"]), "every parameter is held (and checked) on some stage"
+    if "-rc" in name:  # the case this configuration is for arises: stage 0 keeps both values as leaves
+        assert max(_load(results / f"{name}.rank{rank}.json")["sides_kept"] for rank in range(4)) == 2
     # the side values' producers get gradients from every block (the later stages' come back through the pipeline)
     for param in ("position_bias.table", "gate.weight"):
         assert max(abs(g) for g in reference["grads"][param]) > 1e-4

@@ -61,7 +61,8 @@ class EngineConfig:
             (``"auto"``: chosen by the planner). A number ``n``: only the first ``n`` segments of each non-last
             stage recompute, the rest keep their autograd graph as without recompute (recompute by degree; a stage
             of at most ``n`` segments recomputes whole).
-        cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children.
+        cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children, or several
+            such paths in execution order (an encoder-decoder's two stacks), cut after each of their blocks.
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
         p2p_timeout: Seconds a stage waits for a peer before it ends the job with an error.
         boundary_dtype: If set, floating-point activations and gradients cross stage boundaries in this dtype and
@@ -111,7 +112,7 @@ class EngineConfig:
     microbatch_size: MicrobatchSize = None
     schedule: ScheduleName = "varuna"
     recompute: Recompute = True
-    cut_at: str | None = None
+    cut_at: str | tuple[str, ...] | None = None
     partition: PartitionBy = "time"
     p2p_timeout: float = 300.0
     boundary_dtype: torch.dtype | None = None
@@ -170,8 +171,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition={self.partition!r}: use 'time' or 'params'.")
-        if self.cut_at is not None and not isinstance(self.cut_at, str):
-            raise ValueError(f"cut_at must be a dotted path string such as 'model.blocks', got {self.cut_at!r}.")
+        if isinstance(self.cut_at, list):  # from a config file: one value, hashable like the others
+            object.__setattr__(self, "cut_at", tuple(self.cut_at))
+        paths = (self.cut_at,) if isinstance(self.cut_at, str) else self.cut_at
+        if paths is not None and (not isinstance(paths, tuple) or not paths
+                                  or not all(isinstance(p, str) and p for p in paths)):
+            raise ValueError(f"cut_at must be a dotted path string such as 'model.blocks', or a list of them such as"
+                             f" ['model.encoder.block', 'model.decoder.block'], got {self.cut_at!r}.")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise ValueError(
                 f"param_init_fn must be a callable taking a module, got {self.param_init_fn!r}."

@@ -26,8 +26,7 @@ from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine_inputs import Choice, OptimizerSpec, Planner
-from lightning_varuna.pipeline.model.cut import CutPoint, install_cut_at
-from lightning_varuna.pipeline.model.data_flow import local_crossings
+from lightning_varuna.pipeline.model.cut import CutPoint, check_cut_at_order, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import Trace, time_segments, trace_step
 from lightning_varuna.pipeline.model.meta_init import (
     has_meta_tensors,
@@ -44,7 +43,8 @@ from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
-from lightning_varuna.pipeline.runtime.side_values import SideValueHooks, side_values_sent
+from lightning_varuna.pipeline.runtime.side_value_hooks import SideValueHooks
+from lightning_varuna.pipeline.runtime.side_values import side_values_kept, side_values_sent
 from lightning_varuna.pipeline.scheduling.placement import LOOPED, V_SHAPED, placement_of
 from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
 from lightning_varuna.pipeline.topology import Topology
@@ -124,7 +124,7 @@ class SetupPhase:
         if self.config.recompute_segments is not None:  # every rank checks every stage: each raises the error
             for s, stage in enumerate(self.plan.stages[:-1]):
                 grad_from_cut(stage.segments.start - 1 if s else None, stage.segments.stop - 1,
-                              self.config.recompute_segments, _crossings(trace, stage.segments))
+                              self.config.recompute_segments, trace.crossings)
         if self.built_on_meta:
             self._materialize(self.plan.rank_params(topo.stage), seed)
         chunks = self._chunks(trace)
@@ -159,10 +159,11 @@ class SetupPhase:
             segments = self.plan.stages[s].segments
             first = segments.start - 1 if s > 0 else None
             last = segments.stop - 1 if s < last_stage else None
+            grad_from = grad_from_cut(first, last, self.config.recompute_segments, trace.crossings)
             chunks.append(Chunk(
                 stage=s, first_cut=first, last_cut=last,
                 sides_in=sides_out[s - 1] if s > 0 else (), sides_out=sides_out[s],
-                grad_from=grad_from_cut(first, last, self.config.recompute_segments, _crossings(trace, segments)),
+                sides_kept=side_values_kept(trace.side_values, segments, grad_from), grad_from=grad_from,
                 input_dtype=trace.cuts[first].dtype if first is not None else None,
                 batch_dims=(trace.cuts[first].batch_dim if first is not None else None,
                             trace.cuts[last].batch_dim if last is not None else None),
@@ -185,6 +186,7 @@ class SetupPhase:
             else:
                 trace, cut_modules = trace_step(self.module, lambda n: step(first_samples(sample_batch, n)),
                                                 cut_names=cut_names)
+            check_cut_at_order(self._cuts, cut_modules)
             world = topology.world_size if topology is not None else _world_size()
             if config.searches and topology is None:  # a model on meta is profiled a segment at a time
                 self._autoconfigure(trace, sample_batch, step, optimizer)
@@ -243,11 +245,6 @@ class SetupPhase:
         )
         self.config = self.autoconfig.resolved(self.config)
         self._pipeline_size = self.config.pipeline_parallel_size  # type: ignore[assignment]
-
-
-def _crossings(trace: Trace, segments: range) -> dict[tuple[int, int], str]:
-    """What crosses the cut points of a stage of ``segments`` other than through them (see ``grad_from_cut``)."""
-    return {**trace.crossings, **local_crossings(trace.side_values, segments)}
 
 
 def _world_size() -> int:

@@ -51,7 +51,7 @@ class Family:
 
     name: str
     build: Callable[[], nn.Module]  # the model, weights from the current RNG state
-    cut_at: str  # from the LightningModule (the model is its ``model`` attribute)
+    cut_at: str | tuple[str, ...]  # from the LightningModule (the model is its ``model`` attribute); several lists
     kind: str  # causal | masked | seq2seq | image | litgpt
     ties: bool  # the model ties its output head to its input embedding (its default, kept)
     notes: str = ""
@@ -72,6 +72,11 @@ def _hf(config_class: str, model_class: str, **config) -> Callable[[], nn.Module
 _DECODER = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=FFN, num_hidden_layers=LAYERS,
                 num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64,
                 attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+_T5 = _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=FFN,
+          num_layers=LAYERS, num_decoder_layers=2, num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0,
+          pad_token_id=0, eos_token_id=1)
 
 
 def _litgpt(**config) -> Callable[[], nn.Module]:
@@ -125,12 +130,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                        pad_token_id=0),
            "model.bert.encoder.layer", "masked", ties=True),
-    # two block lists (encoder and decoder); cut_at takes one path: the encoder's is cut, the decoder stays whole
-    # on the last stage, where the encoder's output arrives through the last cut
-    Family("t5", _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=FFN,
-                     num_layers=LAYERS, num_decoder_layers=2, num_heads=HEADS, dropout_rate=0.0,
-                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
-           "model.encoder.block", "seq2seq", ties=True, notes="cut_at: encoder blocks only"),
+    # two block lists (encoder and decoder): cut_at names the encoder's only (the decoder stays whole on the last
+    # stage, where the encoder's output arrives through the last cut), or both (t5_stacks: the encoder's output and
+    # the decoder's position biases travel as side values)
+    Family("t5", _T5, "model.encoder.block", "seq2seq", ties=True, notes="cut_at: encoder blocks only"),
+    Family("t5_stacks", _T5, ("model.encoder.block", "model.decoder.block"), "seq2seq", ties=True,
+           notes="cut_at: encoder and decoder blocks"),
     Family("vit", _hf("ViTConfig", "ViTForImageClassification", image_size=IMAGE, patch_size=4, num_channels=3,
                       hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=CLASSES),
@@ -201,9 +206,17 @@ def with_variant(model: nn.Module, family: str, variant: str | None) -> nn.Modul
     return model
 
 
-def variant_cut_at(cut_at: str, variant: str | None) -> str:
-    """The block list's path once the variant wrapped the model (peft puts it under ``base_model.model``)."""
-    return cut_at.replace("model.", "model.base_model.model.", 1) if variant == "lora" else cut_at
+def variant_cut_at(cut_at: str | tuple[str, ...], variant: str | None) -> str | tuple[str, ...]:
+    """The block lists' paths once the variant wrapped the model (peft puts it under ``base_model.model``)."""
+    if variant != "lora":
+        return cut_at
+    moved = tuple(path.replace("model.", "model.base_model.model.", 1) for path in block_lists(cut_at))
+    return moved[0] if isinstance(cut_at, str) else moved
+
+
+def block_lists(cut_at: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The paths of a ``cut_at`` value."""
+    return (cut_at,) if isinstance(cut_at, str) else cut_at
 
 
 class ZooModule(pl.LightningModule):

@@ -28,11 +28,12 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "model-compiled-p2": (2, "ref-model-compiled", 5e-4, 1e-5),
     "wrapped-compiled-p2": (2, "ref-wrapped-compiled", 5e-4, 1e-5),
 }
-ONLY = {"compiled-p2": ("gpt2", "llama", "litgpt", "litgpt_llama"),
-        "inductor-p2": ("gpt2", "llama", "litgpt", "litgpt_llama"),
+ONLY = {"compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt", "litgpt_llama"),
+        "inductor-p2": ("gpt2", "llama", "t5_stacks", "litgpt", "litgpt_llama"),
         "lora-p2": ("gpt2", "llama"), "checkpointing-p2": ("gpt2", "llama"),
         "eval-p2": ("gpt2", "llama", "bert", "vit", "litgpt"),
-        "model-compiled-p2": ("gpt2", "llama", "litgpt"), "wrapped-compiled-p2": ("gpt2", "llama", "litgpt")}
+        "model-compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt"),
+        "wrapped-compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt")}
 """Configurations run for some families only."""
 COMPILED = ("compiled-p2", "inductor-p2", "model-compiled-p2", "wrapped-compiled-p2")
 WHOLE_MODEL_COMPILED = ("model-compiled-p2", "wrapped-compiled-p2")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the helpers package
-from helpers.zoo_models import FAMILIES  # noqa: E402
+from helpers.zoo_models import FAMILIES, block_lists  # noqa: E402
 from helpers.zoo_results import CONFIGS, DESCRIPTIONS, applies, judge  # noqa: E402
 
 TITLES = {
@@ -26,6 +26,7 @@ TITLES = {
     "gpt_neox": "GPT-NeoX (`GPTNeoXForCausalLM`)", "opt": "OPT (`OPTForCausalLM`)",
     "bloom": "BLOOM (`BloomForCausalLM`)", "falcon": "Falcon (`FalconForCausalLM`)",
     "bert": "BERT (`BertForMaskedLM`)", "t5": "T5 (`T5ForConditionalGeneration`)",
+    "t5_stacks": "T5, both stacks cut (`T5ForConditionalGeneration`)",
     "vit": "ViT (`ViTForImageClassification`)", "litgpt": "litgpt `GPT` (GPT-NeoX style)",
     "litgpt_llama": "litgpt `GPT` (Llama style)",
 }
@@ -65,7 +66,8 @@ def rows(out: Path) -> tuple[list[str], list[str]]:
     ]
     for name, family in FAMILIES.items():
         cells = [_cell(out, name, c, notes) for c in configs]
-        lines.append(f"| {TITLES.get(name, name)} | `{family.cut_at}` | " + " | ".join(cells) + " |")
+        paths = ", ".join(f"`{path}`" for path in block_lists(family.cut_at))
+        lines.append(f"| {TITLES.get(name, name)} | {paths} | " + " | ".join(cells) + " |")
     return lines, notes
 
 

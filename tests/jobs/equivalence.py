@@ -295,6 +295,8 @@ def run(out: Path, spec: str) -> None:
                             "schedule": config.schedule, "recompute": config.recompute,
                             "stages_per_rank": config.stages_per_rank}
         result["sync_peak_bytes"] = recorder.sync_peaks
+        # side values a stage recomputed by degree makes in its recomputed part and uses in its kept part
+        result["sides_kept"] = sum(len(c.sides_kept) for c in trainer.strategy.engine.executor.chunks)
         result["param_bytes"] = recorder.param_bytes
         if count_wire and WIRE is not None:
             result["wire_bytes"] = dict(WIRE.sent)

@@ -27,7 +27,16 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers.zoo_models import BATCH, FAMILIES, STEPS, ZooModule, dataset, save_weights, variant_cut_at  # noqa: E402
+from helpers.zoo_models import (  # noqa: E402
+    BATCH,
+    FAMILIES,
+    STEPS,
+    ZooModule,
+    block_lists,
+    dataset,
+    save_weights,
+    variant_cut_at,
+)
 
 import lightning_varuna  # noqa: E402
 
@@ -152,7 +161,7 @@ def run(out: Path, spec: str) -> None:
     )
     model = ZooModule(family_name, build_in, variant)
     scope = COMPILE_SCOPES.get(config, "blocks")
-    blocks = list(model.get_submodule(family.cut_at)) if backend is not None else []
+    blocks = [b for path in block_lists(family.cut_at) for b in model.get_submodule(path)] if backend else []
     if backend is not None:
         torch._dynamo.reset()
         counters.clear()

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["CutPoint", "CutPointError", "install_cut_at", "ForwardHandler", "StageForward", "StageOutputReady"]
+__all__ = ["CutPoint", "CutPointError", "ForwardHandler", "StageForward", "StageOutputReady", "check_cut_at_order",
+           "install_cut_at", "segment_boundaries"]
 
 
 class CutPointError(RuntimeError):
@@ -55,6 +56,25 @@ def forward_handler(handler: ForwardHandler) -> Iterator[ForwardHandler]:
         _handler, _active = previous, previous is not None
 
 
+_boundary: Callable[[bool], None] | None = None
+"""Called with False before a cut point's hand-over (a segment ends) and True after it (the next one starts)."""
+
+
+@contextlib.contextmanager
+def segment_boundaries(listener: Callable[[bool], None]) -> Iterator[None]:
+    """Inside the block, ``listener`` is called around every cut point's hand-over (uncompiled, as the hand-over).
+
+    The side values' hooks learn there what each segment's module calls take and give, so that the hooks
+    themselves are code the compiler traces (:mod:`~lightning_varuna.pipeline.runtime.side_value_hooks`).
+    """
+    global _boundary
+    previous, _boundary = _boundary, listener
+    try:
+        yield
+    finally:
+        _boundary = previous
+
+
 @torch.compiler.disable
 def _report(cut: CutPoint, x: object) -> Tensor:
     """Hands a cut point's input to the handler.
@@ -70,7 +90,13 @@ def _report(cut: CutPoint, x: object) -> Tensor:
             f"A CutPoint was called on a {type(x).__name__}; it takes exactly one tensor. Move the cut point to"
             " a place where a single activation tensor flows, or pack the values into one tensor."
         )
-    return handler.on_cut(cut, x)
+    boundary = _boundary
+    if boundary is None:
+        return handler.on_cut(cut, x)
+    boundary(False)
+    out = handler.on_cut(cut, x)
+    boundary(True)
+    return out
 
 
 class CutPoint(nn.Module):
@@ -139,20 +165,89 @@ class StageForward:
         return x
 
 
-def install_cut_at(root: nn.Module, path: str) -> tuple[list[CutPoint], list[RemovableHandle]]:
-    """Puts a cut point after every child but the last of the container at ``path``.
+def install_cut_at(root: nn.Module, path: str | Sequence[str]) -> tuple[list[CutPoint], list[RemovableHandle]]:
+    """Puts a cut point after every block of the block list(s) at ``path``, but the last block of the last list.
 
-    The cut points run as forward hooks, so the model's code and parameter names stay as they are. Each child
-    must return a tensor, or a tuple or list whose first element is the tensor passed to the next child (BLOOM,
-    Falcon and LSTM blocks return ``(hidden, extras)``): the cut is on that element.
+    The cut points run as forward hooks, so the model's code and parameter names stay as they are. Each block
+    must return a tensor, or a tuple or list whose first element is the tensor passed to the next block (BLOOM,
+    Falcon, T5 and LSTM blocks return ``(hidden, extras)``): the cut is on that element.
+
+    Several lists (an encoder-decoder's two stacks, e.g. ``["model.encoder.block", "model.decoder.block"]``) are
+    cut after each of their blocks, the last block of an earlier list included: the code between two lists (the
+    encoder's final norm, the decoder's embedding) runs in the segment of the next list's first block. The lists
+    must be given in the order the forward runs them; :func:`check_cut_at_order` checks that after the dry run.
 
     Args:
-        root: The module that owns the container (usually the LightningModule).
-        path: Dotted attribute path of an ``nn.ModuleList`` or ``nn.Sequential``, e.g. ``"model.blocks"``.
+        root: The module that owns the block lists (usually the LightningModule).
+        path: Dotted attribute path of an ``nn.ModuleList`` or ``nn.Sequential``, e.g. ``"model.blocks"``, or
+            several such paths in execution order.
 
     Returns:
         The cut points, in order, and the hook handles that remove them.
     """
+    paths = [path] if isinstance(path, str) else list(path)
+    _check_paths(paths)
+    lists = [(p, _block_list(root, p)) for p in paths]
+    total = sum(len(blocks) for _, blocks in lists)
+    if total < 2:
+        raise CutPointError(f"cut_at={path!r} has {total} child module(s); at least 2 are needed to cut.")
+    cuts, handles = [], []
+    for number, (p, blocks) in enumerate(lists):
+        cut_after = blocks if number < len(lists) - 1 else blocks[:-1]
+        for index, child in enumerate(cut_after):
+            cut = CutPoint()
+            cut._varuna_name = f"{p}.{index}:output"  # type: ignore[assignment]
+            hook = _cut_hook(cut, f"{p}.{index}")
+            handles.append(child.register_forward_hook(hook))
+            cuts.append(cut)
+    return cuts, handles
+
+
+def check_cut_at_order(cuts: Sequence[CutPoint], executed: Sequence[CutPoint]) -> None:
+    """Checks that the cut points of ``cut_at`` ran in the dry run in the order :func:`install_cut_at` made them.
+
+    Args:
+        cuts: The cut points of ``cut_at`` (:func:`install_cut_at`'s order: list by list, block by block).
+        executed: Every cut point in the dry run's execution order (those of ``CutPoint`` modules too).
+
+    Raises:
+        CutPointError: If a block list's blocks ran out of their order, a later list's before an earlier one's,
+            or none of a list's blocks ran (a cut point that runs twice is refused by the dry run itself).
+    """
+    ours = {id(c) for c in cuts}
+    ran = [c for c in executed if id(c) in ours]
+    done = {id(c) for c in ran}
+    lists: dict[str, list[CutPoint]] = {}
+    for cut in cuts:
+        lists.setdefault(_list_of(cut), []).append(cut)
+    for name, members in lists.items():
+        if not any(id(c) in done for c in members):
+            raise CutPointError(
+                f"cut_at: none of the blocks of {name!r} ran in the step's forward. Name only block lists the"
+                " training step runs."
+            )
+    expected = [c for c in cuts if id(c) in done]
+    for got, want in zip(ran, expected):
+        if got is not want:
+            raise CutPointError(
+                f"cut_at: {_block_of(got)} ran before {_block_of(want)}, but cut_at lists {list(lists)} in that"
+                " order. Give the block lists in the order the forward runs them (each list's blocks must run in"
+                " their order, one list after the other)."
+            )
+
+
+def _check_paths(paths: list[str]) -> None:
+    if not paths or not all(isinstance(p, str) and p for p in paths):
+        raise CutPointError(f"cut_at={paths!r}: give a dotted path, or a list of dotted paths, of block lists.")
+    for p in paths:
+        for other in paths:
+            if other != p and other.startswith(p + "."):
+                raise CutPointError(f"cut_at: {other!r} lies inside {p!r}; name each block list once, not nested.")
+    if len(set(paths)) != len(paths):
+        raise CutPointError(f"cut_at={paths!r} names a block list twice; name each once.")
+
+
+def _block_list(root: nn.Module, path: str) -> list[nn.Module]:
     try:
         container = root.get_submodule(path)
     except AttributeError as err:
@@ -165,30 +260,32 @@ def install_cut_at(root: nn.Module, path: str) -> tuple[list[CutPoint], list[Rem
             f"cut_at={path!r} names a {type(container).__name__}; it must be an nn.ModuleList or nn.Sequential"
             " whose children run one after another."
         )
-    children = list(container.children())
-    if len(children) < 2:
-        raise CutPointError(f"cut_at={path!r} has {len(children)} child module(s); at least 2 are needed to cut.")
-    cuts, handles = [], []
-    for index, child in enumerate(children[:-1]):
-        cut = CutPoint()
-        cut._varuna_name = f"{path}.{index}:output"  # type: ignore[assignment]
+    return list(container.children())
 
-        def hook(module: nn.Module, args: object, output: object, cut: CutPoint = cut, name: str = f"{path}.{index}"):
-            if isinstance(output, Tensor):
-                return cut(output)
-            if type(output) in (tuple, list) and output and isinstance(output[0], Tensor):  # type: ignore[index]
-                # (hidden states, attention weights, ...): the first element crosses the cut; the data flow check
-                # refuses the others if a later stage reads them
-                return type(output)([cut(output[0]), *output[1:]])  # type: ignore[index]
-            raise CutPointError(
-                f"cut_at: {name} returned a {type(output).__name__}; cut_at needs blocks that return a tensor, or a"
-                " tuple or list whose first element is the tensor that flows to the next block. Place CutPoint()"
-                " modules in your forward instead."
-            )
 
-        handles.append(child.register_forward_hook(hook))
-        cuts.append(cut)
-    return cuts, handles
+def _cut_hook(cut: CutPoint, name: str) -> Callable[[nn.Module, object, object], object]:
+    def hook(module: nn.Module, args: object, output: object) -> object:
+        if isinstance(output, Tensor):
+            return cut(output)
+        if type(output) in (tuple, list) and output and isinstance(output[0], Tensor):  # type: ignore[index]
+            # (hidden states, attention weights, ...): the first element crosses the cut; the data flow check
+            # transports or refuses the others if a later stage reads them
+            return type(output)([cut(output[0]), *output[1:]])  # type: ignore[index]
+        raise CutPointError(
+            f"cut_at: {name} returned a {type(output).__name__}; cut_at needs blocks that return a tensor, or a"
+            " tuple or list whose first element is the tensor that flows to the next block. Place CutPoint()"
+            " modules in your forward instead."
+        )
+
+    return hook
+
+
+def _block_of(cut: CutPoint) -> str:
+    return getattr(cut, "_varuna_name", "a block").rsplit(":", 1)[0]
+
+
+def _list_of(cut: CutPoint) -> str:
+    return _block_of(cut).rsplit(".", 1)[0]
 
 
 def zero_like_shape(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["CallSite", "Crossings", "DataFlow", "SideValue", "local_crossings"]
+__all__ = ["CallSite", "Crossings", "DataFlow", "SideValue"]
 
 RANDOM_OPS = frozenset({
     "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
@@ -116,20 +116,6 @@ class SideValue:
     def last_segment(self) -> int:
         """The last segment that uses it."""
         return max(c.segment for c in self.consumers)
-
-
-def local_crossings(side_values: list[SideValue], segments: range) -> Crossings:
-    """The segment pairs within ``segments`` (one stage) that side values cross, as crossings.
-
-    For recompute by degree: a value used on the stage where it is made needs its autograd graph there.
-    """
-    pairs: Crossings = {}
-    for value in side_values:
-        if value.producer.segment in segments:
-            for consumer in value.consumers:
-                if consumer.segment in segments and consumer.segment > value.producer.segment:
-                    pairs.setdefault((value.producer.segment, consumer.segment), value.what)
-    return pairs
 
 
 @dataclass

@@ -53,6 +53,9 @@ class Chunk:
     """The side values received with the activation (:mod:`~lightning_varuna.pipeline.runtime.side_values`)."""
     sides_out: tuple[SideValue, ...] = ()
     """The side values sent with the output: received ones passed on and ones this stage makes."""
+    sides_kept: tuple[SideValue, ...] = ()
+    """With recompute by degree: the side values this stage makes in its recomputed segments and uses in its kept
+    ones (each kept segment takes a leaf of the value, whose gradient the recomputed part's backward continues)."""
 
     @property
     def first_segment(self) -> int:

@@ -49,13 +49,18 @@ def grad_from_cut(first_cut: int | None, last_cut: int | None, segments: int | N
 
 
 def backward_recomputed(boundary: Tensor, recomputed: Tensor, roots: Sequence[Tensor] = (),
-                        grads: Sequence[Tensor] = ()) -> None:
+                        grads: Sequence[Tensor] = (), kept: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
     """The backward of a stage's recomputed segments, from the gradient its other segments gave ``boundary``.
 
     ``roots`` are values the recomputed segments made that the stage sent on (side values), with their ``grads``.
+    ``kept`` pairs each value the recomputed segments made again with the leaf the other segments used in its place
+    (a side value made and used on the stage): the value continues the leaf's gradient, as ``recomputed`` continues
+    ``boundary``'s. A value both sent and used is a root twice; autograd adds its gradients.
     """
     grad = boundary.grad if boundary.grad is not None else torch.zeros_like(recomputed)
-    torch.autograd.backward([recomputed, *roots], [grad, *grads])
+    pairs = [(value, leaf.grad) for value, leaf in kept if leaf.grad is not None and value.requires_grad]
+    torch.autograd.backward([recomputed, *roots, *(value for value, _ in pairs)],
+                            [grad, *grads, *(g for _, g in pairs)])
 
 
 def rng_devices(device: torch.device) -> list:

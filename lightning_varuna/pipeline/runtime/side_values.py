@@ -16,10 +16,15 @@ of a module call's output (its *producer*) and is used in later segments only as
 - the backward runs autograd over the stage's output and the side values it sent, with the gradients received
   for them (one message with the activation's), and sends back the gradients of its received leaves. A value
   captured again by a recompute is differentiated there; with recompute by degree, in the recomputed part's
-  backward.
+  backward;
+- with recompute by degree, a value the stage makes in its recomputed segments (run without autograd in the
+  forward) and uses in its kept ones is put there as a leaf (as the activation at the kept part's first cut point):
+  the kept part's backward gives the leaf its gradient, which the recomputed part's backward continues from the
+  value the recompute makes again (:func:`~lightning_varuna.pipeline.runtime.recompute.backward_recomputed`).
 
-The hooks act only while a stage's forward runs (:meth:`StageSides.forward`); they run uncompiled (a graph break
-in a compiled block that takes a side value, as at a cut point).
+The hooks (:mod:`~lightning_varuna.pipeline.runtime.side_value_hooks`) act only while a stage's forward runs
+(:meth:`StageSides.forward`); the compiler traces them (no graph break in a compiled region that holds a hooked
+module), their bookkeeping runs uncompiled at the cut points.
 """
 
 from __future__ import annotations
@@ -29,25 +34,20 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
-from torch.utils.hooks import RemovableHandle
+from torch import Tensor
 
 from lightning_varuna.fault.failures import PipelineError
 from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, encode_header
 from lightning_varuna.pipeline.model.data_flow import SideValue
 from lightning_varuna.pipeline.runtime.links import Chunk, Spec, scaled_shape
+from lightning_varuna.pipeline.runtime.side_value_hooks import acting_for
 
-__all__ = ["SideValueHooks", "StageSides", "pack", "side_values_sent", "unpack"]
+__all__ = ["StageSides", "pack", "side_values_kept", "side_values_sent", "unpack"]
 
 ALIGN = 16
 """Bytes each piece of a packed message starts at a multiple of (any dtype can view it)."""
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8)
-
-_active: _Forward | None = None
-"""The forward whose hooks act (None: hooks do nothing, e.g. in a plain run or the dry run)."""
-
 
 def _offsets(specs: Sequence[Spec]) -> tuple[list[int], int]:
     offsets, total = [], 0
@@ -58,12 +58,20 @@ def _offsets(specs: Sequence[Spec]) -> tuple[list[int], int]:
 
 
 def packed_spec(specs: Sequence[Spec]) -> Spec:
-    """The spec of the message that packs tensors of ``specs``."""
+    """The spec of the message that packs tensors of ``specs`` (one tensor is its own message)."""
+    if len(specs) == 1:
+        return specs[0]
     return torch.Size([_offsets(specs)[1]]), torch.uint8
 
 
 def pack(tensors: Sequence[Tensor], specs: Sequence[Spec]) -> Tensor:
-    """One byte tensor holding ``tensors`` (of ``specs``), each at an aligned offset."""
+    """One byte tensor holding ``tensors`` (of ``specs``), each at an aligned offset; one tensor: itself (no copy).
+
+    A message of one piece is the same as without side values, so a stage that has side values only for itself
+    (recompute by degree) or no longer sends any talks to its neighbour as one without.
+    """
+    if len(tensors) == 1:
+        return tensors[0]
     offsets, total = _offsets(specs)
     packed = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for tensor, offset in zip(tensors, offsets):
@@ -74,6 +82,8 @@ def pack(tensors: Sequence[Tensor], specs: Sequence[Spec]) -> Tensor:
 
 def unpack(packed: Tensor, specs: Sequence[Spec]) -> list[Tensor]:
     """Views of the tensors :func:`pack` put in ``packed`` (no copy)."""
+    if len(specs) == 1:
+        return [packed]
     offsets, _ = _offsets(specs)
     return [packed[o : o + shape.numel() * dtype.itemsize].view(dtype).view(shape)
             for (shape, dtype), o in zip(specs, offsets)]
@@ -89,6 +99,20 @@ def side_values_sent(values: Sequence[SideValue], stages: Sequence[range]) -> li
     stage_of = {segment: s for s, segments in enumerate(stages) for segment in segments}
     return [tuple(v for v in values if stage_of[v.producer.segment] <= s < stage_of[v.last_segment])
             for s in range(len(stages))]
+
+
+def side_values_kept(values: Sequence[SideValue], segments: range, grad_from: int | None) -> tuple[SideValue, ...]:
+    """The side values a stage recomputed by degree makes in its recomputed segments and uses in its kept ones.
+
+    Args:
+        values: The dry run's side values.
+        segments: The stage's segments.
+        grad_from: The cut point from which the stage keeps its graph (None: no recompute by degree).
+    """
+    if grad_from is None:
+        return ()
+    return tuple(v for v in values if segments.start <= v.producer.segment <= grad_from
+                 and any(grad_from < c.segment < segments.stop for c in v.consumers))
 
 
 def _encode(tensor: Tensor) -> list[int]:
@@ -110,94 +134,31 @@ class _Forward:
     sides: StageSides
     k: int
     segment: Callable[[], int]
-    starts: dict[tuple[str, int], int] = field(default_factory=dict)
-    ends: dict[tuple[str, int], int] = field(default_factory=dict)
+    recomputing: bool
     captured: dict[SideValue, Tensor] = field(default_factory=dict)
     substitutes: dict[SideValue, Tensor] | None = None
+    kept: dict[SideValue, Tensor] = field(default_factory=dict)
+    """The leaves put in place of the stage's own values in its kept segments (recompute by degree)."""
 
-
-def _count(counts: dict[tuple[str, int], int], key: tuple[str, int]) -> int:
-    call = counts.get(key, 0)
-    counts[key] = call + 1
-    return call
-
-
-_Table = dict[tuple[int, int], list[tuple[int, SideValue]]]
-"""(segment, call) -> the leaves of the call's arguments or output that are side values."""
-
-
-class SideValueHooks:
-    """The hooks of one rank: producers capture side values, consumers take the received ones.
-
-    Args:
-        root: The model (module names are its ``named_modules()`` names).
-        chunks: The stages the rank runs.
-    """
-
-    def __init__(self, root: nn.Module, chunks: Sequence[Chunk]) -> None:
-        consumers: dict[str, _Table] = {}
-        producers: dict[str, _Table] = {}
-        for chunk in chunks:
-            last = chunk.last_cut if chunk.last_cut is not None else float("inf")
-            for value in chunk.sides_in:
-                for c in value.consumers:
-                    if chunk.first_segment <= c.segment <= last:
-                        consumers.setdefault(c.module, {}).setdefault((c.segment, c.call), []).append((c.leaf, value))
-            for value in chunk.sides_out:
-                p = value.producer
-                if value not in chunk.sides_in:
-                    producers.setdefault(p.module, {}).setdefault((p.segment, p.call), []).append((p.leaf, value))
-        self.handles: list[RemovableHandle] = []
-        for name, table in consumers.items():
-            self.handles.append(root.get_submodule(name).register_forward_pre_hook(
-                _substitute(name, table), with_kwargs=True))
-        for name, table in producers.items():
-            # first: a cut_at hook on the same module may end the stage's forward
-            self.handles.append(root.get_submodule(name).register_forward_hook(_capture(name, table), prepend=True))
-
-    def remove(self) -> None:
-        """Removes the hooks."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
-def _substitute(name: str, table: _Table) -> Callable[..., object]:
-    @torch.compiler.disable  # Python bookkeeping, as at a cut point
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        forward = _active
-        if forward is None:
+    def replacement(self, value: SideValue) -> Tensor | None:
+        """What a consumer takes in place of ``value`` on this stage (None: the value as the model made it)."""
+        sides = self.sides
+        if value in sides.ins:
+            if self.substitutes is None:
+                self.substitutes = sides.substitutes(self.k)
+            return self.substitutes.get(value)
+        if value not in sides.kept or self.recomputing:
             return None
-        segment = forward.segment()
-        targets = table.get((segment, _count(forward.starts, (name, segment))))
-        if not targets:
-            return None
-        if forward.substitutes is None:
-            forward.substitutes = forward.sides.substitutes(forward.k)
-        leaves, spec = tree_flatten((args, kwargs))
-        for leaf, value in targets:
-            received = forward.substitutes.get(value)
-            if received is not None:
-                leaves[leaf] = received
-        return tree_unflatten(leaves, spec)
-
-    return hook
-
-
-def _capture(name: str, table: _Table) -> Callable[..., object]:
-    @torch.compiler.disable  # Python bookkeeping, as at a cut point
-    def hook(module: nn.Module, args: tuple, output: object) -> None:
-        forward = _active
-        if forward is None:
-            return
-        segment = forward.segment()
-        targets = table.get((segment, _count(forward.ends, (name, segment))))
-        if targets:
-            leaves = tree_leaves(output)
-            for leaf, value in targets:
-                forward.captured[value] = leaves[leaf]
-
-    return hook
+        leaf = self.kept.get(value)
+        if leaf is None:
+            made = self.captured.get(value)
+            if made is None:
+                raise PipelineError(
+                    f"Stage {sides.stage}'s forward of micro-batch {self.k} used a side value before making it,"
+                    f" unlike the dry run: {value.what}. The model's data flow must be the same in every forward."
+                )
+            leaf = self.kept[value] = made.detach().requires_grad_(made.is_floating_point())
+        return leaf
 
 
 class StageSides:
@@ -208,14 +169,19 @@ class StageSides:
         sizes: The batch size of each micro-batch.
         train: Whether received side values require grad (a backward follows).
         wire: The dtype floating values travel in (``boundary_dtype``; None: their own).
+        kept: The values the stage makes in its recomputed segments and uses in its kept ones (recompute by degree,
+            ``chunk.sides_kept``; empty when this step's forwards keep no partial graph).
     """
 
-    def __init__(self, chunk: Chunk, sizes: Sequence[int], train: bool, wire: torch.dtype | None) -> None:
+    def __init__(self, chunk: Chunk, sizes: Sequence[int], train: bool, wire: torch.dtype | None,
+                 kept: Sequence[SideValue] = ()) -> None:
         self.stage, self.ins, self.outs, self.sizes, self.train, self.wire = \
             chunk.stage, chunk.sides_in, chunk.sides_out, sizes, train, wire
+        self.kept = frozenset(kept)
         m = len(sizes)
         self.received: list[dict[SideValue, Tensor]] = [{} for _ in range(m)]
         self.captured: list[dict[SideValue, Tensor]] = [{} for _ in range(m)]
+        self.kept_leaves: list[dict[SideValue, Tensor]] = [{} for _ in range(m)]
         self.recaptured: list[dict[SideValue, Tensor] | None] = [None] * m
         self.in_specs: list[list[Spec]] | None = None
         """Per micro-batch: the received activation's spec, then the received side values'."""
@@ -235,17 +201,15 @@ class StageSides:
     @contextlib.contextmanager
     def forward(self, k: int, recomputing: bool, segment: Callable[[], int]) -> Iterator[None]:
         """Inside the block, this stage's hooks act for micro-batch ``k``."""
-        global _active
-        previous, _active = _active, _Forward(self, k, segment)
-        forward = _active
+        forward = _Forward(self, k, segment, recomputing)
         try:
-            yield
+            with acting_for(forward):
+                yield
         finally:
-            _active = previous
             if recomputing:
                 self.recaptured[k] = forward.captured
             else:
-                self.captured[k] = forward.captured
+                self.captured[k], self.kept_leaves[k] = forward.captured, forward.kept
 
     def substitutes(self, k: int) -> dict[SideValue, Tensor]:
         """The received side values, in the dtypes the model had for them."""
@@ -313,17 +277,26 @@ class StageSides:
         return activation
 
     # -- backward -------------------------------------------------------------------------------------------
-    def backward_roots(self, k: int, packed: Tensor, partial: bool) -> tuple[Tensor, list, list, list, list]:
+    def backward_roots(self, k: int, packed: Tensor, partial: bool) -> tuple[Tensor, list, list, list, list, list]:
         """Splits a received gradient message into the activation's gradient and the side values' roots.
 
         Returns the activation's gradient, then the side values sent with their gradients, as ``roots, grads`` of
-        the backward of the rest of the stage and again of its recomputed part (recompute by degree).
+        the backward of the rest of the stage and again of its recomputed part (recompute by degree), then the
+        values that part makes again with the leaves the kept part used in their place (their gradients are known
+        after the kept part's backward).
         """
         assert self.out_specs is not None
         grad, *grads = unpack(packed, _floating(self.out_specs[k]))
         roots: tuple[list, list, list, list] = ([], [], [], [])
-        sent = [v for v, (_, dtype) in zip(self.outs, self.out_specs[k][1:]) if dtype.is_floating_point]
         recaptured = self.recaptured[k] or {}
+        kept: list[tuple[Tensor, Tensor]] = []
+        for value, leaf in self.kept_leaves[k].items():
+            if value not in recaptured:
+                raise PipelineError(f"Stage {self.stage}'s recompute of micro-batch {k} did not make a side value"
+                                    f" its forward made: {value.what}. The model's data flow must be the same in"
+                                    " every forward.")
+            kept.append((recaptured[value], leaf))
+        sent = [v for v, (_, dtype) in zip(self.outs, self.out_specs[k][1:]) if dtype.is_floating_point]
         for value, g in zip(sent, grads):
             if value in self.ins:
                 root, recomputed = self.received[k][value], False
@@ -334,7 +307,7 @@ class StageSides:
             if root.requires_grad:
                 roots[2 * recomputed].append(root)
                 roots[2 * recomputed + 1].append(g if g.dtype == root.dtype else g.to(root.dtype))
-        return (grad, *roots)
+        return (grad, *roots, kept)
 
     def pack_input_grad(self, k: int, grad: Tensor) -> Tensor:
         """The gradient message for the previous stage: ``grad`` (the activation's), the received side values'."""
@@ -349,7 +322,7 @@ class StageSides:
 
     def release(self, k: int) -> None:
         """Forgets micro-batch ``k``'s values."""
-        self.received[k], self.captured[k], self.recaptured[k] = {}, {}, None
+        self.received[k], self.captured[k], self.recaptured[k], self.kept_leaves[k] = {}, {}, None, {}
 
 
 def _floating(specs: list[Spec]) -> list[Spec]:

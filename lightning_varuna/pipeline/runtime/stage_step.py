@@ -125,8 +125,9 @@ class StageStep:
         self.boundaries: list[Tensor | None] = [None] * m
         self.recomputed: list[Tensor | None] = [None] * m
         # the side values carried with the activations (None: none)
-        self.sides = StageSides(chunk, sizes, train, executor.boundary_dtype) if chunk.sides_in or chunk.sides_out \
-            else None
+        kept = chunk.sides_kept if self.grad_from is not None else ()  # made and used on the stage by degree
+        self.sides = StageSides(chunk, sizes, train, executor.boundary_dtype, kept) \
+            if chunk.sides_in or chunk.sides_out or kept else None
         self.held_back = PendingWeightGrads()
         self.weight_work: list[WeightGradWork | None] = [None] * m
         self.last_region = ExitStack()
@@ -312,7 +313,7 @@ class StageStep:
             output = self.outputs[k]
             # the side values sent with the output too (roots and gradients, then those of the recomputed part)
             grad, *sides = self.sides.backward_roots(k, grad, self.grad_from is not None) if self.sides is not None \
-                else (grad, [], [], [], [])
+                else (grad, [], [], [], [], [])
             with accumulating_in_place(), holding:
                 torch.autograd.backward([output, *sides[0]],
                                         [grad if grad.dtype == output.dtype else grad.to(output.dtype), *sides[1]])
