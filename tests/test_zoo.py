@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,17 @@ def test_the_comparison_finds_a_zeroed_gradient_and_an_unheld_parameter(tmp_path
                               {"losses": [1.0] * 7 + [1.001], "grads": {"b": grads["b"]}, "stage": 1}])
     problems = judge(tmp_path, "m", "p2").problems
     assert any("held by no rank" in p for p in problems) and any("step 7" in p for p in problems)
+
+
+def test_a_reference_job_that_dies_is_recorded_and_fails_its_pairs(tmp_path: Path) -> None:
+    """A plain reference run that ends without a result (a one-process job) fails the pairs that compare with it,
+    naming its error, rather than stopping the whole module."""
+    def launch(out: str, *specs: str) -> subprocess.CompletedProcess:
+        (Path(out) / f"{specs[0].replace(':', '.')}.started").touch()
+        return subprocess.CompletedProcess([], 1, "", "Traceback ...\nRuntimeError: the compiler failed\n")
+
+    run_specs(tmp_path, ["m:ref-inductor"], launch)
+    assert error_of(tmp_path, "m", "ref-inductor") == "RuntimeError: the compiler failed"
+    _write(tmp_path, "m.inductor-p2", [{"losses": [1.0] * 8, "grads": {}, "stage": s} for s in range(2)])
+    verdict = judge(tmp_path, "m", "inductor-p2")
+    assert not verdict.ok and "the compiler failed" in verdict.problems[0]

@@ -86,8 +86,13 @@ def _load(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def processes_of(config: str) -> int:
+    """How many processes a configuration's job runs: a reference (``ref``, ``ref-bf16``, ...) runs one."""
+    return CONFIGS[config][0] if config in CONFIGS else 1
+
+
 def ranks(out: Path, family: str, config: str) -> list[dict | None]:
-    return [_load(out / f"{family}.{config}.rank{r}.json") for r in range(CONFIGS[config][0])]
+    return [_load(out / f"{family}.{config}.rank{r}.json") for r in range(processes_of(config))]
 
 
 def error_of(out: Path, family: str, config: str) -> str | None:
@@ -104,7 +109,7 @@ def judge(out: Path, family: str, config: str) -> Verdict:
     processes, reference_name, loss_tolerance, grad_tolerance = CONFIGS[config]
     reference = _load(out / f"{family}.{reference_name}.rank0.json")
     if reference is None or "error" in reference:
-        return Verdict(False, [f"reference failed: {reference['error'] if reference else 'no result'}"])
+        return Verdict(False, [f"reference failed: {error_of(out, family, reference_name) or 'no result'}"])
     error = error_of(out, family, config)
     if error is not None:
         return Verdict(False, [error])
@@ -158,9 +163,8 @@ def specs_of(out: Path, specs: list[str]) -> list[str]:
     left = []
     for spec in specs:
         family, _, config = spec.partition(":")
-        processes = CONFIGS[config][0] if config in CONFIGS else 1
         done = (out / f"{family}.{config}.failed.json").exists() or all(
-            (out / f"{family}.{config}.rank{r}.json").exists() for r in range(processes))
+            (out / f"{family}.{config}.rank{r}.json").exists() for r in range(processes_of(config)))
         if not done:
             left.append(spec)
     return left
