@@ -97,7 +97,7 @@ class SetupPhase:
         trace, cut_modules = self._dry_run(sample_batch, step, topology, optimizer)
         config = self.config  # with the planner's choices in place of "auto"
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
-            cut._varuna_name = info.name  # type: ignore[assignment] - names cut points in runtime errors
+            cut._varuna_name = info.name  # type: ignore[assignment]  # names cut points in runtime errors
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
         watch_job()
         placement = placement_of(config.schedule) if config.stages_per_rank > 1 else LOOPED

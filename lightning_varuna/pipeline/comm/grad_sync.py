@@ -112,7 +112,7 @@ class GradientSync:
         self._launched = 0
         self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter], object]] = []
         self._accumulated: Mapping[nn.Parameter, Tensor] = {}
-        self.bucket_bytes = bucket_bytes  # type: ignore[assignment] - builds the buckets
+        self.bucket_bytes = bucket_bytes  # type: ignore[assignment]  # builds the buckets
 
     # -- buckets ------------------------------------------------------------------------------------------
     @property

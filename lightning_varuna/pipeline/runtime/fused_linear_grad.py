@@ -77,7 +77,7 @@ class PendingWeightGrads:
         self._counts: dict[nn.Parameter, int] = {}
 
     def __contains__(self, param: object) -> bool:
-        return self._counts.get(param, 0) > 0  # type: ignore[call-overload] - any object may be asked
+        return self._counts.get(param, 0) > 0  # type: ignore[call-overload]  # any object may be asked
 
     def add(self, param: nn.Parameter) -> None:
         """One more held-back gradient of ``param``."""

@@ -425,7 +425,7 @@ class StageStep:
                     out if sides is None else sides.pack_output(k, out), self.stage)
         if self.train:
             self.sent_specs[k] = (out.shape, out.dtype) if sides is None else sides.grad_spec(k)
-            self.from_next.advance()  # type: ignore[union-attr] - the gradient's receive can be posted now
+            self.from_next.advance()  # type: ignore[union-attr]  # the gradient's receive can be posted now
 
     def receive_grad(self, k: int) -> Tensor:
         """The gradient of this stage's output of micro-batch ``k``, from the next stage."""
