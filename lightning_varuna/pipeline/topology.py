@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Topology"]
+
+NewGroup: TypeAlias = "dist.ProcessGroup | Literal[-100]"
+"""What ``dist.new_group`` returns: the group, or ``GroupMember.NON_GROUP_MEMBER`` (-100) on a rank outside it."""
 
 
 @dataclass
@@ -31,16 +35,16 @@ class Topology:
     rank: int
     pipeline_size: int
     device: torch.device
-    pipe_group: object = None
-    data_group: object = None
+    pipe_group: dist.ProcessGroup | None = None
+    data_group: dist.ProcessGroup | None = None
     timeout: timedelta | None = None
     """Timeout of collectives in the pipeline, data and shared-parameter groups (None: torch's default)."""
-    links: dict[tuple[int, int], object] = field(default_factory=dict)
+    links: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     """The process group of each link this rank is on, by ``(sending rank, receiving rank)``."""
     last_position: int | None = None
     """The position (0..P-1) of the rank that runs the model's last stage: ``P - 1`` (None), or 0 in the V-shaped
     placement of two stages per rank, where rank 0 holds the first stage and the last."""
-    _shared_groups: dict = field(default_factory=dict)
+    _shared_groups: dict[tuple[int, ...] | tuple[tuple[int, ...], int], NewGroup] = field(default_factory=dict)
 
     @property
     def data_size(self) -> int:
@@ -92,7 +96,7 @@ class Topology:
                 f"{pipeline_size}. Use a P that divides {world_size}, or change devices/num_nodes."
             )
 
-    def link_group(self, src: int, dst: int) -> object:
+    def link_group(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The process group of the link from global rank ``src`` to ``dst`` (None: the default group).
 
         A hand-built topology (tests) has no link groups; its transfers use the default group.
@@ -124,7 +128,7 @@ class Topology:
         # every rank creates every group, in the same order
         pipes = [dist.new_group(row.tolist(), timeout=timeout) for row in layout]
         datas = [dist.new_group(col.tolist(), timeout=timeout) for col in layout.t()]
-        links = {}
+        links: dict[tuple[int, int], dist.ProcessGroup] = {}
         for row in layout.tolist():
             edges = list(zip(row, row[1:]))
             if wrap_around and pipeline_size > 2:
@@ -133,7 +137,7 @@ class Topology:
                 for src, dst in ((upper, lower), (lower, upper)):
                     group = dist.new_group([upper, lower], timeout=timeout, backend=link_backend)
                     if rank in (src, dst):
-                        links[(src, dst)] = group
+                        links[(src, dst)] = _as_member(group)
         _connect(links, rank, device)
         pipe_group, data_group = pipes[rank // pipeline_size], datas[rank % pipeline_size]
         return cls(
@@ -141,23 +145,24 @@ class Topology:
             rank=rank,
             pipeline_size=pipeline_size,
             device=device,
-            pipe_group=pipe_group,
-            data_group=data_group,
+            pipe_group=_as_member(pipe_group),
+            data_group=_as_member(data_group),
             timeout=timeout,
             links=links,
         )
 
-    def stages_group(self, stages: tuple[int, ...], replica: int | None = None) -> object:
+    def stages_group(self, stages: tuple[int, ...], replica: int | None = None) -> dist.ProcessGroup:
         """The group of every replica's copies of ``stages``, or of one ``replica``'s copies.
 
-        All ranks must call this in the same order.
+        All ranks must call this in the same order. On a rank that holds none of ``stages`` the result is
+        ``NON_GROUP_MEMBER``, which the callers keep only where this rank's stage is in ``stages``.
         """
         key = stages if replica is None else (stages, replica)
         if key not in self._shared_groups:
             replicas = range(self.data_size) if replica is None else [replica]
             ranks = {self.rank_of(s, d) for d in replicas for s in stages}
             self._shared_groups[key] = dist.new_group(ranks=sorted(ranks), timeout=self.timeout)
-        return self._shared_groups[key]
+        return _as_member(self._shared_groups[key])
 
     def destroy_groups(self) -> None:
         """Destroys every process group this rank belongs to that :meth:`create` and :meth:`stages_group` made.
@@ -172,7 +177,12 @@ class Topology:
         self._shared_groups.clear()
 
 
-def _connect(links: dict[tuple[int, int], object], rank: int, device: torch.device) -> None:
+def _as_member(group: NewGroup) -> dist.ProcessGroup:
+    """``group`` as a process group, for a rank that is one of its members (where ``new_group`` returns one)."""
+    return cast(dist.ProcessGroup, group)
+
+
+def _connect(links: dict[tuple[int, int], dist.ProcessGroup], rank: int, device: torch.device) -> None:
     """Moves one element over every link of this rank, link after link in the order they were created.
 
     NCCL creates a pair's communicator at its first transfer and blocks the calling thread until the peer gets
