@@ -190,7 +190,7 @@ class P2PTraceWriter:
         self.path = directory / f"{run}.rank{rank}.jsonl"
         self.rank, self.world = rank, world
         self.step = -1
-        self.ops: list[dict] = []
+        self.ops: list[dict[str, object]] = []
 
     def __call__(self, event: Event) -> None:
         """Records posts and waits; writes the step's line when it ends."""

@@ -63,7 +63,7 @@ def backward_recomputed(boundary: Tensor, recomputed: Tensor, roots: Sequence[Te
                             [grad, *grads, *(g for _, g in pairs)])
 
 
-def rng_devices(device: torch.device) -> list:
+def rng_devices(device: torch.device) -> list[torch.device]:
     """The devices whose RNG ``torch.random.fork_rng`` must save besides the CPU's."""
     return [device] if device.type == "cuda" else []
 

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan, stage_of
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task
@@ -316,7 +317,7 @@ def _link_name(src: int, dst: int) -> str:
 
 
 # -- traces written by running engines ---------------------------------------------------------------------
-def events_from_json(items: Sequence[dict]) -> list[Event]:
+def events_from_json(items: Sequence[dict[str, Any]]) -> list[Event]:
     """Events as the trace files hold them (``{"op": ...}`` or ``{"wait": [...]}``)."""
     events: list[Event] = []
     for item in items:

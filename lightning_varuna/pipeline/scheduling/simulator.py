@@ -170,12 +170,12 @@ def simulate(
     recomputing = {_stage_of(t, r) for r, tasks in enumerate(schedule) for t in tasks if t.kind is Kind.R}
     stashes: list[bool | Callable[[Task], bool]] = [
         any(task.kind is Kind.R for task in tasks) if stage_ranks is None
-        else (lambda task, r=r: _stage_of(task, r) in recomputing)
+        else _stashes_by_stage(r, recomputing.__contains__)
         for r, tasks in enumerate(schedule)
     ]
     if forwards_stash is not None:
         by_stage = forwards_stash
-        stashes = [(lambda task, r=r: by_stage(_stage_of(task, r))) for r in range(num_ranks)]
+        stashes = [_stashes_by_stage(r, by_stage) for r in range(num_ranks)]
     free_at = [0.0] * num_ranks
     arrivals: _Arrivals = {}
     order: list[list[Task]] = [[] for _ in range(num_ranks)]
@@ -204,6 +204,11 @@ def simulate(
             break
         now = _next_event(now, free_at, arrivals, pending)
     return _result(costs, ranks, free_at, order, starts)
+
+
+def _stashes_by_stage(rank: int, stage_stashes: Callable[[int], bool]) -> Callable[[Task], bool]:
+    """Whether a task of ``rank`` stashes its forward, from whether its stage does."""
+    return lambda task: stage_stashes(_stage_of(task, rank))
 
 
 def _stage_of(task: Task, rank: int) -> int:
