@@ -43,12 +43,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx
 
 __all__ = [
     "LinearAccumulatingGrad",
@@ -74,10 +73,10 @@ class PendingWeightGrads:
     """
 
     def __init__(self) -> None:
-        self._counts: dict[nn.Parameter, int] = {}
+        self._counts: dict[object, int] = {}  # keyed by parameter; any object may be asked
 
     def __contains__(self, param: object) -> bool:
-        return self._counts.get(param, 0) > 0  # type: ignore[call-overload]  # any object may be asked
+        return self._counts.get(param, 0) > 0
 
     def add(self, param: nn.Parameter) -> None:
         """One more held-back gradient of ``param``."""
@@ -192,7 +191,7 @@ class LinearAccumulatingGrad(torch.autograd.Function):
     """``F.linear`` whose backward adds the weight's gradient into the weight's existing ``.grad`` in place."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """``F.linear(x, weight, bias)``."""
         ctx.save_for_backward(x, weight)
         ctx.weight = weight  # the parameter itself: saved tensors are unpacked as new Tensor objects
@@ -216,7 +215,8 @@ class LinearAccumulatingGrad(torch.autograd.Function):
             return grad_x, grad_2d.t().mm(x_2d), grad_bias
         # autograd's accumulation takes ``held`` back as the whole gradient (no copy: ours is the only reference)
         param.grad = None
-        return grad_x, held.addmm_(grad_2d.t(), x_2d), grad_bias
+        # _into_grad without may_be_empty holds only for a tensor ``held``
+        return grad_x, cast(Tensor, held).addmm_(grad_2d.t(), x_2d), grad_bias
 
 
 def _into_grad(ctx: Any, param: nn.Parameter, held: Tensor | None, dtype: torch.dtype,
@@ -238,7 +238,7 @@ def _into_grad(ctx: Any, param: nn.Parameter, held: Tensor | None, dtype: torch.
     try:
         # whether this pass runs the weight's accumulation into .grad (torch.autograd.grad and a backward with
         # inputs= may not): torch.autograd.graph.register_multi_grad_hook asks the engine the same way
-        return torch._C._will_engine_execute_node(ctx.next_functions[index][0])
+        return bool(torch._C._will_engine_execute_node(ctx.next_functions[index][0]))
     except RuntimeError:  # inside torch.autograd.grad, whose gradients never go to .grad
         return False
 
@@ -249,7 +249,7 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     if (not self.weight.requires_grad or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
             or torch._C._are_functorch_transforms_active()):
         return F.linear(x, self.weight, self.bias)
-    return LinearAccumulatingGrad.apply(x, self.weight, self.bias)
+    return cast(Tensor, LinearAccumulatingGrad.apply(x, self.weight, self.bias))
 
 
 def install_grad_accumulation(root: nn.Module) -> list[nn.Linear]:
@@ -264,7 +264,8 @@ def install_grad_accumulation(root: nn.Module) -> list[nn.Linear]:
     changed = []
     for module in root.modules():
         if type(module) is nn.Linear and "forward" not in module.__dict__ and isinstance(module.weight, nn.Parameter):
-            module.forward = functools.partial(_forward, module)  # a partial pickles (torch.save of the model)
+            # a partial pickles (torch.save of the model)
+            module.forward = functools.partial(_forward, module)  # type: ignore[method-assign]  # per instance
             changed.append(module)
     return changed
 

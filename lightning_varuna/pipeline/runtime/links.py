@@ -301,7 +301,6 @@ class StageContext(Protocol):
     p2p: P2P
     events: EventHooks
     cuts: Sequence[CutPoint]
-    chunks: Sequence[Chunk]
     stage_ranks: tuple[int, ...] | None
     boundary_dtype: torch.dtype | None
     current: StageForward | None
@@ -310,6 +309,15 @@ class StageContext(Protocol):
 
     def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype, stage: int = 0) -> Tensor:
         """A receive buffer, reused across steps."""
+        ...
+
+    @property
+    def chunks(self) -> Sequence[Chunk]:
+        """The stage's chunks, in the order of its forward."""
+        ...
+
+    def segment(self) -> int:
+        """The segment the running forward runs for real in (-1: none)."""
         ...
 
 

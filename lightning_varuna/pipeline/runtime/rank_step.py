@@ -202,7 +202,8 @@ class RankStep:
             self.p2p.wait(transfer, f"sending {transfer.message!r}")
         self.sends.clear()
         position = self.executor.topology.stage
-        for box in (*self.inboxes.values(), *self.outboxes.values(), self.local):
+        boxes: list[Inbox | Outbox | LocalLink] = [*self.inboxes.values(), *self.outboxes.values(), self.local]
+        for box in boxes:
             box.check_complete(position)
 
     # -- routing of received messages to their stage --------------------------------------------------------

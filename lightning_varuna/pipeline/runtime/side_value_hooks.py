@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypeAlias, cast
 
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
@@ -38,8 +38,15 @@ _Calls = list[list[tuple[int, SideValue]]]
 class ForwardSides(Protocol):
     """One forward of one stage, as the hooks see it."""
 
-    segment: Callable[[], int]
-    captured: dict[SideValue, Tensor]
+    @property
+    def segment(self) -> Callable[[], int]:
+        """The segment the forward runs in."""
+        ...
+
+    @property
+    def captured(self) -> dict[SideValue, Tensor]:
+        """The values the stage's producers gave."""
+        ...
 
     def replacement(self, value: SideValue) -> Tensor | None:
         """What a consumer takes in place of ``value`` (None: the value as the model made it)."""
@@ -50,7 +57,7 @@ class _Slot:
     """What one hooked module's calls do in the running segment (empty outside a stage's forward)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple] = []
+        self.calls: list[tuple[Any, ...]] = []
         """Per call still to come: ``(leaf, tensor)`` pairs to put in place (consumer), or leaves to take
         (producer)."""
         self.captured: list[Tensor] = []
@@ -163,8 +170,11 @@ def acting_for(forward: ForwardSides) -> Iterator[None]:
         segments.end()
 
 
+_CallArgs: TypeAlias = tuple[tuple[Any, ...], dict[str, Any]]
+
+
 def _substitute(slot: _Slot) -> Callable[..., object]:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _CallArgs | None:
         if not slot.calls:
             return None
         replacements = slot.calls.pop(0)
@@ -173,13 +183,13 @@ def _substitute(slot: _Slot) -> Callable[..., object]:
         leaves, spec = tree_flatten((args, kwargs))
         for leaf, tensor in replacements:
             leaves[leaf] = tensor
-        return tree_unflatten(leaves, spec)
+        return cast(_CallArgs, tree_unflatten(leaves, spec))  # the tree flattened above
 
     return hook
 
 
 def _capture(slot: _Slot) -> Callable[..., object]:
-    def hook(module: nn.Module, args: tuple, output: object) -> None:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         if not slot.calls:
             return
         taken = slot.calls.pop(0)

@@ -277,7 +277,8 @@ class StageSides:
         return activation
 
     # -- backward -------------------------------------------------------------------------------------------
-    def backward_roots(self, k: int, packed: Tensor, partial: bool) -> tuple[Tensor, list, list, list, list, list]:
+    def backward_roots(self, k: int, packed: Tensor, partial: bool) -> tuple[
+            Tensor, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[tuple[Tensor, Tensor]]]:
         """Splits a received gradient message into the activation's gradient and the side values' roots.
 
         Returns the activation's gradient, then the side values sent with their gradients, as ``roots, grads`` of
@@ -287,7 +288,7 @@ class StageSides:
         """
         assert self.out_specs is not None
         grad, *grads = unpack(packed, _floating(self.out_specs[k]))
-        roots: tuple[list, list, list, list] = ([], [], [], [])
+        roots: tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]] = ([], [], [], [])
         recaptured = self.recaptured[k] or {}
         kept: list[tuple[Tensor, Tensor]] = []
         for value, leaf in self.kept_leaves[k].items():

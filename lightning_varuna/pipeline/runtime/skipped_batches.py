@@ -13,7 +13,7 @@ import torch
 
 from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, encode_skip_header
 from lightning_varuna.pipeline.model.cut import CutPointError
-from lightning_varuna.pipeline.runtime.links import Inbox, Outbox
+from lightning_varuna.pipeline.runtime.links import Inbox, LocalLink, Outbox
 from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
 
@@ -29,10 +29,10 @@ class StepLinks(Protocol):
     next: int | None
     skip_mode: bool | None
     upstream_skipped: bool
-    from_prev: Inbox | None
-    from_next: Inbox | None
-    to_prev: Outbox | None
-    to_next: Outbox | None
+    from_prev: Inbox | LocalLink | None
+    from_next: Inbox | LocalLink | None
+    to_prev: Outbox | LocalLink | None
+    to_next: Outbox | LocalLink | None
     sides: StageSides | None
 
     def input_shapes_known(self, wait: bool) -> bool:

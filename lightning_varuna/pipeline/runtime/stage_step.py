@@ -45,6 +45,7 @@ from lightning_varuna.pipeline.runtime.links import (
     Boxes,
     Chunk,
     Inbox,
+    LocalLink,
     Outbox,
     Spec,
     StageContext,
@@ -145,10 +146,10 @@ class StageStep:
         """Whether this step's batch is skipped before the forward (None until the first forward tells)."""
         self.upstream_skipped = False
         """Whether the previous stage's header said it skipped the batch."""
-        self.from_prev: Inbox | None = boxes.from_prev
-        self.from_next: Inbox | None = boxes.from_next
-        self.to_prev: Outbox | None = boxes.to_prev
-        self.to_next: Outbox | None = boxes.to_next
+        self.from_prev: Inbox | LocalLink | None = boxes.from_prev
+        self.from_next: Inbox | LocalLink | None = boxes.from_next
+        self.to_prev: Outbox | LocalLink | None = boxes.to_prev
+        self.to_next: Outbox | LocalLink | None = boxes.to_next
 
     # -- the step -------------------------------------------------------------------------------------------
     def run(self) -> list[Any]:
@@ -307,25 +308,30 @@ class StageStep:
         if self.next is None:
             if self.results[k] is not None:  # else skipped after the loss: a zero gradient goes back
                 with accumulating_in_place(), holding:
-                    torch.autograd.backward(self.loss_of(self.results[k], k))  # type: ignore[misc]
+                    assert self.loss_of is not None  # the last stage is given one
+                    torch.autograd.backward(self.loss_of(self.results[k], k))
         else:
             grad = self.receive_grad(k)
             output = self.outputs[k]
             # the side values sent with the output too (roots and gradients, then those of the recomputed part)
-            grad, *sides = self.sides.backward_roots(k, grad, self.grad_from is not None) if self.sides is not None \
+            grad, roots, grads, recomputed_roots, recomputed_grads, kept = \
+                self.sides.backward_roots(k, grad, self.grad_from is not None) if self.sides is not None \
                 else (grad, [], [], [], [], [])
             with accumulating_in_place(), holding:
-                torch.autograd.backward([output, *sides[0]],
-                                        [grad if grad.dtype == output.dtype else grad.to(output.dtype), *sides[1]])
+                torch.autograd.backward([output, *roots],
+                                        [grad if grad.dtype == output.dtype else grad.to(output.dtype), *grads])
                 if self.grad_from is not None:  # then through the recomputed first segments
-                    backward_recomputed(self.boundaries[k], self.recomputed[k], *sides[2:])  # type: ignore[arg-type]
+                    boundary, recomputed = self.boundaries[k], self.recomputed[k]
+                    assert boundary is not None and recomputed is not None  # the forward kept both
+                    backward_recomputed(boundary, recomputed, recomputed_roots, recomputed_grads, kept)
                     self.boundaries[k] = self.recomputed[k] = None
         self.outputs[k] = None
         stash = 0
         if self.prev is not None:
             received = self.inputs[k]
-            grad = received.grad if received.grad is not None else torch.zeros_like(received)  # type: ignore[union-attr]
-            received.grad = None  # type: ignore[union-attr]
+            assert received is not None
+            grad = received.grad if received.grad is not None else torch.zeros_like(received)
+            received.grad = None
             self.send_input_grad(k, grad)
             if self.stashes:
                 stash = -nbytes(received)
@@ -392,7 +398,8 @@ class StageStep:
                     f"Stage {self.stage - 1} skipped the batch before the model's forward, but stage {self.stage}"
                     " ran its forward on it: every stage must decide alike whether to skip a batch."
                 )
-            received = self.from_prev.take(self._activation_in(k),  # type: ignore[union-attr]
+            assert self.from_prev is not None
+            received = self.from_prev.take(self._activation_in(k),
                                            f"receiving the activation of micro-batch {k}")
             if self.sides is not None:
                 received = self.sides.unpack_input(k, received)
@@ -425,11 +432,13 @@ class StageStep:
                     out if sides is None else sides.pack_output(k, out), self.stage)
         if self.train:
             self.sent_specs[k] = (out.shape, out.dtype) if sides is None else sides.grad_spec(k)
-            self.from_next.advance()  # type: ignore[union-attr]  # the gradient's receive can be posted now
+            assert self.from_next is not None
+            self.from_next.advance()  # the gradient's receive can be posted now
 
     def receive_grad(self, k: int) -> Tensor:
         """The gradient of this stage's output of micro-batch ``k``, from the next stage."""
-        return self.from_next.take(Message(MessageKind.GRADIENT, self.stage + 1, k),  # type: ignore[union-attr]
+        assert self.from_next is not None
+        return self.from_next.take(Message(MessageKind.GRADIENT, self.stage + 1, k),
                                    f"receiving the gradient of micro-batch {k}")
 
     def send_input_grad(self, k: int, grad: Tensor) -> None:
@@ -448,7 +457,8 @@ class StageStep:
     def pass_summary(self) -> None:
         """Passes the step summary on: made on the last stage, received from the next stage on the others."""
         if self.from_next is None:
-            values = self.summary(self.results)  # type: ignore[misc]
+            assert self.summary is not None  # the last stage is given one
+            values = self.summary(self.results)
             buffer = self.executor.buffer("summary", 0, torch.Size([SUMMARY_SIZE]), torch.float64)
             buffer.zero_()
             buffer[: values.numel()].copy_(values)
