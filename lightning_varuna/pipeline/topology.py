@@ -103,6 +103,11 @@ class Topology:
         """
         return self.links.get((src, dst))
 
+    def made_data_group(self) -> dist.ProcessGroup:
+        """:attr:`data_group`, for code that runs only on a topology :meth:`create` made (never None there)."""
+        assert self.data_group is not None, "a hand-built topology has no data group"
+        return self.data_group
+
     @classmethod
     def create(
         cls, pipeline_size: int, device: torch.device, timeout: float | timedelta | None = None,

@@ -20,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_varuna.fault.failures import PipelineError, peer_error
 from lightning_varuna.pipeline.topology import Topology
@@ -80,7 +82,7 @@ class GradientSync:
         tied = list(tied)
         self.tied_names = {name for name, _ in tied}
         # every rank creates every group, in the same order, whether or not it belongs to it
-        self.tied_groups: list[tuple[object, list[nn.Parameter]]] = []
+        self.tied_groups: list[tuple[dist.ProcessGroup | None, list[nn.Parameter]]] = []
         by_stages: dict[tuple[int, ...], list[str]] = {}
         for name, stages in tied:
             by_stages.setdefault(stages, []).append(name)
@@ -110,9 +112,9 @@ class GradientSync:
         self._timed = False  # started_at is this step's
         self._started = False
         self._launched = 0
-        self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter], object]] = []
+        self._pending: list[tuple[dist.Work, Tensor, list[nn.Parameter], dist.ProcessGroup | None]] = []
         self._accumulated: Mapping[nn.Parameter, Tensor] = {}
-        self.bucket_bytes = bucket_bytes  # type: ignore[assignment]  # builds the buckets
+        self.bucket_bytes = bucket_bytes  # builds the buckets
 
     # -- buckets ------------------------------------------------------------------------------------------
     @property
@@ -184,7 +186,7 @@ class GradientSync:
                     hooks[param](param)
 
         # a parameter frozen since setup never completes its bucket here: that bucket waits for start()
-        handles = [p.register_post_accumulate_grad_hook(accumulated_into) for p in hooks if p.requires_grad]
+        handles = [_post_accumulate_hook(p)(accumulated_into) for p in hooks if p.requires_grad]
         try:
             yield release
         finally:
@@ -274,7 +276,7 @@ class GradientSync:
         flat.div_(self.topology.data_size)
         self._all_reduce(flat, self.buckets[i], self.topology.data_group)
 
-    def _all_reduce(self, flat: Tensor, params: list[nn.Parameter], group: object) -> None:
+    def _all_reduce(self, flat: Tensor, params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
         self._mark_start()
         try:
             work = dist.all_reduce(flat, group=group, async_op=True)
@@ -289,10 +291,11 @@ class GradientSync:
             self.started_at = time.perf_counter()
             self._timed = True
 
-    def _error(self, what: str, group: object, err: Exception) -> PipelineError:
+    def _error(self, what: str, group: dist.ProcessGroup | None, err: Exception) -> PipelineError:
         kind = "averaging gradients over replicas" if group is self.topology.data_group else "summing tied copies"
         try:
-            ranks = f" (ranks {dist.get_process_group_ranks(group)})"  # type: ignore[arg-type]
+            # None (one process: the default group) fails inside the try like any other lookup
+            ranks = f" (ranks {dist.get_process_group_ranks(cast(dist.ProcessGroup, group))})"
         except Exception:  # noqa: BLE001 - only for the message
             ranks = ""
         return peer_error(self.topology, f"{what} the all-reduce {kind}{ranks}", err)
@@ -319,7 +322,9 @@ class GradientSync:
             if grad is None and earlier is None:
                 view.zero_()
             elif earlier is None or grad is None:
-                view.copy_((grad if grad is not None else earlier).reshape(-1)[a:b])
+                source = grad if grad is not None else earlier
+                assert source is not None  # both None is the branch above
+                view.copy_(source.reshape(-1)[a:b])
             else:
                 torch.add(grad.reshape(-1)[a:b], earlier.reshape(-1)[a:b], out=view)
         for p in params:
@@ -330,6 +335,11 @@ class GradientSync:
         """Updates :attr:`peak_held_bytes` with what ``.grad`` and the sync's buffers hold now."""
         grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values() if p.grad is not None)
         self.peak_held_bytes = max(self.peak_held_bytes, grads + self._buffer_bytes)
+
+
+def _post_accumulate_hook(param: nn.Parameter) -> Callable[[Callable[[nn.Parameter], None]], RemovableHandle]:
+    """``param.register_post_accumulate_grad_hook``, with the signature torch leaves unannotated."""
+    return cast(Callable[[Callable[[nn.Parameter], None]], RemovableHandle], param.register_post_accumulate_grad_hook)
 
 
 def _ignore(_: Iterable[nn.Parameter]) -> None:

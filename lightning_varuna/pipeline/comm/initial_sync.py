@@ -9,7 +9,7 @@ when it is created. After that, averaged gradients and identical optimizer steps
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ def broadcast_initial_state(
     tied_names = {name for name, _ in tied}
     params = dict(module.named_parameters())
     if topology.data_size > 1:
-        own = [p for name, p in params.items() if name not in tied_names]
+        own: list[Tensor] = [p for name, p in params.items() if name not in tied_names]
         own += [b for b in module.buffers() if not _is_placeholder(b)]
         _broadcast(own, topology.rank_of(topology.stage, 0), topology.data_group)
     by_stages: dict[tuple[int, ...], list[str]] = {}
@@ -60,7 +60,7 @@ def _is_placeholder(tensor: Tensor) -> bool:
 
 
 @torch.no_grad()
-def _broadcast(tensors: list[Tensor], src: int, group: object) -> None:
+def _broadcast(tensors: Sequence[Tensor], src: int, group: dist.ProcessGroup | None) -> None:
     for bucket in _buckets(tensors):
         if len(bucket) == 1 and bucket[0].is_contiguous():
             dist.broadcast(bucket[0].detach(), src, group=group)  # in place
@@ -73,7 +73,7 @@ def _broadcast(tensors: list[Tensor], src: int, group: object) -> None:
             offset += t.numel()
 
 
-def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
+def _buckets(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
     by_kind: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
     for t in tensors:

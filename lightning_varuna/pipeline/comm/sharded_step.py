@@ -96,7 +96,8 @@ class ShardedStep:
         return rows is not None and rows[1] > rows[0]
 
     # -- the step -----------------------------------------------------------------------------------------
-    def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _before_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         # torch passes the step's own arguments, the optimizer first (in torch 2.13 and 2.14)
         at = 1 if args and args[0] is optimizer else 0
         closure = kwargs.get("closure", args[at] if len(args) > at else None)
@@ -113,7 +114,7 @@ class ShardedStep:
             return args, {**kwargs, "closure": closure_then_shards}
         return (*args[:at], closure_then_shards, *args[at + 1 :]), kwargs
 
-    def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+    def _after_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._swap_out()
         if self._gather:
             self.sync.gather_parameters()
@@ -191,7 +192,7 @@ class ShardedStep:
         if value.shape != local.shape:
             return value
         if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.sync.topology.data_group, value.device.type)
+            self._mesh = DeviceMesh.from_group(self.sync.topology.made_data_group(), value.device.type)
         return DTensor.from_local(value, self._mesh, [Shard(0)], run_check=False, shape=param.shape,
                                   stride=_contiguous_stride(param.shape))
 

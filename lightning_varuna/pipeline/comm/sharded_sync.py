@@ -34,6 +34,7 @@ import collections
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ buffers: the next bucket's start waits for the previous one instead (the backwar
 """
 
 # torch 2.14 names them *_single and deprecates the *_tensor names that torch 2.13 has alone
+_Group: TypeAlias = "dist.ProcessGroup | None"
 _native_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _native_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
@@ -120,20 +122,21 @@ class ShardedGradientSync(GradientSync):
             raise ValueError("ShardedGradientSync shards over replicas: it needs a data-parallel size above 1.")
         self._layouts: dict[int, _Layout] = {}
         self._layouts_of: list[list[nn.Parameter]] | None = None
-        self._in_flight: collections.deque[tuple[int, dist.Work, Tensor, Tensor, object]] = collections.deque()
+        # (bucket, work, its flat gradients, the segment received, the group that sums it next)
+        self._in_flight: collections.deque[tuple[int, dist.Work, Tensor, Tensor, _Group]] = collections.deque()
         self._segments: dict[int, Tensor] = {}
-        self._summing: list[tuple[dist.Work, object]] = []
+        self._summing: list[tuple[dist.Work, dist.ProcessGroup | None]] = []
         tied = list(tied)
         super().__init__(topology, params, tied, bucket_bytes, overlap)
         # a tied parameter's rows are summed over its holders within the replica, after the reduce-scatter
-        self._replica_tied_groups: list[object] = []
+        self._replica_tied_groups: list[dist.ProcessGroup | None] = []
         for stages in sorted({stages for _, stages in tied}):
             groups = [topology.stages_group(stages, replica) for replica in range(topology.data_size)]
             if topology.stage in stages:
                 self._replica_tied_groups.append(groups[topology.replica])
         # gloo: the exchanges of the module doc; other backends (NCCL) run the native collectives
-        self._gloo = dist.get_backend(topology.data_group) == "gloo"  # type: ignore[arg-type]
-        self._replica_ranks = dist.get_process_group_ranks(topology.data_group)  # type: ignore[arg-type]
+        self._gloo = dist.get_backend(topology.data_group) == "gloo"
+        self._replica_ranks = dist.get_process_group_ranks(topology.made_data_group())
         self._tied_params = [p for _, group in self.tied_groups for p in group]
         trainable = [*self._plain, *self._tied_params]
         held = set(trainable)
@@ -175,7 +178,7 @@ class ShardedGradientSync(GradientSync):
             if tied:
                 self._launch(len(self.buckets) + j, tied, self._replica_tied_groups[j])
 
-    def _launch(self, i: int, params: list[nn.Parameter], then_sum_over: object = None) -> None:
+    def _launch(self, i: int, params: list[nn.Parameter], then_sum_over: dist.ProcessGroup | None = None) -> None:
         if self._gloo:  # bounded memory: the oldest bucket's receive buffer goes before a new one comes
             while len(self._in_flight) >= IN_FLIGHT:
                 self._retire()
@@ -293,7 +296,7 @@ class ShardedGradientSync(GradientSync):
         norms = torch._foreach_norm(grads, norm_type)
         return torch.stack([n.float() for n in norms]).pow(norm_type).sum()
 
-    def _error(self, what: str, group: object, err: Exception) -> PipelineError:
+    def _error(self, what: str, group: dist.ProcessGroup | None, err: Exception) -> PipelineError:
         if group is not self.topology.data_group:
             return super()._error(what, group, err)
         return peer_error(self.topology, f"{what} the reduce-scatter of gradients over replicas", err)
@@ -336,7 +339,7 @@ class ShardedGradientSync(GradientSync):
         for p, a, b, offset in layout.pieces[me]:
             flat[offset : offset + b - a].copy_(p.detach().view(-1)[a:b])
         try:
-            work = _native_all_gather(flat, flat[base : base + layout.segment], group=group, async_op=True)
+            work = _started(_native_all_gather(flat, flat[base : base + layout.segment], group=group, async_op=True))
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here
             raise self._gather_error("starting", err) from err
         try:
@@ -349,17 +352,17 @@ class ShardedGradientSync(GradientSync):
                     p.detach().view(-1)[a:b].copy_(flat[offset : offset + b - a])
 
 
-def _reduce_scatter(received: Tensor, flat: Tensor, group: object, gloo: bool) -> dist.Work:
+def _reduce_scatter(received: Tensor, flat: Tensor, group: dist.ProcessGroup | None, gloo: bool) -> dist.Work:
     """Starts a bucket's reduce-scatter (the module doc's all-to-all on gloo, else the native one).
 
     ``received``: on gloo every replica's copy of this replica's segment, else the segment.
     """
     if gloo:
-        return dist.all_to_all_single(received, flat, group=group, async_op=True)  # type: ignore[arg-type]
-    return _native_reduce_scatter(received, flat, group=group, async_op=True)
+        return _started(dist.all_to_all_single(received, flat, group=group, async_op=True))
+    return _started(_native_reduce_scatter(received, flat, group=group, async_op=True))
 
 
-def _send_rows(layouts: list[_Layout], me: int, ranks: list[int], group: object) -> list[dist.Work]:
+def _send_rows(layouts: list[_Layout], me: int, ranks: list[int], group: dist.ProcessGroup | None) -> list[dist.Work]:
     """Posts the module doc's point-to-point all-gather; returns the works to wait for.
 
     This replica's rows of each piece go to every other replica, and theirs into this one's parameters.
@@ -371,10 +374,15 @@ def _send_rows(layouts: list[_Layout], me: int, ranks: list[int], group: object)
                 continue
             # the same order on both sides of each pair: gloo matches a pair's messages in order
             for p, a, b, _ in layout.pieces[me]:
-                works.append(dist.isend(p.detach().view(-1)[a:b], rank, group=group))  # type: ignore[arg-type]
+                works.append(_started(dist.isend(p.detach().view(-1)[a:b], rank, group=group)))
             for p, a, b, _ in layout.pieces[j]:
-                works.append(dist.irecv(p.detach().view(-1)[a:b], rank, group=group))  # type: ignore[arg-type]
+                works.append(_started(dist.irecv(p.detach().view(-1)[a:b], rank, group=group)))
     return works
+
+
+def _started(work: dist.Work | None) -> dist.Work:
+    """The work of an asynchronous collective or p2p call: None only on a rank outside the group, never here."""
+    return cast(dist.Work, work)
 
 
 def _element_size(layout: _Layout) -> int:

@@ -171,7 +171,7 @@ class HostStaging:
 def _recorded_event(tensor: Tensor) -> Any:
     if not tensor.is_cuda:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__init__ unannotated
     event.record()
     return event
 
