@@ -15,14 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_varuna.fault.failures import PipelineError
-from lightning_varuna.pipeline.config import AUTO, EngineConfig
+from lightning_varuna.pipeline.config import AUTO, EngineConfig, ScheduleName
 from lightning_varuna.pipeline.engine_inputs import OptimizerSpec
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.planning.memory_model import (
@@ -105,7 +105,8 @@ class AutoConfig:
         c = self.chosen
         micro = c.microbatch_size if config.microbatch_size == AUTO else config.microbatch_size
         recompute = c.recompute if config.recompute == AUTO else config.recompute
-        return replace(config, pipeline_parallel_size=c.pipeline_size, microbatch_size=micro, schedule=c.schedule,
+        schedule = cast(ScheduleName, c.schedule)  # a candidate's schedule is one of the names
+        return replace(config, pipeline_parallel_size=c.pipeline_size, microbatch_size=micro, schedule=schedule,
                        recompute=recompute, stages_per_rank=c.stages_per_rank)
 
 
@@ -132,7 +133,7 @@ def choose(
     cluster = Cluster(world, config.devices_per_node or world)
     # a given profile brings its network; otherwise every rank takes part in measuring this job's
     network = measure_network(device, cluster.devices_per_node) if config.profile is None else None
-    outcome: Any = None
+    outcome: AutoConfig | BaseException | None = None
     if _rank() == 0:
         try:
             outcome = plan(config, module, trace, step_on, loss_of, replica_batch_size, device, optimizer, cluster,
@@ -148,7 +149,7 @@ def choose(
         outcome = box[0]
     if isinstance(outcome, BaseException):
         raise outcome
-    return outcome
+    return cast(AutoConfig, outcome)  # rank 0 planned one or raised, and every rank got its outcome
 
 
 def _rank() -> int:
@@ -223,7 +224,7 @@ def _choices(config: EngineConfig, trace: Trace, cluster: Cluster) -> Choices:
         microbatch_size=config.microbatch_size,
         num_microbatches=config.num_microbatches,
         schedule=None if config.schedule == AUTO else config.schedule,
-        recompute=None if config.recompute == AUTO else config.recompute,
+        recompute=None if config.recompute == AUTO else cast("int | None", config.recompute),
         partition=config.partition,
         bucket_bytes=config.grad_bucket_bytes,
         overlap=config.overlap_grad_sync,

@@ -40,7 +40,7 @@ from lightning_varuna.pipeline.planning.memory_model import (
 )
 from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
-from lightning_varuna.pipeline.scheduling.schedules import Kind, make_schedule, stage_ranks
+from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, make_schedule, stage_ranks
 from lightning_varuna.pipeline.scheduling.simulator import SimResult, StageCosts, simulate
 
 __all__ = ["predict", "recomputed_segments", "stage_ranges"]
@@ -206,7 +206,10 @@ def _schedule_span(sim: SimResult, costs: Sequence[StageCosts], rank: int) -> tu
     only then (the model is conservative: the input-gradient part before it also readies some parameters).
     """
     order, starts = sim.order[rank], sim.start_times[rank]
-    stage_of = lambda task: rank if task.stage is None else task.stage  # noqa: E731
+
+    def stage_of(task: Task) -> int:
+        return rank if task.stage is None else task.stage
+
     end = starts[-1] + costs[stage_of(order[-1])].cost(order[-1].kind) if order else 0.0
     last = next(((task, t) for task, t in zip(reversed(order), reversed(starts)) if task.kind in (Kind.B, Kind.W)),
                 None)

@@ -20,7 +20,7 @@ import platform
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -131,7 +131,8 @@ class SegmentProfile:
     forward_s: tuple[float, ...]
     forward_grad_s: tuple[float, ...]
     backward_s: tuple[float, ...]
-    saved_bytes: tuple[int, ...]
+    saved_bytes: tuple[float, ...]
+    """Measured bytes, smoothed over the sizes (so not always whole)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,13 @@ class CutProfile:
     nbytes_per_sample: int
     scales: bool = True
 
-    def nbytes(self, microbatch_size: int) -> int:
+    @overload
+    def nbytes(self, microbatch_size: int) -> int: ...
+
+    @overload
+    def nbytes(self, microbatch_size: float) -> float: ...
+
+    def nbytes(self, microbatch_size: float) -> float:
         """Bytes of the activation of one micro-batch."""
         return self.nbytes_per_sample * microbatch_size if self.scales else self.nbytes_per_sample
 
@@ -210,20 +217,20 @@ class Profile:
         """The number of segments."""
         return len(self.segments)
 
-    def forward(self, segment: int, microbatch_size: int, grad: bool) -> float:
+    def forward(self, segment: int, microbatch_size: float, grad: bool) -> float:
         """Seconds of a forward of one segment, with or without autograd."""
         values = self.segments[segment].forward_grad_s if grad else self.segments[segment].forward_s
         return interpolate(self.microbatch_sizes, values, microbatch_size)
 
-    def backward(self, segment: int, microbatch_size: int) -> float:
+    def backward(self, segment: int, microbatch_size: float) -> float:
         """Seconds of a backward of one segment."""
         return interpolate(self.microbatch_sizes, self.segments[segment].backward_s, microbatch_size)
 
-    def saved_bytes(self, segment: int, microbatch_size: int) -> int:
+    def saved_bytes(self, segment: int, microbatch_size: float) -> int:
         """Bytes one micro-batch's autograd graph keeps in one segment."""
         return int(interpolate(self.microbatch_sizes, self.segments[segment].saved_bytes, microbatch_size))
 
-    def segment_costs(self, microbatch_size: int) -> list[float]:
+    def segment_costs(self, microbatch_size: float) -> list[float]:
         """Each segment's forward with autograd plus backward: what stages are balanced by."""
         return [self.forward(i, microbatch_size, True) + self.backward(i, microbatch_size)
                 for i in range(self.num_segments)]
@@ -269,7 +276,7 @@ class Profile:
                 cuts=tuple(CutProfile(**c) for c in data["cuts"]),
                 params=tuple(ParamProfile(p["name"], p["nbytes"], tuple(p["segments"]), p.get("trainable", True))
                              for p in data["params"]),
-                crossings=tuple(tuple(c) for c in data.get("crossings", ())),  # type: ignore[misc]
+                crossings=tuple(tuple(c) for c in data.get("crossings", ())),
                 optimizer_state_ratio=float(data.get("optimizer_state_ratio", 2.0)),
                 optimizer_s_per_byte=float(data.get("optimizer_s_per_byte", 0.0)),
                 task_overhead_s=float(data.get("task_overhead_s", 0.0)),
@@ -280,12 +287,12 @@ class Profile:
         except (KeyError, TypeError) as err:
             raise ProfileError(f"the profile misses or mistypes a field ({err!r}).") from None
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the profile as JSON (atomically: a reader never sees half a file)."""
         write_atomic(path, json.dumps(self.to_dict(), indent=1).encode())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Profile:
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
         """Reads a profile written by :meth:`save`.
 
         Raises:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from lightning_varuna.pipeline.planning.profile_data import (
     default_network,
     machine_description,
 )
-from lightning_varuna.pipeline.planning.segment_profiler import measure_segments_on_meta
+from lightning_varuna.pipeline.planning.segment_profiler import SegmentTimes, measure_segments_on_meta
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.scheduling.schedules import make_schedule
 from lightning_varuna.pipeline.topology import Topology
@@ -113,7 +113,7 @@ def profile_model(
             p.grad = grad
     # a larger micro-batch never takes less time or memory: noise that says otherwise is smoothed out
     segments = tuple(
-        SegmentProfile(*(tuple(monotone([m[field][i] for m in measured])) for field in range(4)))  # type: ignore[arg-type]
+        SegmentProfile(*(tuple(monotone([m[field][i] for m in measured])) for field in range(4)))
         for i in range(trace.num_segments)
     )
     ratio, per_byte = measure_optimizer(module, device, *(optimizer or (torch.optim.AdamW, {})))
@@ -162,8 +162,13 @@ def _param_profiles(module: nn.Module, trace: Trace) -> list[ParamProfile]:
             for name in trace.param_numel]
 
 
+def _register_hook(tensor: Tensor) -> Callable[[Callable[[Tensor], None]], object]:
+    """``tensor.register_hook``, with the signature torch leaves unannotated."""
+    return cast(Callable[[Callable[[Tensor], None]], object], tensor.register_hook)
+
+
 def _measure_size(module: nn.Module, step_on: Callable[[int], Any], loss_of: Callable[[Any], Tensor],
-                  num_segments: int, n: int, device: torch.device) -> tuple[list[float], ...]:
+                  num_segments: int, n: int, device: torch.device) -> SegmentTimes:
     """Forward without and with autograd, backward and saved bytes of every segment for micro-batches of ``n``."""
     forward = time_segments(lambda: step_on(n)) if num_segments > 1 else [_time_call(lambda: step_on(n), device)]
     stored = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -180,7 +185,7 @@ def _measure_size(module: nn.Module, step_on: Callable[[int], Any], loss_of: Cal
         else:
             best = ([min(a, b) for a, b in zip(best[0], forward_grad)], [min(a, b) for a, b in zip(best[1], backward)])
     assert best is not None
-    return forward, best[0], best[1], saved  # type: ignore[return-value]
+    return forward, best[0], best[1], saved
 
 
 def _time_call(call: Callable[[], Any], device: torch.device) -> float:
@@ -219,10 +224,10 @@ class _GradProbe:
         self.forward_marks.append(time.perf_counter())
         index, self.segment = self.segment, self.segment + 1
         if x.requires_grad:
-            x.register_hook(lambda grad, i=index: self._backward_mark(i))
+            _register_hook(x)(partial(self._marks_backward, index))
         return x
 
-    def _backward_mark(self, cut: int) -> None:
+    def _marks_backward(self, cut: int, grad: Tensor) -> None:
         self.backward_marks.setdefault(cut, time.perf_counter())
 
     def pack(self, tensor: Tensor) -> Tensor:
@@ -241,7 +246,7 @@ class _GradProbe:
             loss = loss_of(step_on(n))
         _synchronize(device)
         forward_end = time.perf_counter()
-        loss.backward()
+        torch.autograd.backward(loss)
         _synchronize(device)
         backward_end = time.perf_counter()
         marks = [start, *self.forward_marks, forward_end]
@@ -300,7 +305,7 @@ def measure_task_overhead(device: torch.device, tasks: int = 32) -> float:
 
     def direct() -> None:
         for k in range(tasks):
-            step(k).backward()
+            torch.autograd.backward(step(k))
 
     def run() -> None:
         executor.run(schedule, step, [1] * tasks, (None, None), train=True, recompute=False,
