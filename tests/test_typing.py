@@ -42,3 +42,19 @@ def test_a_type_ignore_in_a_checked_module_names_its_error_code_and_its_reason()
             if "type: ignore" in line and not re.search(r"# type: ignore\[[\w-]+(, [\w-]+)*\]\s+# \S", line):
                 bad.append(f"{path.relative_to(ROOT)}:{number}")
     assert bad == []
+
+
+def _type_ignores(root: Path) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{number}" for path in sorted(root.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if "# type: ignore" in line]
+
+
+def test_type_ignores_in_pipeline_are_at_most_five() -> None:
+    ignores = _type_ignores(ROOT / "lightning_varuna" / "pipeline")
+    assert len(ignores) <= 5, ignores
+
+
+@pytest.mark.xfail(strict=False, reason="until the modules outside pipeline/ are typed")
+def test_type_ignores_in_the_package_are_at_most_ten() -> None:
+    ignores = _type_ignores(ROOT / "lightning_varuna")
+    assert len(ignores) <= 10, ignores

@@ -147,7 +147,8 @@ class StageCounters:
             self.stash_bytes += event.stash_bytes
             self.peak_stash_bytes = max(self.peak_stash_bytes, self.stash_bytes)
         elif kind is EventKind.TASK_START:
-            self.executed.append(event.task)  # type: ignore[arg-type]
+            assert event.task is not None  # a task's start names it
+            self.executed.append(event.task)
             self.moves += event.moved
         elif kind is EventKind.POST and event.op is not None and event.op.kind == "send":
             self.sent_bytes += event.op.nbytes

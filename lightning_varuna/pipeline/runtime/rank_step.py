@@ -109,7 +109,7 @@ class RankStep:
         position = {task: i for i, task in enumerate(self.tasks)}
         final_in: dict[Any, Task] = {}
         for stage, task in last.items():
-            for param in self.steps[stage].chunk.params:  # type: ignore[index]
+            for param in self._step_at(stage).chunk.params:
                 if param not in final_in or position[task] > position[final_in[param]]:
                     final_in[param] = task
         finals: dict[Task, set[Any]] = {task: set() for task in last.values()}
@@ -118,11 +118,11 @@ class RankStep:
         return finals
 
     def _forwards_stash(self, task: Task) -> bool:
-        return self.steps[task.stage].forwards_add_no_graph  # type: ignore[index]
+        return self._step_at(task.stage).forwards_add_no_graph
 
     def arrived(self, task: Task) -> bool:
         """Whether the message ``task`` waits for is here (asked by the run-time rules)."""
-        return self.steps[task.stage].arrived(task)  # type: ignore[index]
+        return self._step_at(task.stage).arrived(task)
 
     def run(self) -> list[Any]:
         """Runs the tasks (the run-time rules may move forwards ahead), passes the summary on, waits for sends."""
@@ -145,14 +145,15 @@ class RankStep:
                 task = pending.pop(index)
                 if task in finals:  # a stage's last backward: its parameters' gradients become final in it
                     if not opened:
-                        release = region.enter_context(self.last_backward(held_back=held_back))  # type: ignore[misc]
+                        assert self.last_backward is not None  # a rank with final backwards is given one
+                        release = region.enter_context(self.last_backward(held_back=held_back))
                         for stage_step in self.steps.values():
                             stage_step.release = held_back.releasing(release)
                         opened = True
                     held_back.waiting -= finals[task]
                 if emit is not None:
                     emit(Event(EventKind.TASK_START, time.perf_counter(), task=task, moved=index > 0))
-                graphs, stash = self.steps[task.stage].run_task(task, None, None)  # type: ignore[index]
+                graphs, stash = self._step_at(task.stage).run_task(task, None, None)
                 if emit is not None:
                     emit(Event(EventKind.TASK_END, time.perf_counter(), task=task, graphs=graphs, stash_bytes=stash))
                 if task == last_b:
@@ -184,7 +185,8 @@ class RankStep:
         away = 1 if topo.last_stage_position == 0 else -1
         last = self.steps.get(self.last_stage)
         if last is not None:
-            values = self.summary(last.results)  # type: ignore[misc]
+            assert self.summary is not None  # the rank of the last stage is given one
+            values = self.summary(last.results)
             buffer = self.executor.buffer("summary", 0, torch.Size([SUMMARY_SIZE]), torch.float64)
             buffer.zero_()
             buffer[: values.numel()].copy_(values)
@@ -205,6 +207,11 @@ class RankStep:
         boxes: list[Inbox | Outbox | LocalLink] = [*self.inboxes.values(), *self.outboxes.values(), self.local]
         for box in boxes:
             box.check_complete(position)
+
+    def _step_at(self, stage: int | None) -> StageStep:
+        """The step of ``stage``: a rank of several stages names each task's."""
+        assert stage is not None
+        return self.steps[stage]
 
     # -- routing of received messages to their stage --------------------------------------------------------
     def _receiver(self, message: Message) -> StageStep:
