@@ -22,8 +22,9 @@ which :mod:`~lightning_varuna.pipeline.model.partition` groups into stages.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -127,7 +128,7 @@ class _Tracer:
         return out
 
     def _name(self, cut: CutPoint) -> str:
-        return getattr(cut, "_varuna_name", None) or self.module_names.get(id(cut), "a CutPoint")
+        return str(getattr(cut, "_varuna_name", None) or self.module_names.get(id(cut), "a CutPoint"))
 
     def pre_hook(self, module: nn.Module, args: object) -> None:
         name = self.module_names.get(id(module))
@@ -146,7 +147,7 @@ class _Tracer:
             self.spanning.add(name)
         self.flow.exit(module, output)
 
-    def uses_parameters(self, args: tuple, kwargs: dict) -> bool:
+    def uses_parameters(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Records the parameters a torch function is given; returns whether it is given any."""
         uses = False
         for value in tree_leaves((args, kwargs)):
@@ -162,7 +163,8 @@ class _TraceMode(TorchFunctionMode):
         super().__init__()
         self.tracer = tracer
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type], args: tuple[Any, ...] = (),  # noqa: D105
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         tracer = self.tracer
         if tracer.paused:

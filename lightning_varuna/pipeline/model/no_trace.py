@@ -124,5 +124,5 @@ def no_trace(module: nn.Module, device: torch.device) -> Iterator[None]:
         for state in saved:
             state.restore()
         random.setstate(python_rng)
-        if numpy_rng is not None:
+        if numpy is not None and numpy_rng is not None:
             numpy.random.set_state(numpy_rng)

@@ -292,7 +292,7 @@ def make_plan(
     seconds = costs if kind != "params" else [0.0] * n
     flops = [c.forward_flops.at(microbatch) for c in trace.costs] if len(trace.costs) == n else [0.0] * n
     saved = [c.saved_bytes.at(microbatch) for c in trace.costs] if len(trace.costs) == n else [0.0] * n
-    stages = tuple(
+    stage_infos = tuple(
         StageInfo(
             segments=r,
             params=tuple(stage_params[s]),
@@ -304,7 +304,7 @@ def make_plan(
         )
         for s, r in enumerate(ranges)
     )
-    return Plan(stages=stages, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch,
+    return Plan(stages=stage_infos, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch,
                 stages_per_rank=stages_per_rank, placement=placement)
 
 
