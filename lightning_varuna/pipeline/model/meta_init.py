@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Collection, Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +57,8 @@ def parameters_on_meta() -> Iterator[None]:
             return None
         return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
-    handle = register_module_parameter_registration_hook(to_meta_parameter)
+    # torch annotates the hook as returning None, yet registers the parameter it returns in place of the given one
+    handle = register_module_parameter_registration_hook(cast(Callable[..., None], to_meta_parameter))
     try:
         yield
     finally:
@@ -86,7 +87,7 @@ def _registrations(root: nn.Module) -> Iterator[tuple[str, nn.Module, str, Tenso
             yield prefix, module, attr, buffer, False
 
 
-def _replace(root: nn.Module, new: dict[int, Tensor]) -> None:
+def _replace(root: nn.Module, new: Mapping[int, Tensor]) -> None:
     """Registers ``new[id(t)]`` wherever a tensor ``t`` is registered (every alias of a tied parameter)."""
     for _, module, attr, tensor, _ in list(_registrations(root)):
         if id(tensor) in new:
@@ -134,7 +135,7 @@ def on_placeholders(module: nn.Module, device: torch.device) -> Iterator[None]:
         yield
 
 
-class _ZeroProducts(TorchDispatchMode):
+class _ZeroProducts(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """Matrix products with a placeholder, and its dtype casts, made without reading the placeholder.
 
     A BLAS kernel cannot read a zero-stride matrix: it copies the whole weight first, and with glibc's adaptive
@@ -152,7 +153,7 @@ class _ZeroProducts(TorchDispatchMode):
                  torch.ops.aten.baddbmm.default}
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self._zeros: dict[int, Tensor] = {}  # storage address -> the one-element zero, held so addresses stay unique
 
     def placeholder(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -164,7 +165,8 @@ class _ZeroProducts(TorchDispatchMode):
     def _is_placeholder(self, value: object) -> bool:
         return isinstance(value, Tensor) and not value.is_meta and value.untyped_storage().data_ptr() in self._zeros
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, D105
+    def __torch_dispatch__(self, func: Any, types: Collection[type], args: tuple[Any, ...] = (),  # noqa: D105
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in self._PRODUCTS:
             added = func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -151,9 +151,20 @@ def fit_costs(
     ]
 
 
+class _Mode(Protocol):
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> object: ...
+
+
+def _as_mode(mode: FlopCounterMode) -> _Mode:
+    """``mode`` as the context manager it is (torch leaves its ``__enter__`` and ``__exit__`` unannotated)."""
+    return cast(_Mode, mode)
+
+
 def _cpu_attention_flops(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     # torch's table has formulas for the CUDA fused kernels and the math path, none for CPU's fused kernel
-    return sdpa_flop_count(query, key, value)
+    return cast(Callable[..., int], sdpa_flop_count)(query, key, value)  # torch leaves it unannotated
 
 
 _EXTRA_FORMULAS: dict[Any, Callable[..., int]] = {}
@@ -208,7 +219,7 @@ class CostCounter:
         return tensor.detach()
 
     def __enter__(self) -> CostCounter:
-        self._flop_mode.__enter__()
+        _as_mode(self._flop_mode).__enter__()
         self._saved_hooks.__enter__()
         return self
 
@@ -219,7 +230,7 @@ class CostCounter:
         finally:
             self._seen.clear()
             self._saved_hooks.__exit__(*exc)
-            self._flop_mode.__exit__(*exc)
+            _as_mode(self._flop_mode).__exit__(*exc)
 
 
 def _unpack(tensor: Tensor) -> Tensor:
