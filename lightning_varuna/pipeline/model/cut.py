@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +17,11 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["CutPoint", "CutPointError", "ForwardHandler", "StageForward", "StageOutputReady", "check_cut_at_order",
            "install_cut_at", "segment_boundaries"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+never_compiled = cast(Callable[[_F], _F], torch.compiler.disable)
+"""``torch.compiler.disable`` as a typed decorator (torch leaves it unannotated): the function runs as Python."""
 
 
 class CutPointError(RuntimeError):
@@ -75,7 +80,7 @@ def segment_boundaries(listener: Callable[[bool], None]) -> Iterator[None]:
         _boundary = previous
 
 
-@torch.compiler.disable
+@never_compiled
 def _report(cut: CutPoint, x: object) -> Tensor:
     """Hands a cut point's input to the handler.
 
@@ -267,10 +272,11 @@ def _cut_hook(cut: CutPoint, name: str) -> Callable[[nn.Module, object, object],
     def hook(module: nn.Module, args: object, output: object) -> object:
         if isinstance(output, Tensor):
             return cut(output)
-        if type(output) in (tuple, list) and output and isinstance(output[0], Tensor):  # type: ignore[index]
+        if isinstance(output, (tuple, list)) and type(output) in (tuple, list) and output and isinstance(output[0],
+                                                                                                      Tensor):
             # (hidden states, attention weights, ...): the first element crosses the cut; the data flow check
             # transports or refuses the others if a later stage reads them
-            return type(output)([cut(output[0]), *output[1:]])  # type: ignore[index]
+            return type(output)([cut(output[0]), *output[1:]])
         raise CutPointError(
             f"cut_at: {name} returned a {type(output).__name__}; cut_at needs blocks that return a tensor, or a"
             " tuple or list whose first element is the tensor that flows to the next block. Place CutPoint()"

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_varuna.pipeline.model.cut import zero_like_shape
+from lightning_varuna.pipeline.model.cut import never_compiled, zero_like_shape
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.partition import Plan
 
@@ -45,7 +45,7 @@ def free_parameter(root: nn.Module, name: str, device: torch.device | None = Non
                 module.register_buffer(attr, placeholder, persistent=False)
 
 
-def _signature(args: tuple, kwargs: dict) -> tuple | None:
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """The cache key of a call: the structure of its arguments, tensors by shape and dtype (None: unhashable)."""
     if not kwargs and all(isinstance(arg, Tensor) for arg in args):
         # the usual call, block(x): skip the pytree walk, which costs more than the rest of the stand-in
@@ -80,12 +80,12 @@ class StandIn:
         self.owned = owned
         self.segment = segment
         self.device = device
-        self._cache: dict[tuple, tuple[list, Any]] = {}
+        self._cache: dict[tuple[Any, ...], tuple[list[Any], Any]] = {}
         """Per call signature: the output's leaves as (shape, dtype) or (value, None), and its tree structure
         (None for a single tensor)."""
         self._zeros: dict[torch.dtype, Tensor] = {}
 
-    @torch.compiler.disable  # inside a compiled caller: runs as Python (it computes nothing in other segments)
+    @never_compiled  # inside a compiled caller: runs as Python (it computes nothing in other segments)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The module's output: real in an owned segment, zero-stride tensors of the right shapes elsewhere."""
         if self.segment() in self.owned:
@@ -110,7 +110,7 @@ class StandIn:
             zero = self._zeros[dtype] = torch.zeros((), dtype=dtype, device=self.device)
         return zero
 
-    def _shapes(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+    def _shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
         def to_meta(value: Any) -> Any:
             return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
 
@@ -179,7 +179,7 @@ def apply_plan(
 
 def install_stand_in(stand_in: StandIn) -> None:
     """Makes ``stand_in`` its module's ``forward``, and the module's calls uncompiled."""
-    stand_in.module.forward = stand_in  # type: ignore[method-assign]
+    stand_in.module.forward = stand_in
     if stand_in.compiled_call is not None:
         stand_in.module._compiled_call_impl = None
 
