@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
@@ -67,7 +68,30 @@ Crossings = dict[tuple[int, int], str]
 """``(from segment, to segment) -> what crosses``, for values that cannot reach the later segment's stage."""
 
 
-def _draws_random_numbers(name: str, args: tuple, kwargs: dict) -> bool:
+_V = TypeVar("_V")
+_D = TypeVar("_D")
+
+
+class _TensorTable(Protocol[_V]):
+    """The part of a ``WeakTensorKeyDictionary`` used here, typed (torch leaves its methods unannotated)."""
+
+    @overload
+    def get(self, key: Tensor) -> _V | None: ...
+
+    @overload
+    def get(self, key: Tensor, default: _D) -> _V | _D: ...
+
+    def __setitem__(self, key: Tensor, value: _V) -> None: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+def _weak_table() -> Any:
+    """A table keyed by tensors that does not keep them alive (typed by the attribute it is assigned to)."""
+    return WeakTensorKeyDictionary()
+
+
+def _draws_random_numbers(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if name in RANDOM_OPS:
         return True
     if name == "scaled_dot_product_attention":
@@ -164,11 +188,11 @@ class DataFlow:
         self.unclean: set[str] = set()
         """Modules seen to draw random numbers, write their state, or return values from parameters or from
         modules outside them: they cannot be recomputed."""
-        self._segment_of = WeakTensorKeyDictionary()
-        self._modules_of = WeakTensorKeyDictionary()
-        self._produced = WeakTensorKeyDictionary()
+        self._segment_of: _TensorTable[int] = _weak_table()
+        self._modules_of: _TensorTable[tuple[int, frozenset[str]]] = _weak_table()
+        self._produced: _TensorTable[CallSite] = _weak_table()
         """Tensor -> the innermost module call (within one segment) whose output holds it, as a :class:`CallSite`."""
-        self._made_by = WeakTensorKeyDictionary()
+        self._made_by: _TensorTable[str] = _weak_table()
         """Tensor computed from parameters -> the innermost module call running when it was made (for errors)."""
         self._starts: dict[tuple[str, int], int] = {}
         self._ends: dict[tuple[str, int], int] = {}
@@ -193,7 +217,7 @@ class DataFlow:
             self._starts[(name, segment)] = count + 1
             self._calls.append(_Call(name, segment, state, count))
 
-    def arguments(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def arguments(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The arguments of the module call that just started (from a forward pre-hook that sees keywords)."""
         call = self._calls[-1] if self._calls else None
         if call is not None and call.name == self.names.get(id(module)):
@@ -234,7 +258,8 @@ class DataFlow:
 
     # torch functions ----------------------------------------------------------------------------------------
 
-    def before(self, name: str, args: tuple, kwargs: dict, uses_parameters: bool) -> tuple[bool, frozenset[str]]:
+    def before(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+               uses_parameters: bool) -> tuple[bool, frozenset[str]]:
         """Inspects a torch function's inputs; returns what its tensor results derive from (for :meth:`after`).
 
         Crossings are recorded by :meth:`after`, once it is known whether the function read values.
@@ -341,14 +366,14 @@ class DataFlow:
         unsplittable: Crossings = {}
         self.carried: set[tuple[int, int, frozenset[str] | None]] = set()
         for (source, destination), what in self.from_parameters.items():
-            key = (source, destination, None)
+            key: tuple[int, int, frozenset[str] | None] = (source, destination, None)
             if self.transported.get(key) is not None:
                 self.carried.add(key)
             else:
                 why = self.untransportable.get(key)
                 unsplittable.setdefault((source, destination), f"{what} ({why})" if why else what)
         for (source, destination, modules), what in self.from_modules.items():
-            stood_in = {_outermost_ancestor(name, module_segments) for name in modules} - {None}
+            stood_in = {a for name in modules if (a := _outermost_ancestor(name, module_segments)) is not None}
             blocking = sorted(n for n in stood_in if n not in self.checked or n in self.unclean)
             key = (source, destination, modules)
             if not blocking:
