@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_varuna.fault.failures import destroy_process_groups_at_exit
 from lightning_varuna.fault.watchdog import watch_job
@@ -38,7 +40,7 @@ from lightning_varuna.pipeline.model.no_trace import no_trace
 from lightning_varuna.pipeline.model.partition import Plan, check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.segment_costs import DeviceRates
 from lightning_varuna.pipeline.model.stand_ins import apply_plan
-from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, P2PTraceWriter
+from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
@@ -65,6 +67,25 @@ class SetupPhase:
     executor: StageExecutor | None
     grad_sync: GradientSync | None
     _pipeline_size: int | None
+    module: nn.Module
+    device: torch.device
+    events: EventHooks
+
+    if TYPE_CHECKING:  # PipelineEngine's
+        @property
+        def pipeline_size(self) -> int:
+            """P, known once setup has chosen it."""
+            ...
+
+        def microbatches_for(self, batch_size: int, train: bool = True) -> int:
+            """The number of micro-batches of a batch of ``batch_size`` samples."""
+            ...
+
+    _hooks: Sequence[RemovableHandle | SideValueHooks]
+
+    def _stages_per_rank(self) -> int:
+        """``config.stages_per_rank``, a number once the dry run has resolved ``"auto"``."""
+        return cast(int, self.config.stages_per_rank)
 
     # -- setup --------------------------------------------------------------------------------------------
     def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None,
@@ -100,10 +121,10 @@ class SetupPhase:
             cut._varuna_name = info.name  # type: ignore[assignment]  # names cut points in runtime errors
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
         watch_job()
-        placement = placement_of(config.schedule) if config.stages_per_rank > 1 else LOOPED
+        placement = placement_of(config.schedule) if self._stages_per_rank() > 1 else LOOPED
         self.topology = topology or Topology.create(
             self.pipeline_size, self.device, timeout=config.p2p_timeout, link_backend=link_backend,
-            wrap_around=config.stages_per_rank > 1 and placement == LOOPED,  # V-shaped: neighbours only
+            wrap_around=self._stages_per_rank() > 1 and placement == LOOPED,  # V-shaped: neighbours only
         )
         self.topology.last_position = 0 if placement == V_SHAPED else None
         destroy_process_groups_at_exit()
@@ -112,12 +133,12 @@ class SetupPhase:
         run = uuid.uuid4().hex[:12]
         if topo.world_size > 1:
             # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
-            shared = [trace.segment_seconds, seed, run]
+            shared: list[Any] = [trace.segment_seconds, seed, run]
             dist.broadcast_object_list(shared, src=0)
             trace.segment_seconds, seed, run = shared
         size = batch_size_of(sample_batch)
         m = self.microbatches_for(size)
-        v = config.stages_per_rank
+        v = self._stages_per_rank()
         self.plan = make_plan(trace, topo.pipeline_size * v, by=self.config.partition,
                               microbatch=max(1, size // m), num_microbatches=m, rates=DeviceRates.nominal(self.device),
                               stages_per_rank=v, placement=placement)
@@ -195,7 +216,7 @@ class SetupPhase:
                 self._pipeline_size = topology.pipeline_size if topology is not None else config.pipeline_size_for(
                     world, trace.num_segments
                 )
-            check_pipeline_size(trace, self.pipeline_size * config.stages_per_rank, config.stages_per_rank)
+            check_pipeline_size(trace, self.pipeline_size * self._stages_per_rank(), self._stages_per_rank())
             if self.autoconfig is not None:
                 if config.partition == "time":  # the planner's costs, so that its stages are the ones made
                     trace.segment_seconds = self.autoconfig.segment_costs()
