@@ -118,7 +118,7 @@ class SetupPhase:
         trace, cut_modules = self._dry_run(sample_batch, step, topology, optimizer)
         config = self.config  # with the planner's choices in place of "auto"
         for cut, info in zip(cut_modules, trace.cuts, strict=True):
-            cut._varuna_name = info.name  # type: ignore[assignment]  # names cut points in runtime errors
+            cut._varuna_name = info.name  # names cut points in runtime errors
         # from the first wait on another rank on, a rank that dies or fails ends every rank within seconds
         watch_job()
         placement = placement_of(config.schedule) if self._stages_per_rank() > 1 else LOOPED
@@ -265,7 +265,7 @@ class SetupPhase:
             batch_size_of(sample_batch), self.device, optimizer,
         )
         self.config = self.autoconfig.resolved(self.config)
-        self._pipeline_size = self.config.pipeline_parallel_size  # type: ignore[assignment]
+        self._pipeline_size = cast(int, self.config.pipeline_parallel_size)  # the planner's choice
 
 
 def _world_size() -> int:

@@ -92,7 +92,7 @@ class ShardedStep:
 
     def holds(self, param: Tensor) -> bool:
         """Whether this replica steps (and keeps optimizer state for) some of ``param``."""
-        rows = self.sync.shards.get(param)  # type: ignore[call-overload]
+        rows = self.sync.shards.get(param)
         return rows is not None and rows[1] > rows[0]
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class ShardedStep:
 
         ``value`` itself when it is not per element (a step count) or the parameter is 0-dim (one holder).
         """
-        rows = self.sync.shards.get(param)  # type: ignore[call-overload]
+        rows = self.sync.shards.get(param)
         if rows is None or param.dim() == 0 or value.dim() == 0:
             return value
         local = _rows_view(param, rows)
@@ -204,7 +204,7 @@ class ShardedStep:
         """
         if isinstance(value, DTensor):
             return value.to_local()
-        rows = self.sync.shards.get(param)  # type: ignore[call-overload]
+        rows = self.sync.shards.get(param)
         if rows is None or not isinstance(value, Tensor) or param.dim() == 0 or value.shape != param.shape:
             return value
         return _rows_view(value, rows).clone()

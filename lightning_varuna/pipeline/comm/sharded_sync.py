@@ -144,7 +144,7 @@ class ShardedGradientSync(GradientSync):
         if uneven:
             raise ValueError(f"zero_stage=1 shards parameters by rows; {', '.join(uneven)} is not contiguous."
                              " Make it contiguous (e.g. nn.Parameter(tensor.contiguous())) or use zero_stage=0.")
-        self.shards: dict[nn.Parameter, tuple[int, int]] = {
+        self.shards: dict[Tensor, tuple[int, int]] = {  # by parameter; asked with any tensor
             p: shard_rows(p, topology.data_size, topology.replica) for p in trainable
         }
         """Each trainable parameter's flat element range ``[start, stop)`` held (and stepped) by this replica."""
@@ -259,13 +259,13 @@ class ShardedGradientSync(GradientSync):
             self._sample()
             self._held(segment, -1)
             del segment
-        for p, (a, b) in self.shards.items():
-            if p in done:
+        for held, (a, b) in self.shards.items():
+            if held in done:
                 continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            if held.grad is None:
+                held.grad = torch.zeros_like(held)
             else:
-                flat = p.grad.view(-1)
+                flat = held.grad.view(-1)
                 flat[:a].zero_()
                 flat[b:].zero_()
 

@@ -212,12 +212,15 @@ class _Watcher:
             if self.failed is None:
                 try:
                     if item.work is None:
-                        item.work, item.post = item.post(), None  # type: ignore[misc]
+                        post = item.post
+                        assert post is not None  # a transfer posted by this thread brings its post
+                        item.work, item.post = post(), None
                     item.work.wait(timeout=self.timeout)
                 except BaseException as err:  # noqa: BLE001 - handed to the thread that waits on the transfer
                     self.failed = err
             item.error = self.failed
-            item.done.set()  # type: ignore[union-attr]
+            assert item.done is not None  # set for every transfer handed to this thread
+            item.done.set()
 
 
 class P2P:

@@ -89,7 +89,7 @@ def _report(cut: CutPoint, x: object) -> Tensor:
     """
     handler = _handler
     if handler is None:
-        return x  # type: ignore[return-value]
+        return cast(Tensor, x)  # outside a pipeline forward the cut point hands back whatever it was given
     if not isinstance(x, Tensor):
         raise CutPointError(
             f"A CutPoint was called on a {type(x).__name__}; it takes exactly one tensor. Move the cut point to"
@@ -111,6 +111,9 @@ class CutPoint(nn.Module):
     (plain training, inference, export) it returns its input unchanged. A cut point must be called at most
     once per forward, and cut points must be reached in the same order in every forward.
     """
+
+    _varuna_name: str
+    """Where the dry run saw it (``module.path:output`` for ``cut_at``), for messages; set on cut points it saw."""
 
     def forward(self, x: Tensor) -> Tensor:
         """Returns ``x``, or what the running pipeline stage puts in its place."""
@@ -158,7 +161,8 @@ class StageForward:
             )
         self.segment = index + 1
         if index == self.first:
-            return self.receive()  # type: ignore[misc]
+            assert self.receive is not None  # a stage that does not start the model receives its input
+            return self.receive()
         if index == self.last:
             self.output = x
             raise StageOutputReady
@@ -201,7 +205,7 @@ def install_cut_at(root: nn.Module, path: str | Sequence[str]) -> tuple[list[Cut
         cut_after = blocks if number < len(lists) - 1 else blocks[:-1]
         for index, child in enumerate(cut_after):
             cut = CutPoint()
-            cut._varuna_name = f"{p}.{index}:output"  # type: ignore[assignment]
+            cut._varuna_name = f"{p}.{index}:output"
             hook = _cut_hook(cut, f"{p}.{index}")
             handles.append(child.register_forward_hook(hook))
             cuts.append(cut)

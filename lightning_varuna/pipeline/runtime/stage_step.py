@@ -495,10 +495,13 @@ class StageStep:
 
     def _spec(self, message: Message) -> Spec | None:
         kind = message.kind
+        k = message.microbatch
         if kind is MessageKind.ACTIVATION:
-            return self.input_specs[message.microbatch] if self.input_specs is not None else None  # type: ignore[index]
+            assert k is not None  # activations and gradients name their micro-batch
+            return self.input_specs[k] if self.input_specs is not None else None
         if kind is MessageKind.GRADIENT:
-            return self.sent_specs[message.microbatch]  # type: ignore[index]
+            assert k is not None
+            return self.sent_specs[k]
         if kind is MessageKind.HEADER:
             return torch.Size([HEADER_SIZE if self.sides is None else self.sides.header_size]), torch.int64
         return torch.Size([SUMMARY_SIZE]), torch.float64
