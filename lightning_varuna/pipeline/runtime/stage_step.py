@@ -1,11 +1,8 @@
 """One step of one stage: its tasks (forward, recompute, backward) and its transfers, posted in plan order.
 
 :class:`StageStep` holds everything a step of a stage owns (received inputs, outputs kept for backward, RNG
-states for recompute, held-back weight gradients, the transfers in flight) and has one method per action:
-:meth:`~StageStep.forward`, :meth:`~StageStep.recompute`, :meth:`~StageStep.backward` (or its two parts,
-:meth:`~StageStep.input_grad` and :meth:`~StageStep.weight_grad`) and the communication actions
-(:meth:`~StageStep.receive_input`, :meth:`~StageStep.send_output`, :meth:`~StageStep.receive_grad`,
-:meth:`~StageStep.send_input_grad`, :meth:`~StageStep.pass_summary`).
+states for recompute, held-back weight gradients, the transfers in flight) and has one method per action of the plan:
+computation (forward, recompute, backward or its input and weight parts) and communication (inputs, gradients, summary).
 
 Transfers follow the step's p2p plan (:mod:`~lightning_varuna.pipeline.scheduling.lowering`), posted by the step's
 inboxes and outboxes (:mod:`~lightning_varuna.pipeline.runtime.links`): receives strictly in each link's order as soon
@@ -26,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -41,18 +38,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     accumulating_in_place,
     holding_weight_grads,
 )
-from lightning_varuna.pipeline.runtime.links import (
-    Boxes,
-    Chunk,
-    Inbox,
-    LocalLink,
-    Outbox,
-    Spec,
-    StageContext,
-    StageLinks,
-    nbytes,
-    scaled_shape,
-)
+from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Spec, StageContext, StageLinks, nbytes, scaled_shape
 from lightning_varuna.pipeline.runtime.recompute import backward_recomputed, rng_devices, rng_state, set_rng_state
 from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
@@ -146,10 +132,8 @@ class StageStep:
         """Whether this step's batch is skipped before the forward (None until the first forward tells)."""
         self.upstream_skipped = False
         """Whether the previous stage's header said it skipped the batch."""
-        self.from_prev: Inbox | LocalLink | None = boxes.from_prev
-        self.from_next: Inbox | LocalLink | None = boxes.from_next
-        self.to_prev: Outbox | LocalLink | None = boxes.to_prev
-        self.to_next: Outbox | LocalLink | None = boxes.to_next
+        self.from_prev, self.from_next = boxes.from_prev, boxes.from_next
+        self.to_prev, self.to_next = boxes.to_prev, boxes.to_next
 
     # -- the step -------------------------------------------------------------------------------------------
     def run(self) -> list[Any]:
@@ -494,13 +478,10 @@ class StageStep:
         return True
 
     def _spec(self, message: Message) -> Spec | None:
-        kind = message.kind
-        k = message.microbatch
+        kind, k = message.kind, cast(int, message.microbatch)  # activations and gradients name their micro-batch
         if kind is MessageKind.ACTIVATION:
-            assert k is not None  # activations and gradients name their micro-batch
             return self.input_specs[k] if self.input_specs is not None else None
         if kind is MessageKind.GRADIENT:
-            assert k is not None
             return self.sent_specs[k]
         if kind is MessageKind.HEADER:
             return torch.Size([HEADER_SIZE if self.sides is None else self.sides.header_size]), torch.int64
