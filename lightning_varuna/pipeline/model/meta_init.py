@@ -52,13 +52,14 @@ def parameters_on_meta() -> Iterator[None]:
     meta costs nothing), so building a model this way takes no parameter memory and almost no time.
     """
 
-    def to_meta_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         if param is None or param.is_meta:
             return None
         return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
     # torch annotates the hook as returning None, yet registers the parameter it returns in place of the given one
-    handle = register_module_parameter_registration_hook(cast(Callable[..., None], to_meta_parameter))
+    to_meta_parameter = cast(Callable[..., None], to_meta)
+    handle = register_module_parameter_registration_hook(to_meta_parameter)
     try:
         yield
     finally:
