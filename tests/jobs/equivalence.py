@@ -43,8 +43,8 @@ from helpers.models import RandomTokens, SideValueGPT, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
-from lightning_varuna.recovery.preemption import Preempted  # noqa: E402
 from lightning_varuna.pipeline.runtime.events import StageCounters  # noqa: E402
+from lightning_varuna.recovery.preemption import Preempted  # noqa: E402
 
 STEPS = 8
 
@@ -301,7 +301,8 @@ def run(out: Path, spec: str) -> None:
     if save is not None:
         trainer.save_checkpoint(save)
     rank = trainer.global_rank
-    result = {"preempted_at": trainer.global_step if preempt is not None else None, "losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms,
+    result = {"preempted_at": trainer.global_step if preempt is not None else None,
+              "losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms,
               "logged_norms": recorder.logged_norms}
     if not reference:
         result["sent_bytes"] = recorder.counters.sent_bytes
