@@ -3,7 +3,8 @@
 The jobs run ``tests/jobs/equivalence.py`` (TinyGPT with a tied embedding and head, global-norm clipping, a step
 scheduler) against the plain single-process run on the same data. With sharding, a replica's ``.grad`` after the
 sync holds its rows of the averaged gradient and zeros elsewhere, so the replicas' recorded gradients add up to the
-whole gradient. The widest cases (P=2 x D=4 on 8 processes, the resume on 2 processes) run with
+whole gradient. One configuration is preempted (a SIGTERM to one rank) and resumed under another shape. The
+widest cases (P=2 x D=4 on 8 processes, the resume on 2 processes) run with
 ``VARUNA_ZERO=full`` or ``-m zero_full``.
 """
 
@@ -44,7 +45,8 @@ def _full(request: pytest.FixtureRequest) -> bool:
 
 
 def configs(ckpt: Path) -> dict[str, str]:
-    """The 4-process configurations; ``z1-adamw`` keeps its checkpoints of steps 4 and 8 in ``ckpt``."""
+    """The 4-process configurations, run in this order; ``z1-adamw`` keeps its checkpoints of steps 4 and 8 in
+    ``ckpt``, and the ``r*`` ones at the end resume checkpoints written before them in the same job."""
     return {
         # global_batch_size: a resume under D=1 reads the same 16 samples per step
         "z1-adamw": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,save_every=4,save_all=true,save_dir={ckpt},"
