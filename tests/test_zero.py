@@ -3,7 +3,8 @@
 The jobs run ``tests/jobs/equivalence.py`` (TinyGPT with a tied embedding and head, global-norm clipping, a step
 scheduler) against the plain single-process run on the same data. With sharding, a replica's ``.grad`` after the
 sync holds its rows of the averaged gradient and zeros elsewhere, so the replicas' recorded gradients add up to the
-whole gradient. The widest cases (P=2 x D=4 on 8 processes, the resume on 2 processes) run with
+whole gradient. One configuration is preempted (a SIGTERM to one rank) and resumed under another shape. The
+widest cases (P=2 x D=4 on 8 processes, the resume on 2 processes) run with
 ``VARUNA_ZERO=full`` or ``-m zero_full``.
 """
 
@@ -19,6 +20,8 @@ import torch
 from helpers.launch import python, torchrun
 
 from lightning_varuna import VarunaStrategy
+from lightning_varuna.checkpoint import is_complete
+from lightning_varuna.checkpoint.storage import META
 from lightning_varuna.pipeline.comm.sharded_step import ELEMENTWISE, check_elementwise
 from lightning_varuna.pipeline.comm.sharded_sync import shard_rows
 
@@ -42,7 +45,8 @@ def _full(request: pytest.FixtureRequest) -> bool:
 
 
 def configs(ckpt: Path) -> dict[str, str]:
-    """The 4-process configurations; ``z1-adamw`` keeps its checkpoints of steps 4 and 8 in ``ckpt``."""
+    """The 4-process configurations, run in this order; ``z1-adamw`` keeps its checkpoints of steps 4 and 8 in
+    ``ckpt``, and the ``r*`` ones at the end resume checkpoints written before them in the same job."""
     return {
         # global_batch_size: a resume under D=1 reads the same 16 samples per step
         "z1-adamw": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,save_every=4,save_all=true,save_dir={ckpt},"
@@ -53,7 +57,13 @@ def configs(ckpt: Path) -> dict[str, str]:
         f"save_all=true,save_dir={ckpt}/async",
         # two model chunks per rank (interleaved): the sharding covers both chunks' parameters, the tied copies
         # on chunks of different ranks; small buckets, each reduce-scattered by the chunk that makes it final
-        "z1-adamw-il": f"{P2D2},{ADAMW},zero_stage=1,schedule=interleaved,stages_per_rank=2,bucket=4096",
+        "z1-adamw-il": f"{P2D2},{ADAMW},zero_stage=1,schedule=interleaved,stages_per_rank=2,bucket=4096,"
+        f"global_batch_size=16,save_every=4,save_all=true,save_dir={ckpt}/il",
+        # two chunks per rank placed in a V (rank 0 holds the first and the last): the tied copies on one rank
+        "z1-adamw-zbv": f"{P2D2},{ADAMW},zero_stage=1,schedule=zero-bubble-v,stages_per_rank=2",
+        # rank 2 warned with SIGTERM as step 3 starts: every rank stops after it with last.ckpt of step 3
+        "z1-adamw-preempt": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,preempt=2:2,save_every=100,"
+        f"save_dir={ckpt}/preempt",
         # small buckets: several reduce-scatters during the window's last backward
         "z1-sgd-accum": f"{P2D2},tie=true,clip=0.5,optimizer=sgd,accumulate=2,bucket=4096,partition=params,"
         "zero_stage=1",
@@ -61,6 +71,13 @@ def configs(ckpt: Path) -> dict[str, str]:
         # written without sharding under P=4 x D=1, resumed with it (test_resume_across_zero_stages)
         "z0-adamw-p4d1": f"pipeline_parallel_size=4,num_microbatches=4,{ADAMW},global_batch_size=16,steps=4,"
         f"save_every=4,save_dir={ckpt}/p4d1",
+        # resumed from the checkpoints written above (test_preempted_sharded_job_resumes_on_the_plain_trajectory,
+        # test_resume_across_chunks_per_rank)
+        "r0-p4d1-preempt-adamw": f"pipeline_parallel_size=4,num_microbatches=4,{ADAMW},global_batch_size=16,"
+        f"resume={ckpt}/preempt/last.ckpt",
+        "r1-zb2-adamw": f"{P2D2},{ADAMW},zero_stage=1,schedule=zero-bubble,stages_per_rank=2,global_batch_size=16,"
+        f"resume={ckpt}/ckpt-step=4.ckpt",
+        "r1-from-il-adamw": f"{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,resume={ckpt}/il/ckpt-step=4.ckpt",
     }
 
 
@@ -84,8 +101,10 @@ def _load(directory: Path, name: str, rank: int) -> dict:
     return json.loads((directory / f"{name}.rank{rank}.json").read_text())
 
 
-def check_against_reference(directory: Path, name: str, ranks: int, steps: slice = slice(None)) -> None:
-    """Losses, step-1 gradients summed over each stage's replicas, logged norms and final weights: the plain run's."""
+def check_against_reference(directory: Path, name: str, ranks: int, steps: slice = slice(None),
+                            final: bool = True) -> None:
+    """Losses, step-1 gradients summed over each stage's replicas, logged norms and (``final``: a run that reached
+    the last step) final weights: the plain run's."""
     reference = _load(directory, reference_of(name), 0)
     loss_tol, grad_tol, param_tol = TOLERANCES.get(name.split("-")[-1], (LOSS_TOLERANCE, GRAD_TOLERANCE,
                                                                            PARAM_TOLERANCE))
@@ -100,7 +119,7 @@ def check_against_reference(directory: Path, name: str, ranks: int, steps: slice
             summed[key] = summed.get(key, torch.zeros(len(grad), dtype=torch.float64)) + torch.tensor(grad)
         for got, expected in zip(run["logged_norms"], reference["logged_norms"][steps]):
             assert got == pytest.approx(expected, rel=1e-4, abs=1e-6), f"{name} rank {rank}: logged norms"
-        for param, values in run["final"].items():
+        for param, values in run["final"].items() if final else ():
             worst = (torch.tensor(values) - torch.tensor(reference["final"][param])).abs().max().item()
             assert worst < param_tol, f"{name} rank {rank}: {param} ends {worst} away from the plain run's"
     for (where, param), grad in summed.items():  # with sharding, each replica holds its rows of the gradient
@@ -120,8 +139,8 @@ def check_copies_identical(directory: Path, name: str, ranks: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["z1-adamw", "z0-adamw", "z1-adamw-async", "z1-adamw-il", "z1-sgd-accum",
-                                  "z1-groups-fp16"])
+@pytest.mark.parametrize("name", ["z1-adamw", "z0-adamw", "z1-adamw-async", "z1-adamw-il", "z1-adamw-zbv",
+                                  "z1-sgd-accum", "z1-groups-fp16"])
 def test_sharded_optimizer_trains_as_the_plain_run(results: Path, name: str) -> None:
     check_against_reference(results, name, 4)
     check_copies_identical(results, name, 4)
@@ -187,6 +206,32 @@ def test_resume_across_zero_stages(results: Path) -> None:
         runs = [_load(results, name, rank) for rank in range(4)]
         assert all(len(run["losses"]) == 4 for run in runs), name
         check_against_reference(results, name, 4, slice(4, 8))
+
+
+@pytest.mark.slow
+def test_preempted_sharded_job_resumes_on_the_plain_trajectory(results: Path) -> None:
+    """A P=2 x D=2 job with zero_stage=1 warned with SIGTERM on one rank stops on every rank after the step under way,
+    with its checkpoint; resumed with zero_stage=0 at P=4 x D=1 it continues the uninterrupted (plain) trajectory."""
+    ckpt = results / "ckpt" / "preempt" / "last.ckpt"
+    assert is_complete(ckpt) and torch.load(ckpt / META, weights_only=False)["global_step"] == 3
+    runs = [_load(results, "z1-adamw-preempt", rank) for rank in range(4)]
+    assert all(run["preempted_at"] == 3 and len(run["losses"]) == 3 for run in runs)
+    check_against_reference(results, "z1-adamw-preempt", 4, slice(0, 3), final=False)
+    check_copies_identical(results, "z1-adamw-preempt", 4)
+    resumed = [_load(results, "r0-p4d1-preempt-adamw", rank) for rank in range(4)]
+    assert all(len(run["losses"]) == 5 for run in resumed)
+    check_against_reference(results, "r0-p4d1-preempt-adamw", 4, slice(3, 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "chunks"), [("r1-zb2-adamw", 2), ("r1-from-il-adamw", 1)])
+def test_resume_across_chunks_per_rank(results: Path, name: str, chunks: int) -> None:
+    """Written with zero_stage=1 and one chunk per rank, resumed with two (zero-bubble); written with two chunks per
+    rank (interleaved), resumed with one: both continue the uninterrupted (plain) run's trajectory."""
+    runs = [_load(results, name, rank) for rank in range(4)]
+    assert all(len(run["losses"]) == 4 and run["config"]["stages_per_rank"] == chunks for run in runs)
+    check_against_reference(results, name, 4, slice(4, 8))
+    check_copies_identical(results, name, 4)
 
 
 @pytest.mark.slow

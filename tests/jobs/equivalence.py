@@ -13,7 +13,9 @@ written after fit), ``save_every`` (a ModelCheckpoint directory, written every t
 model logs ``grad_norm(self, 2)`` in ``on_before_optimizer_step``), ``bucket`` (gradient bucket bytes),
 ``overlap`` (all-reduce during the last backward, default on), ``accelerator`` (default ``cpu``),
 ``shared_gpu`` (every process on ``cuda:0``: gloo process group and p2p), ``log_dir`` (a CSVLogger there, logging
-every 2 steps), ``vocab`` (the vocabulary size) and ``optimizer`` (``adamw``, the model's own: AdamW with a step
+every 2 steps), ``preempt`` (``STEP:RANK``: that rank sends itself SIGTERM as training step STEP starts, so every
+rank stops after it with ``last.ckpt`` in ``save_dir``; the steps done so far are recorded), ``vocab`` (the
+vocabulary size) and ``optimizer`` (``adamw``, the model's own: AdamW with a step
 scheduler; ``sgd``: SGD with momentum and the same scheduler; ``groups``: AdamW with two parameter groups,
 weight decay 0.1 on matrices and 0 on the rest). Each rank records its optimizer state's bytes (a DTensor
 counted by its local shard), its parameters' bytes and the gradient sync's peak (``.grad`` plus the sync's own
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
 from lightning_varuna.pipeline.runtime.events import StageCounters  # noqa: E402
+from lightning_varuna.recovery.preemption import Preempted  # noqa: E402
 
 STEPS = 8
 
@@ -195,6 +199,17 @@ class Recorder(pl.Callback):
         )
 
 
+class Preempter(pl.Callback):
+    """Warns ``rank`` with SIGTERM as step ``step`` starts: the flag is agreed at the next batch's start."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run(out: Path, spec: str) -> None:
     name, options = parse_spec(spec)
     batch = options.pop("batch", 16)
@@ -227,6 +242,7 @@ def run(out: Path, spec: str) -> None:
     layers = options.pop("layers", 4)
     optimizer_kind = options.pop("optimizer", "adamw")
     side = options.pop("side", False)
+    preempt = options.pop("preempt", None)
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
     model_class = with_optimizer(SideValueGPT if side else NormLoggingGPT if gradnorm else TinyGPT, optimizer_kind)
@@ -250,6 +266,9 @@ def run(out: Path, spec: str) -> None:
             pl.callbacks.ModelCheckpoint(dirpath=save_dir, filename="ckpt-{step}" if save_all else "ckpt",
                                          every_n_train_steps=save_every, save_top_k=-1 if save_all else 1)
         )
+    if preempt is not None:
+        step, warned = (int(part) for part in str(preempt).split(":"))
+        callbacks.append(Preempter(step, warned))
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=1 if reference or shared_gpu else int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -274,11 +293,16 @@ def run(out: Path, spec: str) -> None:
         callbacks=callbacks,
         use_distributed_sampler=not reference,
     )
-    trainer.fit(model, loader, ckpt_path=resume)
+    try:
+        trainer.fit(model, loader, ckpt_path=resume)
+    except Preempted:
+        if preempt is None:
+            raise
     if save is not None:
         trainer.save_checkpoint(save)
     rank = trainer.global_rank
-    result = {"losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms,
+    result = {"preempted_at": trainer.global_step if preempt is not None else None,
+              "losses": recorder.losses, "grads": recorder.grads, "grad_norms": recorder.grad_norms,
               "logged_norms": recorder.logged_norms}
     if not reference:
         result["sent_bytes"] = recorder.counters.sent_bytes
