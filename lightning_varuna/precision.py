@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
