@@ -17,7 +17,6 @@ it (autocast, conversions, state): its class becomes a subclass of the user's pl
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -66,11 +65,16 @@ class PipelinePrecision(Precision):
             )
 
 
-@functools.cache
+_PIPELINE_CLASSES: dict[type[Precision], type[Precision]] = {}
+
+
 def _pipeline_class(cls: type[Precision]) -> type[Precision]:
+    """``cls`` with :class:`PipelinePrecision` mixed in (one class per plugin class)."""
     if issubclass(cls, PipelinePrecision):
         return cls
-    return type(f"Pipeline{cls.__name__}", (PipelinePrecision, cls), {"__module__": __name__})
+    if cls not in _PIPELINE_CLASSES:
+        _PIPELINE_CLASSES[cls] = type(f"Pipeline{cls.__name__}", (PipelinePrecision, cls), {"__module__": __name__})
+    return _PIPELINE_CLASSES[cls]
 
 
 def pipeline_precision(plugin: Precision) -> Precision:
@@ -85,7 +89,7 @@ def pipeline_precision(plugin: Precision) -> Precision:
     wrapped.__dict__.update(plugin.__dict__)
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-        wrapped.scaler = _sharded(scaler, getattr(plugin, "device", "cpu"))
+        wrapped.__dict__["scaler"] = _sharded(scaler, getattr(plugin, "device", "cpu"))
     return wrapped
 
 
