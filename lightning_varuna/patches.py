@@ -229,7 +229,7 @@ def install_ckpt_path_recorder(choose_last: Callable[[Any, Any], Any]) -> None:
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     original = _CheckpointConnector._select_ckpt_path
-    if getattr(original, "_varuna", False):
+    if getattr(original, "__module__", None) == __name__:  # already installed: the method is this module's select
         return
 
     def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -252,8 +252,7 @@ def install_ckpt_path_recorder(choose_last: Callable[[Any, Any], Any]) -> None:
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         return ours if ours is not None else chosen
 
-    select._varuna = True  # type: ignore[attr-defined]
-    _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]
+    _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]  # the patch itself
 
 
 def requested_ckpt_path(trainer: Any) -> Any:
