@@ -124,7 +124,7 @@ PATCHES: tuple[Patch, ...] = (
           " given to it", (
               ("precision.py", 'type(f"Pipeline{cls.__name__}"'),
               ("precision.py", "wrapped.__dict__.update(plugin.__dict__)"),
-              ("precision.py", "wrapped.scaler = _sharded("),
+              ("precision.py", "with_scaler.scaler = _sharded("),
               ("strategy.py", "precision.global_grad_norm = self.global_grad_norm")),
           "clip_grad_by_norm must clip by the whole model's norm (all stages), and fp16 overflow must be agreed by"
           " every stage and replica; a subclass of the user's own plugin class keeps everything else of it"

@@ -18,12 +18,13 @@ it (autocast, conversions, state): its class becomes a subclass of the user's pl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
+from torch.amp.grad_scaler import GradScaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -65,6 +66,10 @@ class PipelinePrecision(Precision):
             )
 
 
+class _WithScaler(Protocol):
+    scaler: GradScaler
+
+
 _PIPELINE_CLASSES: dict[type[Precision], type[Precision]] = {}
 
 
@@ -89,7 +94,8 @@ def pipeline_precision(plugin: Precision) -> Precision:
     wrapped.__dict__.update(plugin.__dict__)
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-        wrapped.__dict__["scaler"] = _sharded(scaler, getattr(plugin, "device", "cpu"))
+        with_scaler = cast(_WithScaler, wrapped)  # a copy of the plugin, which has a scaler
+        with_scaler.scaler = _sharded(scaler, getattr(plugin, "device", "cpu"))
     return wrapped
 
 
