@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from lightning_varuna.checkpoint import lease as leases
 from lightning_varuna.checkpoint.integrity import ALGORITHM, CHECKSUMS, ChecksumSavePlanner, checksum
@@ -80,7 +80,7 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
         planner = ChecksumSavePlanner(_parameter_keys(job) if job.verify else ())
         error = None
         try:
-            dcp_save(job.shards, storage_writer=tmp.writer(), planner=planner, process_group=group)
+            dcp.save(job.shards, storage_writer=tmp.writer(), planner=planner, process_group=group)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises it on every rank (not an Exception)
             log.debug("checkpoint write failed", exc_info=True)
             error = _describe(err)
@@ -169,7 +169,7 @@ def write_single(
     shards, hyper = split_shards(shards, groups)
     planner = ChecksumSavePlanner()
     with single_process_quiet():
-        dcp_save(shards, storage_writer=tmp.writer(), planner=planner, no_dist=True)
+        dcp.save(shards, storage_writer=tmp.writer(), planner=planner, no_dist=True)
     meta = to_bytes({key: value for key, value in metadata.items() if key != RECORD})
     record = make_record(param_names, [(groups, hyper)])
     files = {META: checksum(meta), INDEX: checksum(tmp.child(INDEX).read_bytes())}

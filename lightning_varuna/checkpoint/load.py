@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.optim import Optimizer
 
 from lightning_varuna.checkpoint.integrity import CHECKSUMS, VerifyingLoadPlanner, checksum
@@ -181,7 +181,7 @@ def read_items(loc: Location, request: dict[str, Any], expected: dict[str, str])
     planner = VerifyingLoadPlanner(expected)
     try:
         with single_process_quiet():
-            dcp_load(request, storage_reader=loc.reader(), planner=planner, no_dist=not dist.is_initialized())
+            dcp.load(request, storage_reader=loc.reader(), planner=planner, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - raised on every rank by DCP, re-raised with what to do
         raise CheckpointError(f"Could not read {loc}: {err}. The files may be damaged. {_USE_ANOTHER}") from err
     if not planner.mismatched:
@@ -211,7 +211,7 @@ def read_everything(loc: Location, expected: dict[str, str], only: set[str] | No
     planner = VerifyingLoadPlanner(expected, flatten_state_dict=False)
     try:
         with single_process_quiet():
-            dcp_load(flat, storage_reader=loc.reader(), planner=planner, no_dist=True)
+            dcp.load(flat, storage_reader=loc.reader(), planner=planner, no_dist=True)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - any reader error means the same to the user
         raise CheckpointError(f"Could not read {loc}: {err}. The files may be damaged.") from err
     if planner.mismatched:

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from lightning_varuna.checkpoint.key_renames import key_renamer
 from lightning_varuna.checkpoint.load import _agree, _few, check_files
@@ -127,7 +127,7 @@ class _Sharded(Weights):
     def copy_into(self, targets: Mapping[str, Sequence[Tensor]]) -> None:
         request = {key: outs[0].detach() for key, outs in targets.items()}
         with single_process_quiet():
-            dcp_load({"state_dict": request}, storage_reader=self.loc.reader(), no_dist=not dist.is_initialized())
+            dcp.load({"state_dict": request}, storage_reader=self.loc.reader(), no_dist=not dist.is_initialized())
         with torch.no_grad():
             for key, outs in targets.items():
                 for out in outs[1:]:
