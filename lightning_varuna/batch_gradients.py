@@ -23,6 +23,8 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
+from lightning_varuna.callbacks import trainer_callbacks
+
 __all__ = ["BatchGradients", "window_position"]
 
 
@@ -94,6 +96,6 @@ def window_position(trainer: Trainer) -> tuple[bool, bool, bool]:
     final = not loop._should_accumulate()  # private: Lightning's own test of the window's end
     hooks = (
         is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module)
-        or any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks)
+        or any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer_callbacks(trainer))
     )
     return first, final, not hooks

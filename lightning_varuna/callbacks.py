@@ -14,15 +14,26 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, StochasticWeightAveraging
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_varuna.patches import InstancePatches, silence_prediction_writers, summarize_with
 
-__all__ = ["FrozenSummary", "adapt_callbacks", "refuse_unsupported_callbacks", "whole_model_summaries"]
+__all__ = [
+    "FrozenSummary", "adapt_callbacks", "refuse_unsupported_callbacks", "trainer_callbacks", "whole_model_summaries",
+]
+
+
+class _WithCallbacks(Protocol):
+    callbacks: list[Callback]
+
+
+def trainer_callbacks(trainer: Trainer) -> list[Callback]:
+    """The trainer's callbacks (set by Lightning's callback connector; ``Trainer`` does not declare them)."""
+    return cast(_WithCallbacks, trainer).callbacks
 
 
 class FrozenSummary:
@@ -34,7 +45,7 @@ class FrozenSummary:
     """
 
     def __init__(self, summary: Any) -> None:
-        self._data = summary._get_summary_data()
+        self._data: list[tuple[str, list[str]]] = summary._get_summary_data()
         self.total_parameters: int = summary.total_parameters
         self.trainable_parameters: int = summary.trainable_parameters
         self.model_size: float = summary.model_size
@@ -51,7 +62,7 @@ def whole_model_summaries(trainer: Trainer, module: LightningModule) -> list[tup
 
     Every rank makes them, as Lightning does at ``on_fit_start``.
     """
-    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, ModelSummary)]  # type: ignore[attr-defined]
+    callbacks = [cb for cb in trainer_callbacks(trainer) if isinstance(cb, ModelSummary)]
     # `_max_depth` is the callback's only record of its depth (0: it prints nothing)
     return [(cb, FrozenSummary(cb._summary(trainer, module))) for cb in callbacks if cb._max_depth]
 
@@ -63,12 +74,12 @@ def adapt_callbacks(
     for callback, summary in summaries:
         summarize_with(patches, callback, summary)
     if not first_stage:
-        silence_prediction_writers(patches, trainer.callbacks)  # type: ignore[attr-defined]
+        silence_prediction_writers(patches, trainer_callbacks(trainer))
 
 
 def refuse_unsupported_callbacks(trainer: Trainer) -> None:
     """Raises, on every rank alike and before any collective, for callbacks that cannot work on one stage."""
-    if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+    if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer_callbacks(trainer)):
         raise MisconfigurationException(
             "StochasticWeightAveraging does not work with VarunaStrategy: it keeps a copy of the whole model on"
             " every rank and averages it with the parameters of this rank's stage only, and its checkpoint state"

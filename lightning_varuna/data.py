@@ -14,13 +14,13 @@ holds exactly the samples the uninterrupted run would have used.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, cast
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_varuna.patches import InstancePatches, hand_over_dataloader
@@ -135,7 +135,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         return order[:total]
 
 
-class ResumableDataLoader(DataLoader):
+class ResumableDataLoader(DataLoader[Any]):
     """A ``DataLoader`` over an :class:`ElasticBatchSampler` whose position Lightning saves and restores.
 
     Lightning stores ``state_dict()`` in the checkpoint's loop state and calls ``load_state_dict()`` before it
@@ -187,7 +187,7 @@ def make_resumable(
     batch_size: int | None,
     epoch_of: Callable[[], int],
     position: Callable[[], tuple[int, int]],
-) -> DataLoader | None:
+) -> DataLoader[Any] | None:
     """A :class:`ResumableDataLoader` reading what ``loader`` reads, or ``None`` if ``loader`` is not plain.
 
     Only a plain ``DataLoader`` with the ``DistributedSampler`` Lightning injected and the default batch sampler
@@ -211,7 +211,7 @@ def make_resumable(
     ):
         return None
     elastic = ElasticBatchSampler(
-        len(loader.dataset),  # type: ignore[arg-type]
+        len(cast(Sized, loader.dataset)),  # a DistributedSampler's dataset has a length
         batch_size or loader.batch_size,
         num_replicas,
         rank,
@@ -261,7 +261,7 @@ def resumable_training_loader(
     batch_size = None if global_batch_size is None else global_batch_size // num_replicas
 
     def epoch() -> int:
-        return fit_loop.epoch_progress.current.processed
+        return int(fit_loop.epoch_progress.current.processed)
 
     def position() -> tuple[int, int]:
         return epoch(), fit_loop.epoch_loop.batch_progress.current.processed

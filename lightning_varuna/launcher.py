@@ -38,7 +38,7 @@ class PipelineLauncher(_SubprocessScriptLauncher):
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.timeout = timeout
 
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Runs ``function`` (starting the other ranks first if needed); raises if any rank's run failed."""
         try:
             if self.cluster_environment.creates_processes_externally:

@@ -16,6 +16,7 @@ import importlib.util
 import sys
 import warnings
 from types import CodeType, ModuleType
+from typing import cast
 
 __all__ = ["MOVED", "REMOVED", "OldPaths", "install"]
 
@@ -91,13 +92,17 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run (the module ran at its new path): its own spec put back."""
-        module.__spec__ = self._specs.pop(module.__spec__.name)  # type: ignore[union-attr]
+        spec = module.__spec__
+        assert spec is not None  # the import system has just given the module the old path's spec
+        module.__spec__ = self._specs.pop(spec.name)
 
     def get_code(self, fullname: str) -> CodeType | None:
         """The new module's code, for ``python -m`` with an old path."""
         _warn(fullname)
         spec = importlib.util.find_spec(MOVED[fullname])
-        return spec.loader.get_code(spec.name)  # type: ignore[union-attr]
+        assert spec is not None  # MOVED names modules of this package
+        # a module of this package is loaded from source, by a loader that can give its code
+        return cast(importlib.abc.InspectLoader, spec.loader).get_code(spec.name)
 
 
 def _warn(old: str) -> None:

@@ -124,7 +124,7 @@ PATCHES: tuple[Patch, ...] = (
           " given to it", (
               ("precision.py", 'type(f"Pipeline{cls.__name__}"'),
               ("precision.py", "wrapped.__dict__.update(plugin.__dict__)"),
-              ("precision.py", "wrapped.scaler = _sharded("),
+              ("precision.py", "with_scaler.scaler = _sharded("),
               ("strategy.py", "precision.global_grad_norm = self.global_grad_norm")),
           "clip_grad_by_norm must clip by the whole model's norm (all stages), and fp16 overflow must be agreed by"
           " every stage and replica; a subclass of the user's own plugin class keeps everything else of it"
@@ -229,7 +229,7 @@ def install_ckpt_path_recorder(choose_last: Callable[[Any, Any], Any]) -> None:
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     original = _CheckpointConnector._select_ckpt_path
-    if getattr(original, "_varuna", False):
+    if getattr(original, "__module__", None) == __name__:  # already installed: the method is this module's select
         return
 
     def select(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -252,8 +252,7 @@ def install_ckpt_path_recorder(choose_last: Callable[[Any, Any], Any]) -> None:
                 warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         return ours if ours is not None else chosen
 
-    select._varuna = True  # type: ignore[attr-defined]
-    _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]
+    _CheckpointConnector._select_ckpt_path = select  # type: ignore[method-assign]  # the patch itself
 
 
 def requested_ckpt_path(trainer: Any) -> Any:

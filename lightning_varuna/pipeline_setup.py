@@ -14,12 +14,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_varuna.batch_gradients import BatchGradients
 from lightning_varuna.checkpoint.pretrained import InitialWeights, ModelLayout
@@ -33,6 +32,7 @@ from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors
 from lightning_varuna.pipeline.planning.choice import AutoConfig, choose
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.processes import ProcessGroupStrategy
 from lightning_varuna.reports import TimelineOutput, optimizer_spec, report_choice
 from lightning_varuna.step_hooks import StepRunner, check_metric_states
 
@@ -65,12 +65,13 @@ def boundary_dtype(setting: str, precision: Precision) -> torch.dtype | None:
     ``"auto"``: the compute dtype under ``bf16-mixed``/``16-mixed`` precision, else None (as produced).
     """
     if setting != "auto":
-        return getattr(torch, setting)
+        named: torch.dtype = getattr(torch, setting)
+        return named
     mixed = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
     return mixed.get(getattr(precision, "precision", ""))
 
 
-def new_engine(strategy: ParallelStrategy, trainer: Trainer, config: EngineConfig) -> PipelineEngine:
+def new_engine(strategy: ProcessGroupStrategy, trainer: Trainer, config: EngineConfig) -> PipelineEngine:
     """The engine for the strategy's module (not set up yet); P is at most the node's number of devices.
 
     Raises:
@@ -80,10 +81,10 @@ def new_engine(strategy: ParallelStrategy, trainer: Trainer, config: EngineConfi
         raise MisconfigurationException(f"VarunaStrategy cannot run trainer.{trainer.state.fn}.")
     devices = strategy.num_processes or None
     config = replace(config, max_pipeline_size=devices, devices_per_node=devices)
-    return PipelineEngine(strategy.lightning_module, config, device=strategy.root_device, planner=choose)
+    return PipelineEngine(strategy.attached_module, config, device=strategy.root_device, planner=choose)
 
 
-def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: PipelineEngine, patches: InstancePatches,
+def build_pipeline(strategy: ProcessGroupStrategy, trainer: Trainer, engine: PipelineEngine, patches: InstancePatches,
                    initial_weights: InitialWeights | None, timeline_dir: str | None) -> Pipeline:
     """Partitions the strategy's module with the engine's dry run; loads the initial weights (collective).
 
@@ -99,7 +100,9 @@ def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: Pipelin
     assert module is not None
     precision = strategy.precision_plugin
     config = engine.config
-    step = getattr(module, STEP_HOOKS[trainer.state.fn])  # type: ignore[index]
+    fn = trainer.state.fn
+    assert fn is not None  # new_engine accepted it: one of STEP_HOOKS
+    step = getattr(module, STEP_HOOKS[fn])
     capture = LogCapture(module)
     on_meta = has_meta_tensors(module)
     if on_meta:
@@ -138,14 +141,14 @@ def build_pipeline(strategy: ParallelStrategy, trainer: Trainer, engine: Pipelin
     return Pipeline(engine, topology, steps, gradients, hook_logs, timeline)
 
 
-def _load_initial_weights(strategy: ParallelStrategy, trainer: Trainer, weights: InitialWeights,
+def _load_initial_weights(strategy: ProcessGroupStrategy, trainer: Trainer, weights: InitialWeights,
                           layout: ModelLayout) -> None:
     # Lightning restores a checkpoint after this setup: then it supplies the weights (rank 0's view decides)
     if strategy.broadcast(selected_ckpt_path(trainer) is not None):
         rank_zero_info(f"VarunaStrategy: initial_weights ({weights.path}) not loaded: resuming from a checkpoint,"
                        " which holds the weights.")
         return
-    weights.load(strategy.lightning_module, layout)
+    weights.load(strategy.attached_module, layout)
 
 
 def _shape(pipeline_size: int, stages_per_rank: int) -> str:

@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import move_data_to_device
 
 from lightning_varuna.patches import meta_dry_run
 from lightning_varuna.pipeline.batches import is_meta_batch
-from lightning_varuna.pipeline.config import AUTO, EngineConfig
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import batch_size_of, default_loss, first_samples, samples
 from lightning_varuna.pipeline.model.cut import check_cut_at_order, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import trace_step
@@ -127,7 +127,8 @@ def _import(spec: str) -> type:
         loaded.loader.exec_module(module)
     else:
         module = importlib.import_module(module_name)
-    return getattr(module, name)
+    found: type = getattr(module, name)
+    return found
 
 
 def _build(args: argparse.Namespace, rest: list[str]) -> tuple[LightningModule, Any, Trainer]:
@@ -186,8 +187,8 @@ def _config(args: argparse.Namespace, strategy: VarunaStrategy) -> EngineConfig:
     if args.memory is not None:
         config = replace(config, memory_limit=parse_bytes(args.memory))
     if args.auto:
-        config = replace(config, pipeline_parallel_size=AUTO, microbatch_size=AUTO, num_microbatches=None,
-                         schedule=AUTO, recompute=AUTO)
+        config = replace(config, pipeline_parallel_size="auto", microbatch_size="auto", num_microbatches=None,
+                         schedule="auto", recompute="auto")
     return config
 
 

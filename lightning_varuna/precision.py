@@ -17,14 +17,14 @@ it (autocast, conversions, state): its class becomes a subclass of the user's pl
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
+from torch.amp.grad_scaler import GradScaler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -66,11 +66,20 @@ class PipelinePrecision(Precision):
             )
 
 
-@functools.cache
+class _WithScaler(Protocol):
+    scaler: GradScaler
+
+
+_PIPELINE_CLASSES: dict[type[Precision], type[Precision]] = {}
+
+
 def _pipeline_class(cls: type[Precision]) -> type[Precision]:
+    """``cls`` with :class:`PipelinePrecision` mixed in (one class per plugin class)."""
     if issubclass(cls, PipelinePrecision):
         return cls
-    return type(f"Pipeline{cls.__name__}", (PipelinePrecision, cls), {"__module__": __name__})
+    if cls not in _PIPELINE_CLASSES:
+        _PIPELINE_CLASSES[cls] = type(f"Pipeline{cls.__name__}", (PipelinePrecision, cls), {"__module__": __name__})
+    return _PIPELINE_CLASSES[cls]
 
 
 def pipeline_precision(plugin: Precision) -> Precision:
@@ -85,7 +94,8 @@ def pipeline_precision(plugin: Precision) -> Precision:
     wrapped.__dict__.update(plugin.__dict__)
     scaler = getattr(plugin, "scaler", None)
     if scaler is not None and not isinstance(scaler, ShardedGradScaler):
-        wrapped.scaler = _sharded(scaler, getattr(plugin, "device", "cpu"))
+        with_scaler = cast(_WithScaler, wrapped)  # a copy of the plugin, which has a scaler
+        with_scaler.scaler = _sharded(scaler, getattr(plugin, "device", "cpu"))
     return wrapped
 
 

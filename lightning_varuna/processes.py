@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,11 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
@@ -40,8 +41,8 @@ from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["ProcessGroupStrategy", "global_grad_norm", "is_initialized", "stop_watching_peers", "waiting",
-           "watch_peers"]
+__all__ = ["ProcessGroupStrategy", "global_grad_norm", "is_initialized", "process_group", "stop_watching_peers",
+           "waiting", "watch_peers"]
 
 
 class ProcessGroupStrategy(ParallelStrategy):
@@ -76,6 +77,14 @@ class ProcessGroupStrategy(ParallelStrategy):
         """This process's device."""
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    def attached_module(self) -> LightningModule:
+        """The ``LightningModule`` being run (Lightning attaches it before any hook that reads it)."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("VarunaStrategy: no LightningModule is attached (the Trainer has not connected one).")
+        return module
 
     @property
     def num_processes(self) -> int:
@@ -123,7 +132,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning keeps it on fn
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -188,6 +197,11 @@ def waiting(topology: Topology | None, what: str, wait: Callable[[], Any]) -> An
     return waiting_on_peers(topology, what, wait)
 
 
+def process_group(group: object) -> dist.ProcessGroup:
+    """``group`` as torch's collectives take it (the topology keeps its groups untyped)."""
+    return cast(dist.ProcessGroup, group)
+
+
 def global_grad_norm(engine: PipelineEngine, topology: Topology) -> Tensor:
     """The L2 norm of the whole model's gradient: every stage's share summed over the pipeline.
 
@@ -200,5 +214,5 @@ def global_grad_norm(engine: PipelineEngine, topology: Topology) -> Tensor:
                          lambda: dist.all_reduce(total))
     elif topology.pipeline_size > 1:
         waiting_on_peers(topology, "summing the gradient norm over stages",
-                         lambda: dist.all_reduce(total, group=topology.pipe_group))
+                         lambda: dist.all_reduce(total, group=process_group(topology.pipe_group)))
     return total.sqrt()

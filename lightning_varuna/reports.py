@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_varuna.fault.failures import waiting_on_peers
 from lightning_varuna.pipeline.engine import PipelineEngine
@@ -31,8 +31,13 @@ from lightning_varuna.pipeline.timelines.timeline import (
     predicted_events,
     write_chrome_trace,
 )
+from lightning_varuna.processes import process_group
 
 __all__ = ["TimelineOutput", "choice_hparams", "optimizer_spec", "report_choice"]
+
+
+class _LogsEveryNSteps(Protocol):
+    log_every_n_steps: int  # set by Lightning's logger connector, not declared on Trainer
 
 
 def optimizer_spec(module: LightningModule) -> OptimizerSpec | None:
@@ -115,7 +120,7 @@ class TimelineOutput:
         Collective over the pipeline, at the same steps on every rank.
         """
         self._steps += 1
-        if not trainer.loggers or self._steps % max(1, trainer.log_every_n_steps):
+        if not trainer.loggers or self._steps % max(1, cast(_LogsEveryNSteps, trainer).log_every_n_steps):
             return
         topology = self.engine.topology
         assert topology is not None
@@ -123,7 +128,7 @@ class TimelineOutput:
         gathered: list[Any] = [None] * topology.pipeline_size
         if topology.pipeline_size > 1:
             waiting_on_peers(topology, "gathering the pipeline metrics",
-                             lambda: dist.all_gather_object(gathered, spans, group=topology.pipe_group))
+                             lambda: dist.all_gather_object(gathered, spans, group=process_group(topology.pipe_group)))
         else:
             gathered = [spans]
         metrics = pipeline_metrics(gathered)

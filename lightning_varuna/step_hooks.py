@@ -22,9 +22,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import Metric
 
 from lightning_varuna.fault.failures import report_failure, waiting_on_peers
-from lightning_varuna.logs.log_sync import LogBroadcaster, LogCapture, fill, reduce_records, replay
+from lightning_varuna.logs.log_sync import LogBroadcaster, LogCapture, LogMeta, fill, reduce_records, replay
 from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
+from lightning_varuna.processes import process_group
 
 __all__ = ["StepRunner", "check_metric_states"]
 
@@ -49,8 +50,8 @@ class StepRunner:
         self.broadcaster = LogBroadcaster(topology.pipe_group, topology.pipe_src_rank, topology.is_last, self.device)
         self.module_names = {id(m): name for name, m in module.named_modules()}
 
-    def run(self, hook: str, args: tuple, kwargs: dict, loss_scale: float = 1.0, start_sync: bool = False,
-            accumulated: Mapping[torch.nn.Parameter, Tensor] | None = None) -> Any:
+    def run(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], loss_scale: float = 1.0,
+            start_sync: bool = False, accumulated: Mapping[torch.nn.Parameter, Tensor] | None = None) -> Any:
         """Runs ``hook`` on ``args[0]`` (the batch); returns the batch loss (training) or the merged outputs.
 
         In training it returns None, on every rank, when the batch is skipped: the user's step returned None for
@@ -98,7 +99,7 @@ class StepRunner:
 
     def _shared_logs(
         self, capture: LogCapture, result: Any, shared: dict[str, Any], train: bool
-    ) -> tuple[tuple, Tensor, bool]:
+    ) -> tuple[LogMeta, Tensor, bool]:
         """The step's logged keys and values as the last stage has them, and whether the batch is skipped.
 
         In training the values start with the loss and the skip flag.
@@ -115,7 +116,7 @@ class StepRunner:
 
     def _reduce(
         self, capture: LogCapture, outputs: list[Any], units: list[float], train: bool
-    ) -> tuple[tuple, list, bool]:
+    ) -> tuple[LogMeta, list[Tensor], bool]:
         """The step's logged keys and values as the last stage has them, and whether the batch is skipped.
 
         Micro-batches weigh as their losses did (``units``: sizes, or counted tokens with ``loss_weighting`` by
@@ -139,7 +140,7 @@ class StepRunner:
         flag = torch.full((), float(skipped), device=self.device)
         replicas = [topology.rank_of(topology.stage, r) for r in range(topology.data_size)]
         waiting_on_peers(topology, f"agreeing with the other replicas (ranks {replicas}) whether the batch is skipped",
-                         lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topology.data_group))
+                         lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group(topology.data_group)))
         return bool(flag.item())
 
     def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[float]], Tensor]:
@@ -156,7 +157,7 @@ class StepRunner:
 
         return summarize
 
-    def _unpack_summary(self, summary: Tensor, shared: dict[str, Any]) -> tuple[tuple, Tensor, bool]:
+    def _unpack_summary(self, summary: Tensor, shared: dict[str, Any]) -> tuple[LogMeta, Tensor, bool]:
         # one host read: the header, the loss and the skip flag
         changed, n, _, skipped = summary[:2 + _TRAINING_VALUES].tolist()
         if n > summary.numel() - 2:  # too many values for the summary: the last stage broadcasts them
@@ -174,7 +175,7 @@ class StepRunner:
         merged = _concat(outputs) if outputs else None
         if hook == "predict_step" and self.topology.pipeline_size > 1:
             box = [merged]
-            dist.broadcast_object_list(box, self.topology.pipe_src_rank, group=self.topology.pipe_group)
+            dist.broadcast_object_list(box, self.topology.pipe_src_rank, group=process_group(self.topology.pipe_group))
             merged = box[0]
             if merged is not None:
                 merged = _to_device(merged, self.device)
@@ -184,7 +185,7 @@ class StepRunner:
 _TRAINING_VALUES = 2
 """In training the shared values start with the batch loss and the skip flag (1.0: the batch is skipped)."""
 
-_STEP_CONTEXTS: dict[str, Callable[[Precision], Callable[[], contextlib.AbstractContextManager]]] = {
+_STEP_CONTEXTS: dict[str, Callable[[Precision], Callable[[], contextlib.AbstractContextManager[Any]]]] = {
     "training_step": lambda p: p.train_step_context,
     "validation_step": lambda p: p.val_step_context,
     "test_step": lambda p: p.test_step_context,
@@ -209,7 +210,7 @@ def _concat(outputs: list[Any]) -> Any:
         return outputs[0]
     leaves = [tree_flatten(o) for o in outputs]
     spec = leaves[0][1]
-    merged = []
+    merged: list[Any] = []
     for parts in zip(*(flat for flat, _ in leaves)):
         first = parts[0]
         if isinstance(first, Tensor) and first.dim() > 0:

@@ -12,17 +12,17 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -217,7 +217,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         # checked now, before any process starts
         self.config = engine_config.EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
-            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, cut_at=cut_at,
+            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute,
+            cut_at=cast("str | tuple[str, ...] | None", cut_at),  # EngineConfig makes a list a tuple
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn, loss_weighting=loss_weighting,
             p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,
             fuse_grad_accumulation=fuse_grad_accumulation, zero_stage=zero_stage, stages_per_rank=stages_per_rank,
@@ -288,7 +289,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._summaries is None:  # of the whole model, before it is partitioned
-            self._summaries = whole_model_summaries(trainer, self.lightning_module)
+            self._summaries = whole_model_summaries(trainer, self.attached_module)
         self._setup_pipeline(trainer)
         # this rank waits on its peers from now on; a write that can no longer complete is stopped at once
         self._forget_cleanup = watch_peers(self._checkpoints.abort)
@@ -326,7 +327,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         that reads the same samples in the same order, and whose position (samples consumed by finished steps)
         is saved in checkpoints. With ``global_batch_size``, each replica reads ``global_batch_size / D``.
         """
-        trainer = self.lightning_module.trainer
+        trainer = self.attached_module.trainer
         if not trainer.training or self.topology is None:  # the training loader is prepared while training
             return dataloader
         topo = self.topology
@@ -339,8 +340,10 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     def model_to_device(self) -> None:
         """Moves the model to this process's device (parameters on the meta device stay there until setup)."""
         assert self.model is not None
-        _ = move_real_tensors(self.model, self.root_device) if has_meta_tensors(self.model) else self.model.to(
-            self.root_device)
+        if has_meta_tensors(self.model):
+            move_real_tensors(self.model, self.root_device)
+        else:
+            self.model.to(self.root_device)
 
     @contextlib.contextmanager
     @override
@@ -367,7 +370,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             yield
 
     # -- steps --------------------------------------------------------------------------------------------
-    def _run_step(self, hook: str, args: tuple, kwargs: dict, **options: Any) -> Any:
+    def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
         assert self._pipeline is not None
         return self._pipeline.steps.run(hook, args, kwargs, **options)
 
@@ -385,7 +388,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         None, as in a plain run. Lightning refuses None from a strategy's step with several processes, so a
         skipped batch returns a NaN loss instead.
         """
-        trainer = self.lightning_module.trainer
+        trainer = self.attached_module.trainer
         assert self._pipeline is not None
         gradients = self._pipeline.gradients
         first, final, drop_stale = window_position(trainer)
@@ -422,7 +425,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         gradients = self._pipeline.gradients
         if gradients.skipped:  # a plain run calls no backward (nor its hooks) for a skipped batch
             return closure_loss
-        module = self.lightning_module
+        module = self.attached_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         gradients.put_back()
         return self.precision_plugin.post_backward(closure_loss, module)
@@ -438,7 +441,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         pipeline = self._pipeline
         assert pipeline is not None
         synced = 0.0
-        with pipeline.hook_logs.around_step(self.lightning_module) as capture_hook_logs:
+        with pipeline.hook_logs.around_step(self.attached_module) as capture_hook_logs:
 
             def closure_then_sync() -> Any:
                 nonlocal synced
@@ -452,7 +455,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         if pipeline.timeline is not None:
             pipeline.timeline.optimizer_step(synced, time.perf_counter())
-            pipeline.timeline.log_metrics(self.lightning_module.trainer)
+            pipeline.timeline.log_metrics(self.attached_module.trainer)
         return output
 
     def global_grad_norm(self) -> Tensor:
@@ -491,7 +494,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             # later validate/test/predict calls
             module = self.lightning_module
             on_meta = module is not None and has_meta_tensors(module)  # setup failed before materializing
-            if on_meta:
+            if on_meta and module is not None:
                 move_real_tensors(module, torch.device("cpu"))
             with kept_on_meta(module) if on_meta else contextlib.nullcontext():
                 super().teardown()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 import torch
@@ -337,7 +337,7 @@ def _lower_priority() -> None:
     threads = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
     for tid in threads:
         try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, 19)
@@ -401,6 +401,7 @@ def main() -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import PrefixStore
 
     from lightning_varuna.checkpoint.job import write_job
     from lightning_varuna.checkpoint.publish import remove_quietly
@@ -408,8 +409,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
-    store = dist.PrefixStore(f"lightning_varuna/checkpoint_writer/{token}", store)
+    tcp_store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed does not declare its re-export
+        address, port, is_master=False, timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+    store = PrefixStore(f"lightning_varuna/checkpoint_writer/{token}", tcp_store)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     _lower_priority()  # started at normal priority: a starved start would delay the first save's write
 
@@ -430,7 +432,10 @@ def main() -> None:
             dist.all_gather_object(wanted, sorted(shard_meshes(job.shards)))
             for ranks in sorted({tuple(r) for part in wanted for r in part} - set(meshes)):
                 group = dist.new_group(list(ranks), timeout=timeout)
-                meshes[ranks] = group if rank not in ranks else DeviceMesh.from_group(group, "cpu")
+                if rank in ranks:  # new_group gives a ProcessGroup to the ranks in it (a placeholder to the others)
+                    meshes[ranks] = DeviceMesh.from_group(cast(dist.ProcessGroup, group), "cpu")
+                else:
+                    meshes[ranks] = group
         except Exception as err:  # noqa: BLE001 - a peer lost: this write fails, as write_job would report it
             return f"{type(err).__name__}: {err}"
         job.shards = fill(job.shards, staged, meshes)

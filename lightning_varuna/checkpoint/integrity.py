@@ -21,13 +21,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    ReadItem,
-    TensorStorageMetadata,
-    WriteItem,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 __all__ = ["CHECKSUMS", "ChecksumSavePlanner", "NonFiniteWeights", "VerifyingLoadPlanner", "checksum",
            "tensor_checksum"]
@@ -52,7 +48,7 @@ def tensor_checksum(tensor: Tensor) -> str | None:
     if tensor.layout is not torch.strided or tensor.is_quantized or tensor.is_nested:
         return None
     values = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-    return checksum(memoryview(values.view(torch.uint8).numpy()))
+    return checksum(values.view(torch.uint8).numpy().data)
 
 
 class ChecksumSavePlanner(DefaultSavePlanner):
@@ -111,7 +107,7 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> Tensor:
         """Where DCP reads a tensor into: the target, or a host tensor of the saved dtype."""
-        target = super().resolve_tensor(read_item)
+        target: Tensor = super().resolve_tensor(read_item)
         key = read_item.storage_index.fqn
         saved = self.metadata.state_dict_metadata.get(key) if self.metadata is not None else None
         if not isinstance(saved, TensorStorageMetadata) or any(read_item.storage_offsets):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_varuna.checkpoint import lease as leases
 from lightning_varuna.checkpoint.integrity import ALGORITHM, CHECKSUMS, ChecksumSavePlanner, checksum
@@ -52,7 +53,7 @@ class WriteJob:
     shards: dict[str, Any]
     meta: bytes | None
     groups: Groups
-    hyper: list[list[dict | None]]
+    hyper: list[list[dict[str, Any] | None]]
     param_names: list[str]
     problem: str | None = None
     verify: bool = True
@@ -70,7 +71,7 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (job.target, job.groups, job.hyper, problem), group=group)
-        problem = next((p for *_, p in gathered if p is not None), None)
+        problem = next((str(p) for *_, p in gathered if p is not None), None)
         if problem is not None:  # seen alike by every rank: no write, no further collective
             return problem
         paths = sorted({path for path, *_ in gathered})
@@ -80,7 +81,7 @@ def write_job(job: WriteJob, group: dist.ProcessGroup | None) -> str | None:
         error = None
         try:
             dcp.save(job.shards, storage_writer=tmp.writer(), planner=planner, process_group=group)
-        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - DCP raises it on every rank (not an Exception)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises it on every rank (not an Exception)
             log.debug("checkpoint write failed", exc_info=True)
             error = _describe(err)
         # rank 0 (the one with meta) alone reads the checksums, publishes, and tells every rank the outcome
@@ -137,7 +138,7 @@ def _parameter_keys(job: WriteJob) -> list[str]:
     return [f"state_dict.{name}" for name in job.param_names]
 
 
-def _describe(err: Exception) -> str:
+def _describe(err: BaseException) -> str:
     """One line for a failed ``dcp.save``: the first failing rank's own error, not DCP's wrapper of all of them."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -149,7 +150,7 @@ def _describe(err: Exception) -> str:
 
 
 def write_single(
-    path: str | os.PathLike, shards: dict[str, Any], metadata: dict[str, Any], groups: Groups,
+    path: str | os.PathLike[str], shards: dict[str, Any], metadata: dict[str, Any], groups: Groups,
     param_names: Sequence[str],
 ) -> None:
     """Writes a whole model's checkpoint from one process, without a process group (atomic).

@@ -42,11 +42,11 @@ def key_renamer(module: nn.Module, prefix: str) -> Callable[[str], str] | None:
     if not isinstance(model, transformers.PreTrainedModel):
         return None
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]  # the only other kind of transform
     if not renamings and not converters:
         return None
 

@@ -192,7 +192,7 @@ def _newest(folder: Location) -> tuple[int, dict[str, Any] | None]:
     return generation, None
 
 
-def read(folder: str | os.PathLike | Location) -> dict[str, Any] | None:
+def read(folder: str | os.PathLike[str] | Location) -> dict[str, Any] | None:
     """The lease of ``folder`` (``None`` if there is none, it was released, or it cannot be read)."""
     return _newest(Location.of(folder))[1]
 
@@ -241,7 +241,7 @@ def holder_problem(folder: Location, record: dict[str, Any], now: float | None =
     )
 
 
-def take(folder: str | os.PathLike | Location, holder: Holder, timeout_s: float) -> str | None:
+def take(folder: str | os.PathLike[str] | Location, holder: Holder, timeout_s: float) -> str | None:
     """Takes or renews the lease of ``folder`` for ``holder``; returns the problem if another job holds it."""
     folder = Location.of(folder)
     for _ in range(3):  # another job wrote the lease between this read and this write: read again
@@ -258,7 +258,7 @@ def take(folder: str | os.PathLike | Location, holder: Holder, timeout_s: float)
     return holder_problem(folder, record) if record is not None else f"Could not take the lease of {folder}."
 
 
-def release(folder: str | os.PathLike | Location, holder: Holder) -> None:
+def release(folder: str | os.PathLike[str] | Location, holder: Holder) -> None:
     """Releases the lease of ``folder`` if ``holder`` holds it (a failure is logged).
 
     The released lease stays as a generation that names no holder (see the module's description).
@@ -300,7 +300,7 @@ class LeaseKeeper:
             self.track(folder)
         return None
 
-    def track(self, folder: str | os.PathLike | Location) -> None:
+    def track(self, folder: str | os.PathLike[str] | Location) -> None:
         """Renews the lease of ``folder`` from now on (the write that takes it is under way); starts the thread."""
         loc = Location.of(folder)
         with self._lock:

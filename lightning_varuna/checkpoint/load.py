@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
 from lightning_varuna.checkpoint.integrity import CHECKSUMS, VerifyingLoadPlanner, checksum
@@ -53,7 +55,7 @@ _OTHER_MODEL = (
 
 
 def load(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     module: nn.Module,
     optimizers: Sequence[Optimizer],
     full_names: Sequence[str],
@@ -155,6 +157,7 @@ def _load_one(
             for i in range(len(optimizers)):
                 if i < len(record["hyper"]):
                     _apply_hyper(state[f"optimizer_{i}"], record["optimizers"][i], record["hyper"][i])
+        assert index is not None  # _check_directory returns an index whenever it finds no problem
         problem, request = _check_fit(loc, state, index, skip_groups="hyper" in record)
         own = list(state["state_dict"])
     held = _agree(problem, own)
@@ -179,7 +182,7 @@ def read_items(loc: Location, request: dict[str, Any], expected: dict[str, str])
     try:
         with single_process_quiet():
             dcp.load(request, storage_reader=loc.reader(), planner=planner, no_dist=not dist.is_initialized())
-    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - raised on every rank by DCP, re-raised with what to do
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - raised on every rank by DCP, re-raised with what to do
         raise CheckpointError(f"Could not read {loc}: {err}. The files may be damaged. {_USE_ANOTHER}") from err
     if not planner.mismatched:
         return None
@@ -209,7 +212,7 @@ def read_everything(loc: Location, expected: dict[str, str], only: set[str] | No
     try:
         with single_process_quiet():
             dcp.load(flat, storage_reader=loc.reader(), planner=planner, no_dist=True)
-    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any reader error means the same to the user
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any reader error means the same to the user
         raise CheckpointError(f"Could not read {loc}: {err}. The files may be damaged.") from err
     if planner.mismatched:
         raise CheckpointError(f"{loc}: {_few(sorted(planner.mismatched))} read back different from what was saved"
@@ -240,9 +243,9 @@ def _check_directory(
         )
     try:
         index = loc.reader().read_metadata()
-    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - any reader error means the same to the user
-        problem = f"{loc}: its index ({INDEX}) is missing or damaged ({type(err).__name__}: {err}). {_USE_ANOTHER}"
-        return problem, None, None
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - any reader error means the same to the user
+        damaged = f"{loc}: its index ({INDEX}) is missing or damaged ({type(err).__name__}: {err}). {_USE_ANOTHER}"
+        return damaged, None, None
     problem = _check_shards(loc, index)
     if problem is not None:
         return problem, None, None
@@ -286,7 +289,7 @@ def _check_shards(loc: Location, index: Metadata) -> str | None:
 
 
 def check_files(
-    path: str | os.PathLike | Location, weights_only: bool | None = None, verify: bool = True
+    path: str | os.PathLike[str] | Location, weights_only: bool | None = None, verify: bool = True
 ) -> dict[str, Any]:
     """Checks that a sharded checkpoint is complete and its files as saved; returns its ``meta.pt``.
 
@@ -360,7 +363,7 @@ def _check_fit(
 
 def _flatten(state: dict[str, Any]) -> dict[str, Any]:
     """``state``'s items by the keys DCP saves them under (its default planner's own flattening)."""
-    planner = dcp.DefaultSavePlanner()
+    planner = DefaultSavePlanner()
     planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
     return dict(planner.state_dict)
 

@@ -28,7 +28,8 @@ import io
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -52,8 +53,8 @@ _Module = TypeVar("_Module", bound=LightningModule)
 
 
 def to_plain(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
     weights_only: bool | None = None,
     keep_loader_state: bool = False,
     verify: bool = True,
@@ -79,7 +80,7 @@ def to_plain(
 
 
 def plain_checkpoint(
-    src: str | os.PathLike, weights_only: bool | None = None, keep_loader_state: bool = False,
+    src: str | os.PathLike[str] | Location, weights_only: bool | None = None, keep_loader_state: bool = False,
     optimizer_states: bool = True, verify: bool = True,
 ) -> dict[str, Any]:
     """The sharded checkpoint ``src`` as the dictionary of a plain Lightning checkpoint (see :func:`to_plain`).
@@ -115,8 +116,8 @@ def plain_checkpoint(
 
 
 def load_from_checkpoint(
-    cls: type[_Module], checkpoint_path: str | os.PathLike, map_location: Any = None,
-    hparams_file: str | os.PathLike | None = None, strict: bool | None = None, weights_only: bool | None = None,
+    cls: type[_Module], checkpoint_path: str | os.PathLike[str], map_location: Any = None,
+    hparams_file: str | os.PathLike[str] | None = None, strict: bool | None = None, weights_only: bool | None = None,
     **kwargs: Any,
 ) -> _Module:
     """``cls.load_from_checkpoint`` for a checkpoint this strategy wrote: the module with all its weights.
@@ -150,13 +151,15 @@ def load_from_checkpoint(
         torch.save(plain, source)
         del plain
         source.seek(0)
-    return cls.load_from_checkpoint(source, map_location=map_location, hparams_file=hparams_file, strict=strict,
+    # Lightning reads hparams_file through str() and fsspec, which take any path, though it declares str | Path
+    hparams = cast("str | Path | None", hparams_file)
+    return cls.load_from_checkpoint(source, map_location=map_location, hparams_file=hparams, strict=strict,
                                     weights_only=weights_only, **kwargs)
 
 
 def from_plain(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
     model: LightningModule | None = None,
     weights_only: bool | None = None,
 ) -> None:
@@ -191,7 +194,7 @@ def from_plain(
 
 
 def to_safetensors(
-    src: str | os.PathLike, dst: str | os.PathLike, strip_prefix: str = "", weights_only: bool | None = None
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], strip_prefix: str = "", weights_only: bool | None = None
 ) -> int:
     """Writes the weights of ``src`` as one ``.safetensors`` file ``dst``; returns how many tensors it holds.
 
@@ -246,7 +249,8 @@ def _record(
 ) -> dict[str, Any]:
     if model is not None:
         try:
-            optimizers = _configure_optimizers(model.configure_optimizers())[0]
+            configured: Any = model.configure_optimizers()  # Lightning's parser takes every form it may return
+            optimizers = _configure_optimizers(configured)[0]
         except Exception as err:  # noqa: BLE001 - user code outside a Trainer
             raise CheckpointError(
                 f"{type(model).__name__}.configure_optimizers() failed outside a Trainer ({type(err).__name__}:"
@@ -282,7 +286,7 @@ def _check_shapes(loc: Location, flat: dict[str, Any], weights: dict[str, Any]) 
             )
 
 
-def _model_from(spec: str, plain_path: str | os.PathLike, weights_only: bool | None) -> LightningModule:
+def _model_from(spec: str, plain_path: str | os.PathLike[str], weights_only: bool | None) -> LightningModule:
     """Builds ``package.module:Class`` with the hyper-parameters saved in the plain checkpoint."""
     module_name, _, class_name = spec.partition(":")
     if not class_name:
@@ -290,7 +294,8 @@ def _model_from(spec: str, plain_path: str | os.PathLike, weights_only: bool | N
     cls = getattr(importlib.import_module(module_name), class_name)
     plain = torch.load(io.BytesIO(Location.of(plain_path).read_bytes()), map_location="cpu", weights_only=weights_only)
     hparams = {k: v for k, v in dict(plain.get("hyper_parameters", {})).items() if not k.startswith("_")}
-    return cls(**hparams)
+    model: LightningModule = cls(**hparams)
+    return model
 
 
 def main(argv: Sequence[str] | None = None) -> int:

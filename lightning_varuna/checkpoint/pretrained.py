@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_varuna.checkpoint.key_renames import key_renamer
-from lightning_varuna.checkpoint.load import _agree, _few, check_files, single_process_quiet
+from lightning_varuna.checkpoint.load import _agree, _few, check_files
 from lightning_varuna.checkpoint.state import CheckpointError
-from lightning_varuna.checkpoint.storage import META, Location
+from lightning_varuna.checkpoint.storage import META, Location, single_process_quiet
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = ["InitialWeights", "ModelLayout", "Weights", "check_keys", "load_initial_weights", "open_weights"]
@@ -172,7 +172,7 @@ def _index(path: str) -> dict[str, str]:
     return {key: os.path.join(folder, name) for key, name in weight_map.items()}
 
 
-def open_weights(path: str | os.PathLike) -> Weights:
+def open_weights(path: str | os.PathLike[str]) -> Weights:
     """The weights at ``path`` (see the module's docstring for the formats), without reading any tensor.
 
     Raises:
@@ -269,7 +269,7 @@ def check_keys(
 
 
 def load_initial_weights(
-    path: str | os.PathLike, module: nn.Module, shapes: Mapping[str, Shape], aliases: Mapping[str, Sequence[str]],
+    path: str | os.PathLike[str], module: nn.Module, shapes: Mapping[str, Shape], aliases: Mapping[str, Sequence[str]],
     prefix: str = "", strict: bool = True,
 ) -> None:
     """Loads the weights this rank holds from ``path`` into ``module`` (collective: every rank calls it).
@@ -335,7 +335,7 @@ class InitialWeights:
         strict: Whether missing and unexpected keys are an error.
     """
 
-    path: str | os.PathLike
+    path: str | os.PathLike[str]
     prefix: str = ""
     strict: bool = True
 

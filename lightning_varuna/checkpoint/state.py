@@ -53,6 +53,8 @@ epoch), which orders checkpoints where moving one changes its files' times; ``ch
 """
 Groups = list[list[list[str]]]
 """Per optimizer, per parameter group, the parameter names in the group's order."""
+Hyper = list[list[dict[str, Any] | None]]
+"""Per optimizer, each group's hyper-parameters (``None`` for a group with no parameter on this rank)."""
 
 
 class CheckpointError(RuntimeError):
@@ -192,7 +194,9 @@ def flat_to_plain(
     return {"state": state, "param_groups": param_groups}
 
 
-def split_hyper(flat: dict[str, Any], groups: Sequence[Sequence[str]]) -> tuple[dict[str, Any], list[dict | None]]:
+def split_hyper(
+    flat: dict[str, Any], groups: Sequence[Sequence[str]]
+) -> tuple[dict[str, Any], list[dict[str, Any] | None]]:
     """Takes the per-parameter copies of the group hyper-parameters out of a flat optimizer state.
 
     Returns:
@@ -202,9 +206,9 @@ def split_hyper(flat: dict[str, Any], groups: Sequence[Sequence[str]]) -> tuple[
     return {k: v for k, v in flat.items() if not k.startswith("param_groups.")}, hyper
 
 
-def make_record(param_names: Sequence[str], per_rank: Sequence[tuple[Groups, list[list[dict | None]]]]) -> dict:
+def make_record(param_names: Sequence[str], per_rank: Sequence[tuple[Groups, Hyper]]) -> dict[str, Any]:
     """The parameter record from every rank's ``(groups, hyper)``."""
-    hyper: list[list[dict]] = []
+    hyper: list[list[dict[str, Any]]] = []
     for i, groups in enumerate(merge_groups([g for g, _ in per_rank], param_names)):
         found = [[h[i][g] for _, h in per_rank if len(h) > i and len(h[i]) > g] for g in range(len(groups))]
         hyper.append([next((h for h in options if h is not None), {}) for options in found])
@@ -212,7 +216,7 @@ def make_record(param_names: Sequence[str], per_rank: Sequence[tuple[Groups, lis
             "hyper": hyper, "written": time.time()}
 
 
-def split_shards(shards: dict[str, Any], groups: Groups) -> tuple[dict[str, Any], list[list[dict | None]]]:
+def split_shards(shards: dict[str, Any], groups: Groups) -> tuple[dict[str, Any], list[list[dict[str, Any] | None]]]:
     """Takes the group hyper-parameters out of each ``optimizer_<i>`` shard (they go into the record)."""
     shards = dict(shards)
     hyper = []

@@ -15,16 +15,17 @@ import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 # private: torch 2.13/2.14 keep DCP's fsspec reader and writer in this module only (see docs/architecture.md)
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from lightning_varuna.fault.atomic_write import PART_SUFFIX, write_atomic
 
@@ -73,7 +74,7 @@ class Location:
     url: bool
 
     @classmethod
-    def of(cls, path: str | os.PathLike | Location) -> Location:
+    def of(cls, path: str | os.PathLike[str] | Location) -> Location:
         """The location of ``path``: a local path, or any URL fsspec understands (``"memory://x"``)."""
         if isinstance(path, Location):
             return path
@@ -119,11 +120,11 @@ class Location:
 
     def exists(self) -> bool:
         """Whether anything is at this location."""
-        return self.fs.exists(self.path)
+        return bool(self.fs.exists(self.path))
 
     def isdir(self) -> bool:
         """Whether it is a directory."""
-        return self.fs.isdir(self.path)
+        return bool(self.fs.isdir(self.path))
 
     def names(self) -> list[str]:
         """The names of this directory's entries (none if it is missing), listed afresh (not from a cache)."""
@@ -135,7 +136,7 @@ class Location:
 
     def read_bytes(self) -> bytes:
         """The whole file."""
-        return self.fs.cat_file(self.path)
+        return cast(bytes, self.fs.cat_file(self.path))  # fsspec's cat_file of one path returns its bytes
 
     def write_bytes(self, data: bytes) -> None:
         """Writes a file atomically: locally under another name first, synced, then renamed; elsewhere one upload."""
@@ -158,25 +159,25 @@ class Location:
         except FileNotFoundError:
             pass
 
-    def writer(self) -> dcp.StorageWriter:
+    def writer(self) -> StorageWriter:
         """DCP's writer for this directory (files synced to disk where the filesystem has a disk)."""
         if not self.url:
-            return dcp.FileSystemWriter(self.path)
+            return FileSystemWriter(self.path)
         return FsspecWriter(self.text, sync_files=self.local)
 
-    def reader(self) -> dcp.StorageReader:
+    def reader(self) -> StorageReader:
         """DCP's reader for this directory."""
-        return FsspecReader(self.text) if self.url else dcp.FileSystemReader(self.path)
+        return FsspecReader(self.text) if self.url else FileSystemReader(self.path)
 
     def modified(self) -> float:
         """Modification time in seconds (0 where the filesystem does not tell)."""
         try:
-            return self.fs.modified(self.path).timestamp()
+            return float(self.fs.modified(self.path).timestamp())
         except (NotImplementedError, OSError, KeyError, AttributeError, ValueError):
             return 0.0
 
 
-def is_complete(path: str | os.PathLike | Location) -> bool:
+def is_complete(path: str | os.PathLike[str] | Location) -> bool:
     """Whether ``path`` is a finished sharded checkpoint (or a plain checkpoint file)."""
     loc = Location.of(path)
     names = loc.names()  # one listing (a file lists as itself)
@@ -217,7 +218,7 @@ def to_bytes(obj: Any) -> bytes:
 
 
 def read_meta(
-    path: str | os.PathLike | Location, weights_only: bool | None = None, raw: dict[str, bytes] | None = None
+    path: str | os.PathLike[str] | Location, weights_only: bool | None = None, raw: dict[str, bytes] | None = None
 ) -> dict[str, Any]:
     """A sharded checkpoint's ``meta.pt`` (Lightning's state without weights and optimizer states).
 
@@ -233,7 +234,7 @@ def read_meta(
     data = loc.child(META).read_bytes()
     if raw is not None:
         raw[META] = data
-    meta = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    meta: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     record = loc.child(RECORD_FILE)
     if record.exists():
         from lightning_varuna.checkpoint.state import RECORD

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Hashable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import Tensor
@@ -24,7 +24,7 @@ from lightning_varuna.checkpoint.background import WriterProcess, hollow, map_te
 from lightning_varuna.checkpoint.job import WriteJob, write_job
 from lightning_varuna.checkpoint.lease import LeaseTicket
 from lightning_varuna.checkpoint.publish import remove_quietly
-from lightning_varuna.checkpoint.state import CheckpointError, Groups, split_shards
+from lightning_varuna.checkpoint.state import CheckpointError, split_shards
 from lightning_varuna.checkpoint.storage import Location, to_bytes
 from lightning_varuna.fault.failures import raised_on_every_rank
 
@@ -61,7 +61,7 @@ class CheckpointWriter:
         return {"asynchronous": self.asynchronous, "timeout": self._timeout}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+        type(self).__init__(self, **state)
 
     @property
     def _timeout_s(self) -> float:
@@ -77,7 +77,8 @@ class CheckpointWriter:
             return
         token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(token, 0)
-        self._process = WriterProcess(dist.get_rank(), dist.get_world_size(), token[0], self._timeout_s)
+        run = cast(str, token[0])  # rank 0's token, now on every rank
+        self._process = WriterProcess(dist.get_rank(), dist.get_world_size(), run, self._timeout_s)
 
     @property
     def in_flight(self) -> bool:
@@ -86,10 +87,10 @@ class CheckpointWriter:
 
     def save(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         shards: dict[str, Any],
         metadata: dict[str, Any],
-        groups: Groups = (),  # type: ignore[assignment]
+        groups: Sequence[list[list[str]]] = (),
         param_names: Sequence[str] = (),
         verify: bool = True,
         lease: LeaseTicket | None = None,
@@ -185,7 +186,7 @@ class CheckpointWriter:
                 log.error(f"Writing a checkpoint failed ({error}); older checkpoints are kept.")
         return True
 
-    def remove(self, path: str | os.PathLike) -> None:
+    def remove(self, path: str | os.PathLike[str]) -> None:
         """Deletes a checkpoint (call on rank 0); while a write is in flight, once it has succeeded."""
         loc = Location.of(path)
         if self.wait(0):

@@ -18,7 +18,7 @@ PART_SUFFIX = ".part"
 """Ends the name of a file being written (``<name>-<pid>-<thread><PART_SUFFIX>``); never read as a result."""
 
 
-def write_atomic(path: str | os.PathLike, data: bytes, exclusive: bool = False) -> bool:
+def write_atomic(path: str | os.PathLike[str], data: bytes, exclusive: bool = False) -> bool:
     """Writes ``data`` to ``path`` whole or not at all; creates the parent directories.
 
     Args:

@@ -14,11 +14,14 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch.distributed as dist
 
 from lightning_varuna.fault.watchdog import SETTLE_S, current_watchdog
+
+if TYPE_CHECKING:  # torch.distributed re-exports Store only when it is built with distributed support
+    from torch._C._distributed_c10d import Store
 
 __all__ = [
     "PipelineError", "check_job", "destroy_process_groups_at_exit", "finish_together", "peer_error",
@@ -79,7 +82,7 @@ def raised_on_every_rank(error: _E) -> _E:
     :func:`report_failure` then ends no other rank: each raises the error itself, and a process that catches it
     may go on (e.g. call ``fit`` again).
     """
-    error.raised_on_every_rank = True  # type: ignore[attr-defined]
+    error.raised_on_every_rank = True  # type: ignore[attr-defined]  # a mark on any exception, read by getattr
     return error
 
 
@@ -161,8 +164,8 @@ def check_job(what: str) -> None:
     """
     watchdog = current_watchdog()
     failure = watchdog.failure if watchdog is not None else None
-    if failure is not None and failure.origin != watchdog.rank:  # type: ignore[union-attr]
-        raise PipelineError(f"rank {watchdog.rank}: {what} not started: {failure.text}.")  # type: ignore[union-attr]
+    if watchdog is not None and failure is not None and failure.origin != watchdog.rank:
+        raise PipelineError(f"rank {watchdog.rank}: {what} not started: {failure.text}.")
 
 
 def waiting_on_peers(topology: Placement, what: str, wait: Callable[[], _T]) -> _T:
@@ -211,7 +214,7 @@ def finish_together(error: BaseException | None, timeout: timedelta) -> None:
         ) from err
 
 
-def _wait_for_every_rank(store: dist.Store, run: str, rank: int, world: int, timeout: timedelta) -> None:
+def _wait_for_every_rank(store: Store, run: str, rank: int, world: int, timeout: timedelta) -> None:
     store.add(f"{run}ended", 1)
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 0.005

@@ -52,7 +52,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import IO, Any, NotRequired, TypedDict, cast
 
 import torch.distributed as dist
 
@@ -220,8 +220,9 @@ class Watchdog:
         if self._stopping.is_set():
             return
         if self._own is None:
-            if self._active and getattr(sys, "last_value", None) is not None:
-                self.report(sys.last_value, cause=True)  # an uncaught exception ends this interpreter
+            uncaught = getattr(sys, "last_value", None)
+            if self._active and uncaught is not None:
+                self.report(uncaught, cause=True)  # an uncaught exception ends this interpreter
             else:
                 self.deactivate("exit")
         self._stopping.set()
@@ -243,7 +244,7 @@ class Watchdog:
                          f" within {CONNECT_TIMEOUT_S:g}s; a failure there is noticed by p2p_timeout only.")
             timeout = _POLL_S if connecting else self._next_timer()
             for key, _ in self._selector.select(timeout):
-                link = self._links.get(key.fileobj)  # type: ignore[call-overload]
+                link = self._links.get(cast(socket.socket, key.fileobj))  # only sockets are registered
                 if link is not None:
                     self._receive(link)
                 elif key.fileobj is self._listener:
@@ -301,7 +302,7 @@ class Watchdog:
                 continue
             self._handle(link, message)
 
-    def _handle(self, link: _Link, message: dict) -> None:
+    def _handle(self, link: _Link, message: dict[str, Any]) -> None:
         if link.rank is None:  # an accepted connection introduces itself with this rank's nonce
             if message.get("nonce") != self._nonce:
                 self._drop(link)
@@ -360,8 +361,8 @@ class Watchdog:
             if self._own is None and self._active:
                 self._end(self._verdict.text)
         grace = self._grace_deadline()
-        if grace is not None and now >= grace:
-            verdict, details, _ = self._own  # type: ignore[misc]
+        if grace is not None and now >= grace and self._own is not None:  # a grace deadline implies an own error
+            verdict, details, _ = self._own
             self._end(f"{verdict.text}; it did not exit within {self.grace:g}s of that error", details)
 
     def _end(self, why: str, details: str = "") -> None:
@@ -387,11 +388,11 @@ class Watchdog:
         os._exit(FAILED_EXIT_CODE)
 
     # -- sockets ------------------------------------------------------------------------------------------
-    def _send(self, message: dict) -> None:
+    def _send(self, message: dict[str, Any]) -> None:
         for sock in list(self._links):
             self._send_to(sock, message)
 
-    def _send_to(self, sock: socket.socket, message: dict) -> None:
+    def _send_to(self, sock: socket.socket, message: dict[str, Any]) -> None:
         data = json.dumps(message).encode() + b"\n"
         with self._send_lock, contextlib.suppress(OSError):
             sock.sendall(data)
@@ -432,7 +433,13 @@ def _say(message: str) -> None:
         sys.stderr.flush()
 
 
-_running: dict[str, Any] = {"watchdog": None, "store": None}
+class _Running(TypedDict):
+    watchdog: Watchdog | None
+    store: object  # the store the watchdog was started over: a new store means a new job
+    devnull: NotRequired[IO[str]]  # kept open for faulthandler's tracebacks at a failed shutdown
+
+
+_running: _Running = {"watchdog": None, "store": None}
 
 
 def watch_job() -> Watchdog | None:
@@ -456,7 +463,7 @@ def watch_job() -> Watchdog | None:
         _say(f"[rank {dist.get_rank()}] lightning_varuna: the watchdog could not start ({err}); a failure of another"
              " rank is noticed by p2p_timeout only.")
         return None
-    _running.update(watchdog=watchdog, store=store)
+    _running.update({"watchdog": watchdog, "store": store})
     return watchdog
 
 
@@ -472,15 +479,16 @@ def _stop_at_exit() -> None:
     failed = watchdog.failed
     watchdog.stop()
     if failed:  # the rest of the shutdown is bounded: a C-level timer, which runs while the interpreter finalizes
-        _running["devnull"] = open(os.devnull, "w")  # faulthandler writes its tracebacks there  # noqa: SIM115
-        faulthandler.dump_traceback_later(SHUTDOWN_S, exit=True, file=_running["devnull"])
+        devnull = open(os.devnull, "w")  # faulthandler writes its tracebacks there  # noqa: SIM115
+        _running["devnull"] = devnull
+        faulthandler.dump_traceback_later(SHUTDOWN_S, exit=True, file=devnull)
 
 
 def _forget_in_child() -> None:
     watchdog = _running["watchdog"]
     if watchdog is not None:
         watchdog.forget_in_child()
-    _running.update(watchdog=None, store=None)
+    _running.update({"watchdog": None, "store": None})
 
 
 atexit.register(_stop_at_exit)

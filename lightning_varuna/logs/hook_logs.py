@@ -32,8 +32,9 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from torch import Tensor
 
+from lightning_varuna.callbacks import trainer_callbacks
 from lightning_varuna.fault.failures import waiting_on_peers
-from lightning_varuna.logs.log_sync import LogCapture, _MetricLog, headers, pack
+from lightning_varuna.logs.log_sync import LogCapture, LogKwargs, _MetricLog, headers, pack
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["HookLogMerger", "OptimizerHookLogs", "logs_in_optimizer_hook"]
@@ -42,13 +43,16 @@ HOOK = "on_before_optimizer_step"
 _TOTAL = re.compile(r"^grad_(.+)_norm_total$")
 _NORM = re.compile(r"^grad_([0-9.]+|inf)_norm")
 
+HookMeta = tuple[tuple[str, LogKwargs], ...]
+"""Per key an optimizer hook logged: ``(name, plain log kwargs)``."""
+
 
 def logs_in_optimizer_hook(module: LightningModule) -> bool:
     """Whether the module or a callback overrides ``on_before_optimizer_step`` (the same answer on every rank)."""
     if type(module).on_before_optimizer_step is not LightningModule.on_before_optimizer_step:
         return True
     return any(type(cb).on_before_optimizer_step is not Callback.on_before_optimizer_step
-               for cb in module.trainer.callbacks)  # type: ignore[union-attr]
+               for cb in trainer_callbacks(module.trainer))
 
 
 class OptimizerHookLogs:
@@ -110,8 +114,8 @@ class HookLogMerger:
         self.size = pipeline_size
         self.replicas_group = replicas_group
         self.device = device
-        self._mine: tuple | None = None
-        self._metas: list[tuple] = []
+        self._mine: HookMeta | None = None
+        self._metas: list[HookMeta] = []
         self._capacity = 0
         self._plan: list[tuple[str, dict[str, Any], str, Any]] = []
 
@@ -160,7 +164,7 @@ class HookLogMerger:
                 values[i] = value if infinite else value.pow(1.0 / p)
         return values
 
-    def _exchange(self, meta: tuple, values: list[Tensor]) -> Tensor:
+    def _exchange(self, meta: HookMeta, values: list[Tensor]) -> Tensor:
         """All stages' values, concatenated in stage order; the keys (and the merge plan) follow a change."""
         out = self._gather(meta != self._mine, values)
         heads = headers(out)
@@ -195,13 +199,13 @@ def merge(plan: list[tuple[str, dict[str, Any], Any, Any]], flat: Tensor) -> lis
     return merged
 
 
-def _plan(metas: list[tuple], device: torch.device) -> list[tuple[str, dict[str, Any], Any, Any]]:
+def _plan(metas: list[HookMeta], device: torch.device) -> list[tuple[str, dict[str, Any], Any, Any]]:
     """``(name, log kwargs, kind, source)`` per merged key, in stage order.
 
     kind ``"value"``: source is an index into the concatenated values; ``"max"`` or a float p: source indexes
     the norms to combine.
     """
-    first: dict[str, tuple[int, tuple]] = {}
+    first: dict[str, tuple[int, LogKwargs]] = {}
     where: dict[str, list[int]] = {}
     index = 0
     for meta in metas:

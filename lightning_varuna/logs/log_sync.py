@@ -12,16 +12,21 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_varuna.patches import replaced_log
+
+LogKwargs = tuple[tuple[str, Any], ...]
+"""The plain (picklable) ``log`` keyword arguments of a key, sorted by name."""
+LogMeta = tuple[tuple[str, str | None, LogKwargs, bool], ...]
+"""Per key: ``(name, metric path or None, log kwargs, whether a value follows in values)``."""
 
 __all__ = ["LogBroadcaster", "LogCapture", "fill", "headers", "pack", "reduce_fx_name", "reduce_records", "replay"]
 
@@ -91,7 +96,7 @@ def _detached(value: Any) -> Any:
 def reduce_records(
     module: LightningModule, records: Sequence[tuple[int, str, Any, dict[str, Any]]], sizes: Sequence[float],
     device: torch.device, names: dict[int, str] | None = None,
-) -> tuple[tuple, list[Tensor]]:
+) -> tuple[LogMeta, list[Tensor]]:
     """Reduces per-micro-batch log records to one entry per key: ``(meta, values)``.
 
     A metric object is logged as itself (it accumulates its own state, which gives its epoch value); its
@@ -108,7 +113,8 @@ def reduce_records(
             order.append(name)
             grouped[name] = []
         grouped[name].append((k, value, kwargs))
-    meta, values = [], []
+    meta: list[tuple[str, str | None, LogKwargs, bool]] = []
+    values: list[Tensor] = []
     for name in order:
         entries = grouped[name]
         kwargs = dict(entries[-1][2])
@@ -178,10 +184,10 @@ class LogBroadcaster:
         self.src = src
         self.is_src = is_src
         self.device = device
-        self._meta: tuple | None = None
+        self._meta: LogMeta | None = None
         self._buffer = pack(False, (), 30, device)
 
-    def share(self, meta: tuple, values: list[Tensor]) -> tuple[tuple, Tensor]:
+    def share(self, meta: LogMeta, values: list[Tensor]) -> tuple[LogMeta, Tensor]:
         """Returns ``(meta, values)`` as the last stage has them (collective over the pipeline group)."""
         buffer = self._buffer
         if self.is_src:
@@ -198,11 +204,11 @@ class LogBroadcaster:
         return self.meta, buffer[2 : 2 + n].clone()
 
     @property
-    def meta(self) -> tuple:
+    def meta(self) -> LogMeta:
         """The keys last shared."""
         return self._meta or ()
 
-    def share_meta(self, meta: tuple) -> tuple:
+    def share_meta(self, meta: LogMeta) -> LogMeta:
         """Shares new keys from the last stage (collective over the pipeline group)."""
         box = [meta]
         dist.broadcast_object_list(box, self.src, group=self.group)
@@ -210,7 +216,7 @@ class LogBroadcaster:
         return self._meta
 
 
-def replay(module: LightningModule, meta: tuple, flat: Tensor, skip: int = 0) -> None:
+def replay(module: LightningModule, meta: LogMeta, flat: Tensor, skip: int = 0) -> None:
     """Logs ``meta``/``flat`` through the real ``LightningModule.log``.
 
     The first ``skip`` values of ``flat`` are not logs (the step loss).
@@ -219,11 +225,11 @@ def replay(module: LightningModule, meta: tuple, flat: Tensor, skip: int = 0) ->
     for name, metric_path, frozen, has_value in meta:
         kwargs = dict(frozen)
         if metric_path is not None:
-            metric = module.get_submodule(metric_path)
+            metric = cast(Metric, module.get_submodule(metric_path))  # reduce_records kept only Metrics' paths
             if has_value:
                 # Lightning's step value of a logged Metric is its `_forward_cache`: make it the batch's on
                 # every stage (not the last micro-batch's on the last stage and a stale one elsewhere)
-                metric._forward_cache = flat[index].float()
+                metric._forward_cache = flat[index].float()  # type: ignore[assignment]  # torchmetrics declares it None-only
                 index += 1
             LightningModule.log(module, name, metric, **kwargs)
             continue

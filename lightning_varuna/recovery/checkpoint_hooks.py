@@ -9,11 +9,12 @@ the same folder is refused (:mod:`lightning_varuna.checkpoint.lease`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule, Trainer
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_varuna.checkpoint import load as checkpoint_load
 from lightning_varuna.checkpoint import state as checkpoint_state
@@ -22,6 +23,12 @@ from lightning_varuna.checkpoint.state import CheckpointError, StateShards
 from lightning_varuna.checkpoint.storage import Location
 from lightning_varuna.checkpoint.writer import CheckpointWriter
 from lightning_varuna.recovery.resume import checkpoint_folders, last_fallbacks, requested_name
+
+if TYPE_CHECKING:  # the mixin is checked as the strategy it is mixed into
+    from lightning_varuna.pipeline.engine import PipelineEngine
+    from lightning_varuna.processes import ProcessGroupStrategy as _StrategyBase
+else:
+    _StrategyBase = object
 
 __all__ = ["CheckpointHooks", "StrategyCheckpoints", "unwrapped"]
 
@@ -108,27 +115,37 @@ class StrategyCheckpoints:
                 self._leases = None
 
 
-class CheckpointHooks:
+class CheckpointHooks(_StrategyBase):
     """The checkpoint hooks of :class:`~lightning_varuna.strategy.VarunaStrategy`, over :class:`StrategyCheckpoints`.
 
     The strategy inherits them; its ``__init__`` sets the attributes used here.
     """
 
+    async_checkpoint: bool
+    engine: PipelineEngine | None
+    _checkpoints: CheckpointWriter
+    _checkpointing: StrategyCheckpoints
+    _sharded_steps: Mapping[Optimizer, StateShards]
+
+    @override
     @property
     def lightning_restore_optimizer(self) -> bool:
         """Optimizer state is loaded by the strategy itself, by parameter name."""
         return False
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This stage's weights, keyed by full-model name."""
-        return checkpoint_state.model_state(self.lightning_module)
+        return checkpoint_state.model_state(self.attached_module)
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This stage's optimizer state, keyed by parameter name (this replica's shard of it with ``zero_stage=1``)."""
         torch_optimizer = unwrapped([optimizer])[0]
         shards = self._sharded_steps.get(torch_optimizer)
-        return checkpoint_state.optimizer_state(self.lightning_module, torch_optimizer, shards)
+        return checkpoint_state.optimizer_state(self.attached_module, torch_optimizer, shards)
 
+    @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Writes a sharded checkpoint directory at ``filepath``, a local path or fsspec URL (collective; atomic).
 
@@ -139,7 +156,7 @@ class CheckpointHooks:
         # async: the ranks compare paths in the background instead (no collective in the training thread)
         path = str(filepath) if self.async_checkpoint else self.broadcast(str(filepath))
         names = self.engine.param_names if self.engine is not None else []
-        self._checkpointing.save(checkpoint_dict, path, self.lightning_module, self.optimizers, names,
+        self._checkpointing.save(checkpoint_dict, path, self.attached_module, self.optimizers, names,
                                  self.is_global_zero)
 
     def wait_for_checkpoint(self) -> None:
@@ -150,26 +167,31 @@ class CheckpointHooks:
         """
         self._checkpoints.flush()
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Deletes a checkpoint (on rank 0); while a save is in flight, only once that one is complete."""
         if self.is_global_zero:
             self._checkpoints.remove(str(filepath))
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Loads this stage's share of a sharded (or plain single-file) checkpoint, whatever P x D wrote it."""
         assert self.engine is not None
         self._checkpoints.wait()
         path = self.broadcast(str(checkpoint_path))
         shards = [self._sharded_steps.get(o) for o in unwrapped(self.optimizers)]
-        return self._checkpointing.load(path, self.lightning_module.trainer, self.optimizers, self.engine.param_names,
+        return self._checkpointing.load(path, self.attached_module.trainer, self.optimizers, self.engine.param_names,
                                         weights_only, self.is_global_zero, self.broadcast, shards)
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the weights."""
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the optimizer state."""
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         """Waits for every process."""
         if name != "Trainer.save_checkpoint":  # a save ends with the ranks' agreement, or goes on in the background

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.fault.failures import check_job, waiting_on_peers
 from lightning_varuna.fault.watchdog import current_watchdog
@@ -262,10 +262,12 @@ class PreemptionGuard:
         self.preempted = False
         environment = trainer._accelerator_connector.cluster_environment
         requeue: tuple[signal.Signals, ...] = ()
-        self.slurm_requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        if self.slurm_requeue and environment.requeue_signal is not None:
-            requeue = (environment.requeue_signal,)
-        terminate = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if s not in (None, *requeue))
+        slurm = environment if isinstance(environment, SLURMEnvironment) else None
+        self.slurm_requeue = slurm is not None and slurm.auto_requeue
+        if slurm is not None and self.slurm_requeue and slurm.requeue_signal is not None:
+            requeue = (slurm.requeue_signal,)
+        terminate = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGUSR1", None))
+                          if isinstance(s, signal.Signals) and s not in requeue)
         self.watch = PreemptionWatch(notice, terminate, requeue)
         self._patches = InstancePatches()
 
