@@ -68,8 +68,8 @@ def test_input_grad_pass_holds_linear_weight_grads_back_and_w_adds_them_exactly(
     assert not any(p in pending for p in held)
     want, got = _grads(plain), _grads(split)
     assert want.keys() == got.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    for name in want:  # fp32 sums in another order: a few ulps of gradients up to ~7 (a lost term is ~30%)
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_a_weight_with_a_gradient_hook_is_computed_in_the_pass() -> None:
