@@ -6,7 +6,9 @@ every parameter's step-1 gradient within 1e-5 (each parameter held by some rank)
 
 CI runs P=2 built in ``__init__`` for every family, and with compiled blocks (``aot_eager``) for GPT-2, Llama and
 litgpt. The full matrix (P=2, P=4, P=2 x D=2, built on meta in ``configure_model`` with ``initial_weights``,
-bf16-mixed, blocks compiled by ``aot_eager`` and by ``inductor`` from a fresh cache, peft LoRA adapters, Hugging
+bf16-mixed, blocks compiled by ``aot_eager`` and by ``inductor`` from a fresh cache, and for GPT-2, Llama and litgpt
+the rest of that matrix with compiled blocks (P=4, P=2 x D=2, built on meta and compiled in ``configure_model``,
+bf16-mixed), peft LoRA adapters, Hugging
 Face's own gradient checkpointing, ``validate`` and ``predict`` after training) runs with ``VARUNA_ZOO=full`` or
 ``-m zoo``; ``VARUNA_ZOO_OUT=DIR`` keeps the results there for ``python tests/helpers/zoo_table.py DIR`` (and with
 ``VARUNA_ZOO_REUSE=1`` the results already there are judged again instead of rerun).

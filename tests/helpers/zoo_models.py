@@ -222,16 +222,22 @@ def block_lists(cut_at: str | tuple[str, ...]) -> tuple[str, ...]:
 class ZooModule(pl.LightningModule):
     """Any family as a LightningModule: ``self.model`` is the third-party model, the loss its own."""
 
-    def __init__(self, family: str, build_in: str = "init", variant: str | None = None) -> None:
+    def __init__(self, family: str, build_in: str = "init", variant: str | None = None,
+                 compile_backend: str | None = None) -> None:
         super().__init__()
         self.family = FAMILIES[family]
         self.model: nn.Module | None = None
+        self.compile_backend = compile_backend  # of a model built in configure_model: its blocks compiled there
         if build_in == "init":
             self.model = with_variant(build(self.family), family, variant)
 
     def configure_model(self) -> None:
         if self.model is None:  # under VarunaStrategy: parameters on meta
             self.model = build(self.family)
+            if self.compile_backend is not None:  # as torchtitan does: each block in place, where it is built
+                for path in block_lists(self.family.cut_at):
+                    for block in self.get_submodule(path):
+                        block.compile(backend=self.compile_backend)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss = self._loss(batch)

@@ -22,20 +22,27 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "bf16-p2": (2, "ref-bf16", 2e-2, None),
     "compiled-p2": (2, "ref-compiled", 5e-4, 1e-5),
     "inductor-p2": (2, "ref-inductor", 5e-4, 1e-5),
+    "compiled-p4": (4, "ref-compiled", 5e-4, 1e-5),
+    "compiled-p2d2": (4, "ref-compiled", 5e-4, 1e-5),
+    "compiled-meta-p2": (2, "ref-compiled", 5e-4, 1e-5),
+    "compiled-bf16-p2": (2, "ref-compiled-bf16", 2e-2, None),
     "lora-p2": (2, "ref-lora", 5e-4, 1e-5),
     "checkpointing-p2": (2, "ref-checkpointing", 5e-4, 1e-5),
     "eval-p2": (2, "ref", 5e-4, 1e-5),
     "model-compiled-p2": (2, "ref-model-compiled", 5e-4, 1e-5),
     "wrapped-compiled-p2": (2, "ref-wrapped-compiled", 5e-4, 1e-5),
 }
+COMPILED_MATRIX = ("compiled-p4", "compiled-p2d2", "compiled-meta-p2", "compiled-bf16-p2")
+"""The rest of the matrix with each block compiled (``aot_eager``), for GPT-2, Llama and litgpt."""
 ONLY = {"compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt", "litgpt_llama"),
         "inductor-p2": ("gpt2", "llama", "t5_stacks", "litgpt", "litgpt_llama"),
+        **{config: ("gpt2", "llama", "litgpt") for config in COMPILED_MATRIX},
         "lora-p2": ("gpt2", "llama"), "checkpointing-p2": ("gpt2", "llama"),
         "eval-p2": ("gpt2", "llama", "bert", "vit", "litgpt"),
         "model-compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt"),
         "wrapped-compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt")}
 """Configurations run for some families only."""
-COMPILED = ("compiled-p2", "inductor-p2", "model-compiled-p2", "wrapped-compiled-p2")
+COMPILED = ("compiled-p2", "inductor-p2", *COMPILED_MATRIX, "model-compiled-p2", "wrapped-compiled-p2")
 WHOLE_MODEL_COMPILED = ("model-compiled-p2", "wrapped-compiled-p2")
 """The whole third-party model compiled, not each block: its graphs also break where it calls another stage's stood-in
 module (a stand-in runs as Python, uncompiled, by design)."""
@@ -47,6 +54,10 @@ DESCRIPTIONS = {
     "bf16-p2": "P=2, bf16-mixed",
     "compiled-p2": "P=2, blocks compiled (`aot_eager`)",
     "inductor-p2": "P=2, blocks compiled (`inductor`)",
+    "compiled-p4": "P=4, blocks compiled (`aot_eager`)",
+    "compiled-p2d2": "P=2 x D=2, blocks compiled (`aot_eager`)",
+    "compiled-meta-p2": "P=2, built on meta in `configure_model` and its blocks compiled there (`aot_eager`)",
+    "compiled-bf16-p2": "P=2, bf16-mixed, blocks compiled (`aot_eager`)",
     "lora-p2": "P=2, peft LoRA adapters, base frozen",
     "checkpointing-p2": "P=2, `gradient_checkpointing_enable()`",
     "eval-p2": "P=2, then `validate` and `predict`",

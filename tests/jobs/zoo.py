@@ -49,6 +49,11 @@ CONFIGS = {
     "bf16-p2": (2, 4, BATCH, "bf16-mixed", "init", None),
     "compiled-p2": (2, 4, BATCH, "32-true", "init", "aot_eager"),
     "inductor-p2": (2, 4, BATCH, "32-true", "init", "inductor"),
+    "compiled-p4": (4, 4, BATCH, "32-true", "init", "aot_eager"),
+    "compiled-p2d2": (2, 2, BATCH // 2, "32-true", "init", "aot_eager"),
+    "compiled-meta-p2": (2, 4, BATCH, "32-true", "configure_model", "aot_eager"),
+    "compiled-bf16-p2": (2, 4, BATCH, "bf16-mixed", "init", "aot_eager"),
+    "ref-compiled-bf16": (1, 1, BATCH, "bf16-mixed", "init", "aot_eager"),
     "ref": (1, 1, BATCH, "32-true", "init", None),
     "ref-bf16": (1, 1, BATCH, "bf16-mixed", "init", None),
     "ref-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
@@ -81,11 +86,18 @@ class Recorder(pl.Callback):
         self.losses: list[float] = []
         self.grads: dict[str, list[float]] = {}
         self.compiled_calls: list[int] = []
+        self.compiled_modules = None  # () -> the compiled modules whose calls are counted (set with a backend)
+        self.counted: list = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == 0:
             self.grads = {n: p.grad.detach().float().flatten().tolist()
                           for n, p in pl_module.named_parameters() if p.grad is not None}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.compiled_modules is not None:  # a model built in configure_model has its blocks only now
+            self.counted = self.compiled_modules()
+            self.compiled_calls = count_compiled_calls(self.counted)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.compiled_calls[:] = [0] * len(self.compiled_calls)  # the dry run's calls (run eagerly) do not count
@@ -103,6 +115,8 @@ def count_compiled_calls(modules: list) -> list[int]:
     for i, module in enumerate(modules):
         attribute = "forward" if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else "_compiled_call_impl"
         compiled = getattr(module, attribute)
+        if compiled is None:  # a stood-in block, set up by the strategy after compile(): nothing to count
+            continue
 
         def counted(*args, i=i, compiled=compiled, **kwargs):
             calls[i] += 1
@@ -110,6 +124,11 @@ def count_compiled_calls(modules: list) -> list[int]:
 
         setattr(module, attribute, counted)
     return calls
+
+
+def blocks_of(model: ZooModule) -> list:
+    """The blocks of every block list the family is cut at."""
+    return [block for path in block_lists(model.family.cut_at) for block in model.get_submodule(path)]
 
 
 def compile_stats(recorder: Recorder, blocks: list, calls: list[int]) -> dict:
@@ -159,26 +178,25 @@ def run(out: Path, spec: str) -> None:
         callbacks=[recorder],
         use_distributed_sampler=not reference,
     )
-    model = ZooModule(family_name, build_in, variant)
+    # a model built in configure_model compiles its blocks there (ZooModule); the others are compiled here
+    model = ZooModule(family_name, build_in, variant, compile_backend=backend)
     scope = COMPILE_SCOPES.get(config, "blocks")
-    blocks = [b for path in block_lists(family.cut_at) for b in model.get_submodule(path)] if backend else []
     if backend is not None:
         torch._dynamo.reset()
         counters.clear()
-        if scope == "blocks":
-            for block in blocks:  # as torchtitan compiles: each block in place
+        if build_in == "init" and scope == "blocks":
+            for block in blocks_of(model):  # as torchtitan compiles: each block in place
                 block.compile(backend=backend)
         elif scope == "model":
             model.model.compile(backend=backend)
-        else:
+        elif scope == "wrapped":
             model.model = torch.compile(model.model, backend=backend)
-    counted = blocks if scope == "blocks" else [model.model]
-    calls = recorder.compiled_calls = count_compiled_calls(counted)
+        recorder.compiled_modules = lambda: blocks_of(model) if scope == "blocks" else [model.model]
     start = time.monotonic()
     trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler))
     result = {"losses": recorder.losses, "grads": recorder.grads, "seconds": time.monotonic() - start}
     if backend is not None:
-        result["compile"] = compile_stats(recorder, counted, calls)
+        result["compile"] = compile_stats(recorder, recorder.counted, recorder.compiled_calls)
     if config in EVALUATED and family.kind != "seq2seq":
         # the trained model, split: a validation loss, and the logits of the first batch (every stage has them)
         loader = DataLoader(data, batch_size=batch)  # in order (Lightning's evaluation sampler does not shuffle)
