@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.topology import Topology
 
-__all__ = ["ProcessGroupStrategy", "global_grad_norm", "is_initialized", "process_group", "stop_watching_peers",
+__all__ = ["ProcessGroupStrategy", "global_grad_norm", "is_initialized", "stop_watching_peers",
            "waiting", "watch_peers"]
 
 
@@ -197,11 +197,6 @@ def waiting(topology: Topology | None, what: str, wait: Callable[[], Any]) -> An
     return waiting_on_peers(topology, what, wait)
 
 
-def process_group(group: object) -> dist.ProcessGroup:
-    """``group`` as torch's collectives take it (the topology keeps its groups untyped)."""
-    return cast(dist.ProcessGroup, group)
-
-
 def global_grad_norm(engine: PipelineEngine, topology: Topology) -> Tensor:
     """The L2 norm of the whole model's gradient: every stage's share summed over the pipeline.
 
@@ -214,5 +209,5 @@ def global_grad_norm(engine: PipelineEngine, topology: Topology) -> Tensor:
                          lambda: dist.all_reduce(total))
     elif topology.pipeline_size > 1:
         waiting_on_peers(topology, "summing the gradient norm over stages",
-                         lambda: dist.all_reduce(total, group=process_group(topology.pipe_group)))
+                         lambda: dist.all_reduce(total, group=topology.pipe_group))
     return total.sqrt()

@@ -31,7 +31,6 @@ from lightning_varuna.pipeline.timelines.timeline import (
     predicted_events,
     write_chrome_trace,
 )
-from lightning_varuna.processes import process_group
 
 __all__ = ["TimelineOutput", "choice_hparams", "optimizer_spec", "report_choice"]
 
@@ -128,7 +127,7 @@ class TimelineOutput:
         gathered: list[Any] = [None] * topology.pipeline_size
         if topology.pipeline_size > 1:
             waiting_on_peers(topology, "gathering the pipeline metrics",
-                             lambda: dist.all_gather_object(gathered, spans, group=process_group(topology.pipe_group)))
+                             lambda: dist.all_gather_object(gathered, spans, group=topology.pipe_group))
         else:
             gathered = [spans]
         metrics = pipeline_metrics(gathered)

@@ -25,7 +25,6 @@ from lightning_varuna.fault.failures import report_failure, waiting_on_peers
 from lightning_varuna.logs.log_sync import LogBroadcaster, LogCapture, LogMeta, fill, reduce_records, replay
 from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
-from lightning_varuna.processes import process_group
 
 __all__ = ["StepRunner", "check_metric_states"]
 
@@ -140,7 +139,7 @@ class StepRunner:
         flag = torch.full((), float(skipped), device=self.device)
         replicas = [topology.rank_of(topology.stage, r) for r in range(topology.data_size)]
         waiting_on_peers(topology, f"agreeing with the other replicas (ranks {replicas}) whether the batch is skipped",
-                         lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=process_group(topology.data_group)))
+                         lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=topology.data_group))
         return bool(flag.item())
 
     def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[float]], Tensor]:
@@ -175,7 +174,7 @@ class StepRunner:
         merged = _concat(outputs) if outputs else None
         if hook == "predict_step" and self.topology.pipeline_size > 1:
             box = [merged]
-            dist.broadcast_object_list(box, self.topology.pipe_src_rank, group=process_group(self.topology.pipe_group))
+            dist.broadcast_object_list(box, self.topology.pipe_src_rank, group=self.topology.pipe_group)
             merged = box[0]
             if merged is not None:
                 merged = _to_device(merged, self.device)
