@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers.launch import torchrun
 
+from lightning_varuna.pipeline.planning.memory_model import graphs_in_flight
 from lightning_varuna.pipeline.scheduling.schedules import (
     CHUNKS_REQUIRED,
     SCHEDULES,
@@ -139,7 +140,7 @@ def test_zero_bubble_p4_m8_is_zb_h1() -> None:
     assert simulate(schedule, costs).makespan == 29  # 1F1B: 33 at the same memory over the stages
     assert simulate(make_schedule("1f1b", 4, 8, recompute=False), costs).makespan == 33
     recomputing = make_schedule("zero-bubble", 4, 8, recompute=True)
-    assert simulate(recomputing, costs, opportunistic=True).makespan == 35
+    assert simulate(recomputing, costs, opportunistic=True).makespan == 36
     assert simulate(make_schedule("varuna", 4, 8, recompute=True), costs, opportunistic=True).makespan == 38
 
 
@@ -149,19 +150,22 @@ def _random_delays(seed: int):
     return lambda *message: table.setdefault(message, draws.expovariate(2.0))
 
 
-def _peak_held(tasks_run: tuple[Task, ...], recomputes: bool) -> tuple[int, int]:
-    """The most micro-batches held until their I and until their W (see zero_bubble.memory_bound)."""
+def _peak_held(tasks_run: tuple[Task, ...], recomputes: bool) -> tuple[int, int, int]:
+    """The most micro-batches held until their I, until their W, and forwarded until their I (memory_bound)."""
     builds = Kind.R if recomputes else Kind.F
-    until_i = until_w = peak_i = peak_w = 0
+    until_i = until_w = forwarded = peak_i = peak_w = peak_f = 0
     for task in tasks_run:
+        if task.kind is Kind.F:
+            forwarded += 1
+            peak_f = max(peak_f, forwarded)
         if task.kind is builds:
             until_i, until_w = until_i + 1, until_w + 1
             peak_i, peak_w = max(peak_i, until_i), max(peak_w, until_w)
-        elif task.kind is Kind.I:
-            until_i -= 1
-        elif task.kind is Kind.W:
+        if task.kind in (Kind.I, Kind.B):
+            until_i, forwarded = until_i - 1, forwarded - 1
+        if task.kind in (Kind.W, Kind.B):
             until_w -= 1
-    return peak_i, peak_w
+    return peak_i, peak_w, peak_f
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -175,12 +179,31 @@ def test_zero_bubble_keeps_its_stated_memory_bound_in_list_order_and_under_the_r
                 bound = memory_bound(stage, num_stages, recompute)
                 recomputes = recompute and stage < num_stages - 1
                 for order in (schedule[stage], run[stage]):
-                    until_i, until_w = _peak_held(order, recomputes)
+                    until_i, until_w, forwarded = _peak_held(order, recomputes)
                     assert until_i <= bound.until_input_grad and until_w <= bound.until_weight_grad, (
                         num_stages, m, stage, order)
+                # the run-time rules may run a stashing forward early instead of waiting (next_task)
+                assert _peak_held(schedule[stage], recomputes)[2] <= bound.forwarded, (num_stages, m, stage)
             if not recompute:  # no stage holds more than 1F1B's first stage
                 assert max(memory_bound(s, num_stages, False).until_weight_grad for s in range(num_stages)) == (
                     num_stages)
+
+
+def test_zero_bubble_with_recompute_holds_no_more_than_1f1b_with_recompute() -> None:
+    # the autograd graphs (held until W) and the stashed inputs (forwarded, not through I) of every stage, in
+    # list order, against 1F1B's with recompute; and it is faster than 1F1B (unit costs, recompute = forward)
+    for num_stages in range(2, 9):
+        costs = [StageCosts(forward=1, backward=2)] * num_stages
+        for m in range(1, 33):
+            ours, reference = (make_schedule(name, num_stages, m, recompute=True) for name in ("zero-bubble", "1f1b"))
+            for stage in range(num_stages):
+                stashes = stage < num_stages - 1
+                assert graphs_in_flight(ours[stage], stashes) <= graphs_in_flight(reference[stage], stashes)
+                assert _peak_held(ours[stage], stashes)[2] <= _peak_held(reference[stage], stashes)[2]
+            ticks = [simulate(s, costs, opportunistic=True).makespan for s in (ours, reference)]
+            assert ticks[0] <= ticks[1], (num_stages, m, ticks)
+            if num_stages > 2 and m >= num_stages:
+                assert ticks[0] < ticks[1], (num_stages, m, ticks)
 
 
 # --- all schedules and sizes ----------------------------------------------------------------------------

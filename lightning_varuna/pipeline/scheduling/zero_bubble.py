@@ -13,7 +13,9 @@ ready task by priority ``I > R > F > W``:
   recompute, ``R(k)`` is done.
 - ``R(k)`` (recompute, on non-last stages) is ready once the next stage has started ``I(k)``, Varuna's trigger:
   the recompute then runs while the gradient is being made downstream.
-- ``F(k)`` is ready once its input has arrived and the stage holds fewer micro-batches than its memory bound.
+- ``F(k)`` is ready once its input has arrived and the stage holds fewer micro-batches than its memory bound
+  (on a recomputing stage: fewer than ``P - s`` forwarded and not yet through ``I``, 1F1B's warm-up, so that the
+  inputs stashed for recompute do not grow with ``m``).
 - ``W(k)`` is ready once ``I(k)`` is done; the oldest runs first.
 
 **Memory bound** (:func:`memory_bound`), in micro-batches of activations a stage holds at once. A micro-batch
@@ -26,11 +28,15 @@ weight gradients ``W`` computes, and the gradients of their outputs):
   which counts the same way;
 - with recompute, forwards of non-last stages keep only their input (like Varuna's) and a micro-batch's autograd
   graph lives from the start of ``R(k)`` (``F(k)`` on the last stage, which never recomputes): every stage holds
-  at most 1 until ``I`` and 2 until ``W``.
+  at most one micro-batch until its ``W``, as 1F1B and Varuna's schedule with recompute hold one graph at a time
+  until its backward. ``R(k + 1)`` waits for ``W(k)``: a held-back ``W`` runs in the wait for the next gradient,
+  never beside the next graph, so recompute with zero-bubble needs no more memory than recompute with 1F1B.
+  (Letting ``W(k)`` wait past ``R(k + 1)`` gains one ``W`` per step, but holds ``W(k)``'s inputs and output
+  gradients, most of a block's activations, beside the whole next graph: 1.3x the peak on the emulated model.)
 
 With unit costs the first stage waits one ``F + I`` per stage after its warm-up (the first gradient travels back
 through ``I`` tasks only, half a backward each) where 1F1B waits one ``F + B``: at ``P = 4, m = 8`` the makespan is
-29 ticks against 1F1B's 33, and 35 with recompute against 38 for Varuna's schedule.
+29 ticks against 1F1B's 33, and 36 with recompute against 38 for Varuna's schedule and 1F1B's, at their memory.
 """
 
 from __future__ import annotations
@@ -52,17 +58,21 @@ class MemoryBound:
     Attributes:
         until_input_grad: Micro-batches whose ``I`` has not ended (held in full).
         until_weight_grad: Micro-batches whose ``W`` has not ended (held in full or in part).
+        forwarded: Micro-batches forwarded whose ``I`` has not ended, their graphs or (on a recomputing stage)
+            their stashed inputs; in list order (the run-time rules may run a stashing forward early, as they
+            do in every schedule with recompute, rather than wait).
     """
 
     until_input_grad: int
     until_weight_grad: int
+    forwarded: int
 
 
 def memory_bound(stage: int, num_stages: int, recompute: bool) -> MemoryBound:
     """The memory bound of stage ``stage`` in the zero-bubble schedule (see the module docstring)."""
     if recompute:
-        return MemoryBound(1, 2)
-    return MemoryBound(num_stages - stage, num_stages)
+        return MemoryBound(1, 1, num_stages - stage)
+    return MemoryBound(num_stages - stage, num_stages, num_stages - stage)
 
 
 @dataclass
@@ -170,7 +180,8 @@ def _choose(state: _Stage, last: bool, num_microbatches: int) -> Task | None:
     if state.recomputes and r < state.forwarded and r in state.triggered and state.may_build_graph():
         return Task(Kind.R, r)
     f = state.forwarded
-    if f < num_microbatches and f in state.inputs and (state.recomputes or state.may_build_graph()):
+    if (f < num_microbatches and f in state.inputs and f - state.input_grads < state.bound.forwarded
+            and (state.recomputes or state.may_build_graph())):
         return Task(Kind.F, f)
     if state.weight_grads < state.input_grads:
         return Task(Kind.W, state.weight_grads)
