@@ -32,7 +32,8 @@ weight gradients ``W`` computes, and the gradients of their outputs):
   until its backward. ``R(k + 1)`` waits for ``W(k)``: a held-back ``W`` runs in the wait for the next gradient,
   never beside the next graph, so recompute with zero-bubble needs no more memory than recompute with 1F1B.
   (Letting ``W(k)`` wait past ``R(k + 1)`` gains one ``W`` per step, but holds ``W(k)``'s inputs and output
-  gradients, most of a block's activations, beside the whole next graph: 1.3x the peak on the emulated model.)
+  gradients, most of a block's activations, beside the whole next graph: with the stash unbounded, 1.3x the
+  peak on the emulated model.)
 
 With unit costs the first stage waits one ``F + I`` per stage after its warm-up (the first gradient travels back
 through ``I`` tasks only, half a backward each) where 1F1B waits one ``F + B``: at ``P = 4, m = 8`` the makespan is
