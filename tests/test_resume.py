@@ -1,4 +1,9 @@
-"""Job morphing: a checkpoint written mid-epoch under one P x D resumes under another on the same trajectory."""
+"""Job morphing: a checkpoint written mid-epoch under one P x D resumes under another on the same trajectory.
+
+Each checkpoint is written by one job and resumed by later, separate jobs (fresh processes, as a restarted job
+would be). The jobs are batched: the three writers run in one 4-process job, the 4-process resumes in another and the
+2-process resume in a third, so the module starts four jobs, not one per run.
+"""
 
 from __future__ import annotations
 
@@ -10,82 +15,92 @@ from helpers.launch import python, torchrun
 
 from lightning_varuna.checkpoint import is_complete
 
-
-def _losses(directory: Path, name: str) -> list[float]:
-    return json.loads((directory / f"{name}.rank0.json").read_text())["losses"]
-
-
-@pytest.mark.slow
-def test_mid_epoch_checkpoint_from_p2d2_resumes_under_p4d1_and_on_two_processes(tmp_path: Path) -> None:
-    """Trained 4 of an epoch's 8 steps at P=2 x D=2, resumed at P=4 x D=1 and at P=2 x D=1 on 2 processes.
-
-    ``global_batch_size=16`` keeps the optimization identical (16 samples per step whatever D is), and the
-    resumable sampler makes every resumed step read exactly the samples the uninterrupted run reads.
-    """
-    ckpt_dir = tmp_path / "ckpt"
-    python("equivalence.py", str(tmp_path), "reference:epoch_steps=8")
-    torchrun("equivalence.py", str(tmp_path),
-             f"first:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,steps=4,"
-             f"save_every=4,save_dir={ckpt_dir}")
-    ckpt = ckpt_dir / "ckpt.ckpt"
-    assert is_complete(ckpt) and not list(ckpt_dir.glob("*.varuna-tmp"))
-    torchrun("equivalence.py", str(tmp_path),
-             f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt}")
-    torchrun("equivalence.py", str(tmp_path),
-             f"two:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt}", nproc=2)
+# P=2 x D=2 and P=4 x D=1 with the same global batch: 16 samples per step whatever D is, and the resumable sampler
+# makes every resumed step read exactly the samples the uninterrupted run reads
+COMMON = "pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5"
+P4 = "pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5"
+WRITERS = {  # name -> (options, reference), each trained 4 of an epoch's 8 steps and saved at step 4
+    "first-1f1b": (COMMON, "reference"),
+    "first-il": (f"{COMMON},schedule=interleaved,stages_per_rank=2", "reference"),
+    # the V schedule: stages 0 and 3 on rank 0, with the tied embedding, 1 and 2 on rank 1
+    "first-zbv": (f"{COMMON},tie=true,schedule=zero-bubble-v,stages_per_rank=2", "reference-tied"),
+}
+RESUMES_ON_FOUR = {  # name -> (options, the writer whose checkpoint it resumes)
+    "p4-from-1f1b": (P4, "first-1f1b"),
     # one chunk per rank -> two (interleaved, P=2 x D=2: four stages on two ranks)
-    torchrun("equivalence.py", str(tmp_path),
-             f"chunks:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},"
-             "schedule=interleaved,stages_per_rank=2")
-    reference = _losses(tmp_path, "reference")
-    assert len(reference) == 8
-    assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
-    for name in ("p4", "two", "chunks"):
-        resumed = _losses(tmp_path, name)
+    "chunks-from-1f1b": (f"{COMMON},schedule=interleaved,stages_per_rank=2", "first-1f1b"),
+    "p4-from-il": (f"{P4},schedule=1f1b", "first-il"),
+    # the looped placement's checkpoint resumed V-shaped (rank 0 now holds stages 0 and 3, rank 1 stages 1 and 2)
+    "v-from-il": (f"{COMMON},schedule=zero-bubble-v,stages_per_rank=2", "first-il"),
+    # the V-shaped checkpoint resumed looped (zero-bubble: stages 0 and 2 on rank 0) and with one chunk per rank
+    "looped-from-zbv": (f"{COMMON},tie=true,schedule=zero-bubble,stages_per_rank=2", "first-zbv"),
+    "p4-from-zbv": (f"{P4},tie=true,schedule=1f1b", "first-zbv"),
+}
+RESUMES_ON_TWO = {"two-from-1f1b": (COMMON, "first-1f1b")}  # P=2 x D=1
+
+pytestmark = pytest.mark.xdist_group("resume")
+
+
+def _ckpt(out: Path, writer: str) -> Path:
+    return out / writer / "ckpt.ckpt"
+
+
+def _specs(out: Path, runs: dict[str, tuple[str, str]]) -> list[str]:
+    return [f"{name}:{options},resume={_ckpt(out, writer)}" for name, (options, writer) in runs.items()]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("resume")
+    python("equivalence.py", str(out), "reference:epoch_steps=8", "reference-tied:epoch_steps=8,tie=true")
+    torchrun("equivalence.py", str(out), *(f"{name}:{options},steps=4,save_every=4,save_dir={out / name}"
+                                           for name, (options, _) in WRITERS.items()), timeout=600)
+    torchrun("equivalence.py", str(out), *_specs(out, RESUMES_ON_FOUR), timeout=600)
+    torchrun("equivalence.py", str(out), *_specs(out, RESUMES_ON_TWO), nproc=2, timeout=600)
+    return out
+
+
+def _losses(out: Path, name: str) -> list[float]:
+    return json.loads((out / f"{name}.rank0.json").read_text())["losses"]
+
+
+def _reference_of(run: str) -> str:
+    writer = WRITERS.get(run) or WRITERS[{**RESUMES_ON_FOUR, **RESUMES_ON_TWO}[run][1]]
+    return writer[1]
+
+
+def _check_resumed(out: Path, *names: str) -> None:
+    for name in names:
+        reference = _losses(out, _reference_of(name))
+        assert len(reference) == 8
+        resumed = _losses(out, name)
         assert len(resumed) == 4, name
         assert resumed == pytest.approx(reference[4:], abs=5e-4), name
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_with_two_chunks_per_rank_resumes_with_one(tmp_path: Path) -> None:
-    """Written at P=2 x D=2 with two model chunks per rank (interleaved), resumed at P=4 x D=1 with one (1F1B)."""
-    ckpt_dir = tmp_path / "ckpt"
-    python("equivalence.py", str(tmp_path), "reference:epoch_steps=8")
-    torchrun("equivalence.py", str(tmp_path),
-             f"first:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,steps=4,"
-             f"save_every=4,save_dir={ckpt_dir},schedule=interleaved,stages_per_rank=2")
-    ckpt = ckpt_dir / "ckpt.ckpt"
-    assert is_complete(ckpt)
-    torchrun("equivalence.py", str(tmp_path),
-             f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},schedule=1f1b")
-    # the looped placement's checkpoint resumed V-shaped (rank 0 now holds stages 0 and 3, rank 1 stages 1 and 2)
-    torchrun("equivalence.py", str(tmp_path),
-             f"v:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},"
-             "schedule=zero-bubble-v,stages_per_rank=2")
-    reference = _losses(tmp_path, "reference")
-    assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
-    for name in ("p4", "v"):
-        assert _losses(tmp_path, name) == pytest.approx(reference[4:], abs=5e-4), name
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_the_first_half_matches_the_uninterrupted_run_and_leaves_a_complete_checkpoint(results: Path,
+                                                                                      writer: str) -> None:
+    assert is_complete(_ckpt(results, writer)) and not list((results / writer).glob("*.varuna-tmp"))
+    assert _losses(results, writer) == pytest.approx(_losses(results, _reference_of(writer))[:4], abs=5e-4)
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_v_shaped_resumes_looped_and_with_one_chunk_per_rank(tmp_path: Path) -> None:
-    """Written at P=2 x D=2 by the V schedule (stages 0 and 3 on rank 0, with the tied embedding, 1 and 2 on rank 1),
-    resumed with the same four stages looped (zero-bubble: 0 and 2 on rank 0) and at P=4 x D=1 with one chunk."""
-    ckpt_dir = tmp_path / "ckpt"
-    python("equivalence.py", str(tmp_path), "reference:epoch_steps=8,tie=true")
-    torchrun("equivalence.py", str(tmp_path),
-             f"first:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,steps=4,tie=true,"
-             f"save_every=4,save_dir={ckpt_dir},schedule=zero-bubble-v,stages_per_rank=2")
-    ckpt = ckpt_dir / "ckpt.ckpt"
-    assert is_complete(ckpt)
-    torchrun("equivalence.py", str(tmp_path),
-             f"looped:pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},tie=true,"
-             "schedule=zero-bubble,stages_per_rank=2")
-    torchrun("equivalence.py", str(tmp_path),
-             f"p4:pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5,resume={ckpt},tie=true,"
-             "schedule=1f1b")
-    reference = _losses(tmp_path, "reference")
-    assert _losses(tmp_path, "first") == pytest.approx(reference[:4], abs=5e-4)
-    for name in ("looped", "p4"):
-        assert _losses(tmp_path, name) == pytest.approx(reference[4:], abs=5e-4), name
+def test_mid_epoch_checkpoint_from_p2d2_resumes_under_p4d1_on_two_processes_and_with_two_chunks(results: Path) -> None:
+    """Trained 4 of an epoch's 8 steps at P=2 x D=2, resumed at P=4 x D=1, at P=2 x D=1 on 2 processes and with
+    two model chunks per rank."""
+    _check_resumed(results, "p4-from-1f1b", "two-from-1f1b", "chunks-from-1f1b")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_with_two_chunks_per_rank_resumes_with_one_and_v_shaped(results: Path) -> None:
+    """Written at P=2 x D=2 with two model chunks per rank (interleaved), resumed at P=4 x D=1 with one (1F1B) and
+    over the V-shaped placement."""
+    _check_resumed(results, "p4-from-il", "v-from-il")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_v_shaped_resumes_looped_and_with_one_chunk_per_rank(results: Path) -> None:
+    """Written by the V schedule with a tied embedding, resumed with the same four stages looped and at P=4 x D=1."""
+    _check_resumed(results, "looped-from-zbv", "p4-from-zbv")
