@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from helpers.on_demand import skip_unless_wanted
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules that run multi-process jobs first, each module's tests kept together: with ``-n``, the short
-    in-process tests then fill the workers' last minutes instead of one long job running alone at the end."""
+    in-process tests then fill the workers' last minutes instead of one long job running alone at the end.
+    The tests marked ``full`` are skipped unless asked for (``tests/helpers/on_demand.py``)."""
+    skip_unless_wanted(items, config)
     with_jobs = {item.module for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.module not in with_jobs)
 

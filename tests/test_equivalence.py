@@ -7,11 +7,11 @@ The whole matrix of several model chunks per rank (P in {2, 4} x recompute on/of
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 from helpers.launch import python, torchrun
+from helpers.on_demand import wanted
 
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
 
@@ -106,7 +106,7 @@ FULL_MATRIX = {
 }
 
 
-if os.environ.get("VARUNA_SCHEDULES") == "full":
+if wanted(part="SCHEDULES"):
     CONFIGS.update(FULL_MATRIX)
 REFERENCES = {
     "reference": "",

@@ -25,8 +25,9 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return result
 
 
+# the registered name's example chooses P automatically (a profiling run first): CI trains the README's config only
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["config.yaml", "config_registered.yaml"])
+@pytest.mark.parametrize("config", ["config.yaml", pytest.param("config_registered.yaml", marks=pytest.mark.full)])
 def test_example_trains_on_four_processes(config: str, tmp_path) -> None:
     result = _cli("fit", "--config", f"examples/gpt/{config}", *SHORT,
                   "--trainer.callbacks.dirpath", str(tmp_path / "checkpoints"))
@@ -34,6 +35,17 @@ def test_example_trains_on_four_processes(config: str, tmp_path) -> None:
     assert "VarunaStrategy:" in output and "replica(s)" in output
     assert "`Trainer.fit` stopped: `max_steps=4` reached." in output
     assert "100% of the batches will be used" not in output
+
+
+def test_the_registered_name_is_the_strategy_with_its_defaults() -> None:
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(strategy="varuna", accelerator="cpu", devices=4, logger=False, enable_progress_bar=False)
+    assert type(trainer.strategy) is VarunaStrategy
+    assert trainer.strategy.num_processes == 4
+    defaults = VarunaStrategy()
+    assert trainer.strategy.pipeline_parallel_size == defaults.pipeline_parallel_size == "auto"
+    assert trainer.strategy.config == defaults.config
 
 
 def test_strategy_arguments_are_documented_for_the_cli() -> None:

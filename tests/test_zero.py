@@ -11,13 +11,12 @@ widest cases (P=2 x D=4 on 8 processes, the resume on 2 processes) run with
 from __future__ import annotations
 
 import json
-import os
-import re
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.launch import python, torchrun
+from helpers.on_demand import wanted
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.checkpoint import is_complete
@@ -40,8 +39,7 @@ LOSS_TOLERANCE, GRAD_TOLERANCE, PARAM_TOLERANCE = 5e-4, 1e-5, 2e-5
 
 
 def _full(request: pytest.FixtureRequest) -> bool:
-    markexpr = request.config.getoption("-m") or ""
-    return os.environ.get("VARUNA_ZERO") == "full" or re.search(r"(?<!not )\bzero_full\b", markexpr) is not None
+    return wanted(request.config, "ZERO", marker="zero_full")
 
 
 def configs(ckpt: Path) -> dict[str, str]:

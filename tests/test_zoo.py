@@ -4,28 +4,28 @@ Every family x configuration trains 8 AdamW steps (lr 1e-2) on tiny models built
 compared with the plain ``Trainer(devices=1)`` run on the same batches: fp32 losses within 5e-4 at every step and
 every parameter's step-1 gradient within 1e-5 (each parameter held by some rank); bf16-mixed losses within 2e-2.
 
-CI runs P=2 built in ``__init__`` for every family, and with compiled blocks (``aot_eager``) for GPT-2, Llama and
-litgpt. The full matrix (P=2, P=4, P=2 x D=2, built on meta in ``configure_model`` with ``initial_weights``,
-bf16-mixed, blocks compiled by ``aot_eager`` and by ``inductor`` from a fresh cache, and for GPT-2, Llama and litgpt
-the rest of that matrix with compiled blocks (P=4, P=2 x D=2, built on meta and compiled in ``configure_model``,
-bf16-mixed), peft LoRA adapters, Hugging
-Face's own gradient checkpointing, ``validate`` and ``predict`` after training) runs with ``VARUNA_ZOO=full`` or
-``-m zoo``; ``VARUNA_ZOO_OUT=DIR`` keeps the results there for ``python tests/helpers/zoo_table.py DIR`` (and with
-``VARUNA_ZOO_REUSE=1`` the results already there are judged again instead of rerun).
+CI runs P=2 built in ``__init__`` for every family, and with compiled blocks (``aot_eager``) for Llama. The full
+matrix (P=2, P=4, P=2 x D=2, built on meta in ``configure_model`` with ``initial_weights``, bf16-mixed, blocks
+compiled by ``aot_eager`` and by ``inductor`` from a fresh cache, and for GPT-2, Llama and litgpt the rest of that
+matrix with compiled blocks (P=4, P=2 x D=2, built on meta and compiled in ``configure_model``, bf16-mixed), peft
+LoRA adapters, Hugging Face's own gradient checkpointing, ``validate`` and ``predict`` after training) runs with
+``VARUNA_ZOO=full``, ``VARUNA_TESTS=full`` or ``-m zoo``; ``VARUNA_ZOO_OUT=DIR`` keeps the results there for
+``python tests/helpers/zoo_table.py DIR`` (and with ``VARUNA_ZOO_REUSE=1`` the results already there are judged
+again instead of rerun).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
 from helpers.launch import python, torchrun
+from helpers.on_demand import wanted
 from helpers.zoo_models import FAMILIES
-from helpers.zoo_results import CI_CONFIGS, CONFIGS, STEPS, applies, error_of, judge, run_specs, specs_of
+from helpers.zoo_results import CONFIGS, STEPS, applies, error_of, in_ci, judge, run_specs, specs_of
 
 # family x configuration the current engine cannot train (measured, tests/helpers/zoo_table.py): strict, so a fix makes
 # them fail until removed here
@@ -36,8 +36,7 @@ pytestmark = [pytest.mark.xdist_group("zoo"), pytest.mark.zoo, pytest.mark.timeo
 
 
 def _full(config: pytest.Config) -> bool:
-    markexpr = config.option.markexpr or ""
-    return os.environ.get("VARUNA_ZOO") == "full" or re.search(r"(?<!not )\bzoo\b", markexpr) is not None
+    return wanted(config, "ZOO", marker="zoo")
 
 
 def _params() -> list:
@@ -59,7 +58,7 @@ def _selected(request: pytest.FixtureRequest) -> list[tuple[str, str]]:
     for item in request.session.items:
         spec = getattr(item, "callspec", None)
         if item.module is request.module and spec is not None and {"family", "config"} <= set(spec.params):
-            if full or spec.params["config"] in CI_CONFIGS:
+            if full or in_ci(spec.params["family"], spec.params["config"]):
                 pairs.append((spec.params["family"], spec.params["config"]))
     return pairs
 
@@ -98,7 +97,7 @@ def zoo_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 @pytest.mark.parametrize(("family", "config"), _params())
 def test_zoo_model_matches_plain_run(request: pytest.FixtureRequest, zoo_results: Path, family: str,
                                      config: str) -> None:
-    if config not in CI_CONFIGS and not _full(request.config):
+    if not in_ci(family, config) and not _full(request.config):
         pytest.skip("full zoo matrix: VARUNA_ZOO=full or -m zoo")
     verdict = judge(zoo_results, family, config)
     detail = "\n".join(verdict.problems[:8])
