@@ -1,7 +1,7 @@
 """Pipelined training equals the plain single-process Lightning run: losses per step and gradients per name.
 
 The whole matrix of several model chunks per rank (P in {2, 4} x recompute on/off x D in {1, 2}) runs with
-``VARUNA_SCHEDULES=full``; CI runs one configuration of each kind.
+``VARUNA_SCHEDULES=full`` (or ``VARUNA_TESTS=full``); CI runs one configuration of each kind.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ def _losses(out: Path, name: str) -> list[float]:
 
 
 def _reference_of(run: str) -> str:
-    writer = WRITERS.get(run) or WRITERS[{**RESUMES_ON_FOUR, **RESUMES_ON_TWO}[run][1]]
-    return writer[1]
+    writer = run if run in WRITERS else {**RESUMES_ON_FOUR, **RESUMES_ON_TWO}[run][1]
+    return WRITERS[writer][1]
 
 
 def _check_resumed(out: Path, *names: str) -> None:
