@@ -16,7 +16,8 @@ picks another).
 
 Systems (one process per stage, 2 processes):
 
-* ``ours-<schedule>[-rc]``: ``Trainer(strategy=VarunaStrategy(pipeline_parallel_size=2, num_microbatches=4,
+* ``ours-<schedule>[-rc]`` (``1f1b``, ``varuna``, ``zb`` = ``zero-bubble``, its backward split into input- and
+  weight-gradient tasks): ``Trainer(strategy=VarunaStrategy(pipeline_parallel_size=2, num_microbatches=4,
   schedule=..., recompute=..., partition="params")).fit(GPT(...), loader)``, no logger, progress bar,
   checkpointing or model summary; the model's own ``training_step`` (with its ``self.log("train_loss",
   prog_bar=True)``).
@@ -66,18 +67,28 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ["ours-1f1b", "ours-varuna", "ours-1f1b-rc", "ours-varuna-rc"]  # the default run
+SYSTEMS = ["ours-1f1b", "ours-varuna", "ours-zb", "ours-1f1b-rc", "ours-varuna-rc", "ours-zb-rc"]  # the default run
 ALL_SYSTEMS = SYSTEMS + ["ours-1f1b-lean", "ours-varuna-lean"]
 # ours -> its raw peer (equal memory behaviour: recompute is compared with the checkpointed peer)
 PEER = {
     "ours-1f1b": "torch-1f1b",
     "ours-varuna": "torch-1f1b",
+    "ours-zb": "torch-1f1b",
     "ours-1f1b-rc": "torch-1f1b-ckpt",
     "ours-varuna-rc": "torch-1f1b-ckpt",
+    "ours-zb-rc": "torch-1f1b-ckpt",
     # what-if rows (not run by default): the strategy with two per-step collectives removed, see lean_patches()
     "ours-1f1b-lean": "torch-1f1b",
     "ours-varuna-lean": "torch-1f1b",
 }
+SCHEDULES = {"1f1b": "1f1b", "varuna": "varuna", "zb": "zero-bubble"}  # a row name's part -> schedule=
+
+
+def schedule_of(name: str) -> str:
+    """The ``schedule=`` of a row (``ours-zb-rc`` -> ``zero-bubble``)."""
+    return SCHEDULES[name.split("-")[1]]
+
+
 CONFIG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, dropout=0.0)
 BATCH, MICROBATCHES, SPLIT = 8, 4, 2  # SPLIT: blocks on stage 0
 
@@ -280,7 +291,7 @@ class BareEngine:
         from lightning_varuna.pipeline.config import EngineConfig
         from lightning_varuna.pipeline.engine import PipelineEngine
 
-        schedule = name.split("-")[1]
+        schedule = schedule_of(name)
         gpt = build_gpt()
         self.loss = gpt._loss  # the model's loss (its training_step minus self.log, which needs a Trainer)
         self.engine = PipelineEngine(gpt, EngineConfig(2, num_microbatches=MICROBATCHES, schedule=schedule,
@@ -324,7 +335,7 @@ def run_pair(ours: str, peer: str, steps: int, warmup: int, breakdown: bool, pro
 
     from lightning_varuna import VarunaStrategy
 
-    schedule = ours.split("-")[1]
+    schedule = schedule_of(ours)
     recompute = ours.endswith("-rc")
     raw = RawPeer(peer, warmup + steps, breakdown)
     bare = BareEngine(ours.replace("ours-", "engine-"), warmup + steps, breakdown) if with_engine else None
