@@ -4,7 +4,7 @@ Run (from the repository root; it starts its own ``torchrun`` jobs, 2 processes 
 
     python benchmarks/real_compute.py --out benchmarks/results/real_compute.json
 
-About 1.5-2 minutes on the shared 2-core machine (the last run took 81 s).
+About 2.5 minutes on a 2-core machine (the last run, six rows, took 143 s).
 
 The model and data, the same for every system: the example GPT (``examples/gpt/model.py``, as in
 ``examples/gpt/config.yaml``: n_layer 4, n_embd 64, n_head 4, block_size 64, vocab 256, tied embedding/head;
