@@ -154,7 +154,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             ``"nccl"``: NCCL (GPUs only).
         fuse_grad_accumulation: ``nn.Linear`` layers add each later micro-batch's weight gradient straight into
             ``.grad`` with one multiply-add, instead of autograd making it as a weight-sized temporary and adding
-            it (Megatron-LM's gradient accumulation fusion). Falls back to autograd's way under autocast.
+            it (Megatron-LM's gradient accumulation fusion), for weights of at least 2^20 elements (every weight
+            under zero-bubble schedules, whose held-back weight gradients need it). Falls back to autograd's way
+            under autocast.
         zero_stage: ``1``: each of the D replicas of a stage keeps the optimizer state of, and steps, one shard of
             every parameter (ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step, the
             same bytes as the all-reduce); the optimizer must be elementwise (SGD, Adam, AdamW, ...; LBFGS and the

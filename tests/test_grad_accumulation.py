@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_varuna.pipeline import CutPoint, EngineConfig, PipelineEngine
 from lightning_varuna.pipeline.model.stand_ins import free_parameter
 from lightning_varuna.pipeline.runtime.fused_linear_grad import (
+    MIN_FUSED_NUMEL,
     accumulating_in_place,
     install_grad_accumulation,
     remove_grad_accumulation,
@@ -183,15 +184,31 @@ def test_a_gradient_hook_sees_each_microbatch_alone_and_a_weight_frozen_after_fo
         torch.testing.assert_close(param.grad, expected.grad, rtol=1e-6, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("fuse", [True, False])
-def test_the_engine_installs_it_for_its_stage_and_teardown_removes_it(fuse: bool, tmp_path: Path) -> None:
-    model = nn.Sequential(nn.Linear(4, 8), CutPoint(), nn.Linear(8, 1))
-    engine = PipelineEngine(model, EngineConfig(1, num_microbatches=2, fuse_grad_accumulation=fuse))
+@pytest.mark.parametrize(("fuse", "schedule", "changed"), [
+    (True, "1f1b", [False, True]),  # the small weight keeps autograd's way
+    (True, "zero-bubble", [True, True]),  # W needs every linear layer's weight gradient held back
+    (False, "1f1b", [False, False]),
+    (False, "zero-bubble", [False, False]),
+])
+def test_the_engine_installs_it_for_its_stage_and_teardown_removes_it(
+        fuse: bool, schedule: str, changed: list[bool], tmp_path: Path) -> None:
+    width = 1024  # a weight of exactly MIN_FUSED_NUMEL elements
+    assert width * width == MIN_FUSED_NUMEL
+    model = nn.Sequential(nn.Linear(4, width), CutPoint(), nn.Linear(width, width), nn.Linear(width, 1))
+    engine = PipelineEngine(model, EngineConfig(1, num_microbatches=2, fuse_grad_accumulation=fuse,
+                                                schedule=schedule))  # type: ignore[arg-type]
     batch = (torch.randn(4, 4), torch.randn(4, 1))
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         engine.setup(batch, lambda mb: nn.functional.mse_loss(model(mb[0]), mb[1]))
-        assert ["forward" in m.__dict__ for m in (model[0], model[2])] == [fuse, fuse]
+        assert ["forward" in m.__dict__ for m in (model[0], model[2])] == changed
+        assert ("forward" in model[3].__dict__) == (fuse and schedule == "zero-bubble")
     finally:
         engine.teardown()
     assert all("forward" not in m.__dict__ for m in model)
+
+
+def test_install_skips_weights_below_the_bound() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 16))
+    assert install_grad_accumulation(model, min_numel=128) == [model[1]]
+    assert install_grad_accumulation(nn.Sequential(nn.Linear(4, 8)), min_numel=33) == []

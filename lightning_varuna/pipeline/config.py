@@ -72,7 +72,8 @@ class EngineConfig:
         overlap_grad_sync: Whether buckets start reducing during the stage's last backward of a step.
         fuse_grad_accumulation: Whether ``nn.Linear`` layers add each later micro-batch's weight gradient straight
             into ``.grad`` (one multiply-add) instead of making it apart and adding it: no weight-sized temporary
-            (:mod:`~lightning_varuna.pipeline.runtime.fused_linear_grad`).
+            (:mod:`~lightning_varuna.pipeline.runtime.fused_linear_grad`). Weights under ``MIN_FUSED_NUMEL``
+            (2^20) elements keep autograd's way, except under zero-bubble schedules.
         max_pipeline_size: With ``pipeline_parallel_size="auto"`` and no ``global_batch_size``, P is at most this
             (e.g. the processes per node, so that pipelines stay inside a node).
         global_batch_size: Samples per step over all replicas: each replica's batch is ``global_batch_size / D``,

@@ -42,13 +42,13 @@ from lightning_varuna.pipeline.model.segment_costs import DeviceRates
 from lightning_varuna.pipeline.model.stand_ins import apply_plan
 from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
-from lightning_varuna.pipeline.runtime.fused_linear_grad import install_grad_accumulation
+from lightning_varuna.pipeline.runtime.fused_linear_grad import MIN_FUSED_NUMEL, install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 from lightning_varuna.pipeline.runtime.side_value_hooks import SideValueHooks
 from lightning_varuna.pipeline.runtime.side_values import side_values_kept, side_values_sent
 from lightning_varuna.pipeline.scheduling.placement import LOOPED, V_SHAPED, placement_of
-from lightning_varuna.pipeline.scheduling.schedules import stage_ranks
+from lightning_varuna.pipeline.scheduling.schedules import SPLIT_BACKWARD, stage_ranks
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
@@ -161,7 +161,9 @@ class SetupPhase:
             replace(c, params=tuple(held[n] for n in self.plan.stages[c.stage].params if n in held)) for c in chunks
         ]
         if self.config.fuse_grad_accumulation:
-            self._accumulating = install_grad_accumulation(self.module)
+            # a held-back weight gradient (zero-bubble's W) needs the in-place path whatever the weight's size
+            min_numel = 0 if config.schedule in SPLIT_BACKWARD else MIN_FUSED_NUMEL
+            self._accumulating = install_grad_accumulation(self.module, min_numel)
         self._batch_dims = chunks[0].batch_dims
         # whatever the user's seeding, every replica of a stage (and every copy of a tied parameter) starts equal
         broadcast_initial_state(topo, self.module, self.plan.rank_tied)

@@ -29,6 +29,13 @@ gradient may be held back (else ``None``: compute and return it as usual), and
 :meth:`WeightGradWork.hold_computed` keeps a function that makes the gradient; ``W`` calls it and adds its result
 into ``.grad``. The backward then returns ``None`` for that weight.
 
+**Small weights keep autograd's way.** The in-place path runs each linear layer's forward and backward through a
+Python ``torch.autograd.Function``, which costs host time on every call; what it saves is one weight-sized
+temporary and one pass over it. For a weight of fewer than :data:`MIN_FUSED_NUMEL` elements (4 MiB in fp32) the
+saving is smaller than that cost, so :func:`install_grad_accumulation` leaves such layers alone when given that
+bound; the engine gives it unless its schedule holds weight gradients back, which needs every linear layer on
+this path.
+
 Only backward passes run inside :func:`accumulating_in_place` (the stage's own, which the engine runs) do this:
 there autograd accumulates into every leaf's ``.grad``. Any other (``torch.autograd.grad``, a backward with
 ``inputs=``) computes the weight's gradient as autograd does, and so does a weight with a gradient hook
@@ -50,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "MIN_FUSED_NUMEL",
     "LinearAccumulatingGrad",
     "PendingWeightGrads",
     "WeightGradWork",
@@ -59,6 +67,9 @@ __all__ = [
     "install_grad_accumulation",
     "remove_grad_accumulation",
 ]
+
+MIN_FUSED_NUMEL = 1 << 20
+"""Weights with fewer elements keep autograd's accumulation unless the schedule holds weight gradients back."""
 
 # Backward passes inside accumulating_in_place(). Not thread-local: autograd runs a CUDA graph's backward on its
 # device's own thread, while the caller waits in torch.autograd.backward.
@@ -252,18 +263,24 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     return cast(Tensor, LinearAccumulatingGrad.apply(x, self.weight, self.bias))
 
 
-def install_grad_accumulation(root: nn.Module) -> list[nn.Linear]:
+def install_grad_accumulation(root: nn.Module, min_numel: int = 0) -> list[nn.Linear]:
     """Makes every plain ``nn.Linear`` of ``root`` that holds its weight accumulate in place.
 
-    Skipped: subclasses, modules whose ``forward`` is already replaced (a stand-in), and modules whose weight
-    another stage holds (a placeholder buffer here).
+    Skipped: subclasses, modules whose ``forward`` is already replaced (a stand-in), modules whose weight
+    another stage holds (a placeholder buffer here), and weights of fewer than ``min_numel`` elements.
+
+    Args:
+        root: The module whose linear layers change.
+        min_numel: Smallest weight (in elements) to change: :data:`MIN_FUSED_NUMEL` where weight gradients are
+            never held back, 0 where they may be (a held-back gradient needs this path).
 
     Returns:
         The modules changed, for :func:`remove_grad_accumulation`.
     """
     changed = []
     for module in root.modules():
-        if type(module) is nn.Linear and "forward" not in module.__dict__ and isinstance(module.weight, nn.Parameter):
+        if (type(module) is nn.Linear and "forward" not in module.__dict__
+                and isinstance(module.weight, nn.Parameter) and module.weight.numel() >= min_numel):
             # a partial pickles (torch.save of the model)
             module.forward = functools.partial(_forward, module)  # type: ignore[method-assign]  # per instance
             changed.append(module)
