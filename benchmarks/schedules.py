@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import emulated as emu  # noqa: E402 - the jitter gates, headers, memory probe and clock of emulated.py
-from split_emulation import Chunk, SplitRuntime  # noqa: E402
+from split_emulation import Chunk, SplitRuntime, _sac_policy  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,12 +91,15 @@ OURS = {
     "ours-zbv-rc": dict(schedule="zero-bubble-v", recompute=True, stages_per_rank=2),
     # recompute by degree: with a cut point after every layer (``--layers`` segments per chunk), the first n
     # segments of each non-last stage are recomputed and the rest keep their graph
+    # selective recompute: the forward keeps the custom op's output, the recompute rebuilds only the activation
+    **{f"ours-{short}-sac": dict(schedule=schedule, recompute=True, recompute_policy=_sac_policy)
+       for short, schedule in (("varuna", "varuna"), ("1f1b", "1f1b"), ("zb", "zero-bubble"))},
     **{f"ours-zb-rc{n}": dict(schedule="zero-bubble", recompute=n) for n in (1, 2, 3)},
     **{f"ours-1f1b-rc{n}": dict(schedule="1f1b", recompute=n) for n in (1, 2, 3)},
     **{f"ours-zbv-rc{n}": dict(schedule="zero-bubble-v", recompute=n, stages_per_rank=2) for n in (1, 2, 3)},
 }
 SMOKE_SYSTEMS = ("torch-1f1b,torch-1f1b-full,torch-1f1b-sac,torch-interleavedzb-full,torch-zbv,torch-zbv-sac,"
-                 "ours-varuna-rc,ours-zb,ours-zbv")
+                 "ours-varuna-rc,ours-1f1b-sac,ours-zb,ours-zbv")
 
 
 def _stage_ids(rank: int, P: int, v: int, placement: str) -> list[int]:
@@ -214,6 +217,8 @@ def run_ours(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
     # recompute=True, the first n with recompute=n (1 == True in Python: a degree is told apart by its type)
     held = [s for s in range(S) if placed[s] == rank] if placed is not None else [rank]
     redone = L if recompute is True else (0 if recompute is False else int(recompute))
+    if kwargs.get("recompute_policy") is not None:  # the saved op does not run again
+        redone = 0
     fwd = m * (L * v + redone * sum(1 for s in held if s != S - 1))
     expected = {"fwd": fwd, "i": m * L * v, "w": m * L * v}
     return (lambda b: engine.train_step(b, step_fn)), (lambda: model.zero_grad(set_to_none=True)), \

@@ -82,6 +82,8 @@ def simulated_step(row: dict) -> float:
                              forwards_keep_graphs=degree)
     forward, layers = row["F_s"] / v, row["layers_per_chunk"]
     redone = forward * (min(int(recompute), layers) / layers if degree else 1.0)
+    if kwargs.get("recompute_policy") is not None:  # selective: the emulated op's output is kept, not rerun
+        redone = 0.0
     costs = [StageCosts(forward=forward, backward=row["B_s"] / v, recompute=redone)] * (P * v)
     spread = row["jitter"] * row["F_s"]
     times = []

@@ -59,6 +59,14 @@ class Pipeline:
     timeline: TimelineOutput | None
 
 
+def check_strategy_options(boundary_dtype: str, global_batch_size: int | None) -> None:
+    """The strategy's own options that :class:`EngineConfig` does not check, checked before any process starts."""
+    if boundary_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"boundary_dtype={boundary_dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
+    if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
+        raise ValueError(f"global_batch_size must be a positive int or None, got {global_batch_size!r}.")
+
+
 def boundary_dtype(setting: str, precision: Precision) -> torch.dtype | None:
     """The dtype of activations and gradients between stages for the strategy's ``boundary_dtype`` setting.
 

@@ -45,7 +45,7 @@ from lightning_varuna.pipeline.comm.sharded_step import ShardedStep
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
-from lightning_varuna.pipeline_setup import Pipeline, boundary_dtype, build_pipeline, new_engine
+from lightning_varuna.pipeline_setup import Pipeline, boundary_dtype, build_pipeline, check_strategy_options, new_engine
 from lightning_varuna.precision import PipelinePrecision, pipeline_precision
 from lightning_varuna.processes import (
     ProcessGroupStrategy,
@@ -88,6 +88,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             autograd just before backward (activation memory of one micro-batch per stage); ``"auto"``: chosen
             by the planner. A number ``n``: only each non-last stage's first ``n`` segments recompute, the rest
             keep their activations (recompute by degree: memory between ``True`` and ``False``).
+        recompute_policy: With ``recompute=True``, the ops whose forward outputs the recompute takes instead of
+            running them again (selective recompute), as torch's selective activation checkpointing has them: a
+            function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a list of ops (``[aten.mm.default]``).
         cut_at: Dotted path (from the LightningModule) of an ``nn.ModuleList``/``nn.Sequential`` whose children are
             cut apart, for models without ``CutPoint``s (``"model.blocks"``), or a list of them in execution order.
         partition: Balance stages by measured forward ``"time"`` (dry run) or by ``"params"``.
@@ -152,11 +155,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             all-reduces still on the process group backend (what Varuna shipped; for GPUs where NCCL's
             point-to-point misbehaves, and with ``process_group_backend="gloo"`` for processes that share a GPU).
             ``"nccl"``: NCCL (GPUs only).
-        fuse_grad_accumulation: ``nn.Linear`` layers add each later micro-batch's weight gradient straight into
-            ``.grad`` with one multiply-add, instead of autograd making it as a weight-sized temporary and adding
-            it (Megatron-LM's gradient accumulation fusion), for weights of at least 2^20 elements (every weight
-            under zero-bubble schedules, whose held-back weight gradients need it). Falls back to autograd's way
-            under autocast.
+        fuse_grad_accumulation: ``nn.Linear`` weights of 2^20 elements or more (all under zero-bubble schedules) add
+            each later micro-batch's gradient straight into ``.grad`` with one multiply-add, instead of autograd
+            making it as a temporary and adding it (Megatron-LM's gradient accumulation fusion); not under autocast.
         zero_stage: ``1``: each of the D replicas of a stage keeps the optimizer state of, and steps, one shard of
             every parameter (ZeRO stage 1: gradients reduce-scattered, parameters all-gathered after the step, the
             same bytes as the all-reduce); the optimizer must be elementwise (SGD, Adam, AdamW, ...; LBFGS and the
@@ -207,19 +208,16 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         zero_stage: engine_config.ZeroStage = 0,
         stages_per_rank: engine_config.StagesPerRank = 1,
         loss_weighting: engine_config.LossWeighting = "samples",
+        recompute_policy: Callable[..., Any] | list[Any] | None = None,
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                          process_group_backend, timeout, pipeline_parallel_size=pipeline_parallel_size,
                          global_batch_size=global_batch_size)
-        if boundary_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"boundary_dtype={boundary_dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'.")
-        if global_batch_size is not None and (not isinstance(global_batch_size, int) or global_batch_size < 1):
-            raise ValueError(f"global_batch_size must be a positive int or None, got {global_batch_size!r}.")
-        # checked now, before any process starts
+        check_strategy_options(boundary_dtype, global_batch_size)  # with EngineConfig: before any process starts
         self.config = engine_config.EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
-            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute,
+            microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, recompute_policy=recompute_policy,
             cut_at=cast("str | tuple[str, ...] | None", cut_at),  # EngineConfig makes a list a tuple
             partition=partition, p2p_timeout=p2p_timeout, param_init_fn=param_init_fn, loss_weighting=loss_weighting,
             p2p_backend=p2p_backend, global_batch_size=global_batch_size, memory_limit=memory_limit, profile=profile,

@@ -74,8 +74,18 @@ CONFIGS = {
     # I(k) (rank 1's two stages hand over in memory)
     "p2-zbv-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble-v,stages_per_rank=2,"
     "recompute=1,layers=8,partition=params",
+    # selective recompute: the recompute takes the matrix multiplies' outputs from the forward (a list of ops
+    # under 1F1B with tied embedding and clipping at P x D = 2 x 2; a policy function under zero-bubble at P=4)
+    "tied-clip-p2d2-sac": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=1f1b,policy=list",
+    "p4-zb-sac": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,policy=function",
 }
 FULL_MATRIX = {
+    "p4-varuna-sac": "pipeline_parallel_size=4,num_microbatches=4,policy=list",
+    "p2-il-sac-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=interleaved,stages_per_rank=2,"
+    "layers=8,policy=function",
+    "p4-zbv-sac-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble-v,stages_per_rank=2,layers=8,"
+    "policy=list",
     "p2-il-m8": "pipeline_parallel_size=2,num_microbatches=8,schedule=interleaved,stages_per_rank=2,batch=8",
     "p4-il-norecompute-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=interleaved,stages_per_rank=2,"
     "recompute=false,layers=8",

@@ -39,6 +39,9 @@ CONFIGS = {
     "p2d2-rc1": f"pipeline_parallel_size=2,num_microbatches=4,recompute=1,batch=8,{SIDE}",
     "p2d2-lzb-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble,stages_per_rank=2,"
     f"recompute=1,batch=8,layers=8,{SIDE}",
+    # selective recompute: side values received in the forward and taken again by the recompute, which replays
+    # the forward's matrix multiplies
+    "p4-1f1b-sac": f"pipeline_parallel_size=4,num_microbatches=4,schedule=1f1b,policy=list,{SIDE}",
 }
 LOSS_TOLERANCE = 5e-4
 GRAD_TOLERANCE = 1e-5

@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from typing_extensions import TypeIs
 
 from lightning_varuna.pipeline.batches import LOSS_WEIGHTINGS, TokenCounter
+from lightning_varuna.pipeline.runtime.selective_recompute import selective_contexts
 from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, check_schedule_shape
 from lightning_varuna.pipeline.scheduling.tasks import ScheduleError
 
@@ -61,6 +62,12 @@ class EngineConfig:
             (``"auto"``: chosen by the planner). A number ``n``: only the first ``n`` segments of each non-last
             stage recompute, the rest keep their autograd graph as without recompute (recompute by degree; a stage
             of at most ``n`` segments recomputes whole).
+        recompute_policy: With ``recompute=True``: the ops whose outputs a forward keeps so that the recompute
+            takes them instead of running those ops again (selective recompute), in the format of torch's selective
+            activation checkpointing: a function ``(ctx, op, *args, **kwargs)`` returning a
+            ``torch.utils.checkpoint.CheckpointPolicy`` (or a bool: save), or a list of ops such as
+            ``[torch.ops.aten.mm.default]``. Saving the expensive ops makes the recompute cheap for the memory of
+            their outputs (:mod:`~lightning_varuna.pipeline.runtime.selective_recompute`).
         cut_at: Dotted path of an ``nn.ModuleList``/``nn.Sequential`` to cut between its children, or several
             such paths in execution order (an encoder-decoder's two stacks), cut after each of their blocks.
         partition: Balance stages by measured ``"time"`` or by ``"params"``.
@@ -113,6 +120,7 @@ class EngineConfig:
     microbatch_size: MicrobatchSize = None
     schedule: ScheduleName = "varuna"
     recompute: Recompute = True
+    recompute_policy: Callable[..., Any] | tuple[Any, ...] | list[Any] | None = None
     cut_at: str | tuple[str, ...] | None = None
     partition: PartitionBy = "time"
     p2p_timeout: float = 300.0
@@ -151,6 +159,7 @@ class EngineConfig:
                 or (_is_int(self.recompute) and self.recompute >= 1)):
             raise ValueError(f"recompute must be True, False, 'auto' or a number of segments >= 1 (recompute by"
                              f" degree), got {self.recompute!r}.")
+        _check_recompute_policy(self)
         _check_chunks_of(self)
         micro = self.microbatch_size
         if self.num_microbatches is not None and micro is not None and micro != AUTO:
@@ -276,6 +285,35 @@ def _check_chunks_of(config: EngineConfig) -> None:
                              config.num_microbatches if size != AUTO else None)
     except ScheduleError as err:
         raise ValueError(str(err)) from None
+
+
+def _check_recompute_policy(config: EngineConfig) -> None:
+    """A recompute policy needs whole-stage recompute, chosen by the user (the planner cannot size what it keeps)."""
+    policy = config.recompute_policy
+    if policy is None:
+        return
+    if isinstance(policy, list):  # from a config file: one value, hashable like the others
+        policy = tuple(policy)
+        object.__setattr__(config, "recompute_policy", policy)
+    if not callable(policy) and not (isinstance(policy, tuple) and policy):
+        raise ValueError(f"recompute_policy must be a function (ctx, op, *args, **kwargs) -> CheckpointPolicy or a"
+                         f" non-empty list of ops such as [torch.ops.aten.mm.default], got {policy!r}.")
+    if isinstance(policy, tuple):
+        try:  # torch's own check of the ops (an OpOverload each, not a packet such as torch.ops.aten.mm)
+            selective_contexts(list(policy))
+        except ValueError as error:
+            raise ValueError(f"recompute_policy: {error}") from None
+    if config.recompute is not True:
+        raise ValueError(
+            f"recompute_policy applies to the recompute of whole stages, but recompute={config.recompute!r}. Use"
+            " recompute=True with it, or leave recompute_policy unset."
+        )
+    if config.searches:
+        raise ValueError(
+            "recompute_policy cannot be used with 'auto' values or a profile: the planner cannot predict the memory"
+            " the policy keeps. Set pipeline_parallel_size (or leave global_batch_size unset), the micro-batches,"
+            " schedule, recompute and stages_per_rank yourself."
+        )
 
 
 def _is_int(value: object) -> TypeIs[int]:

@@ -153,6 +153,7 @@ class SetupPhase:
         self.executor = StageExecutor(topo, self._p2p(), cut_modules, None, None, self.events, chunks=chunks,
                                       stage_ranks=stage_ranks(topo.pipeline_size, v, config.schedule))
         self.executor.boundary_dtype = self.config.boundary_dtype
+        self.executor.recompute_policy = self.config.recompute_policy
         self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
         if any(c.sides_in or c.sides_out for c in chunks):
             self._hooks = [*self._hooks, SideValueHooks(self.module, chunks)]

@@ -36,6 +36,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities import grad_norm
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -199,6 +200,15 @@ class Recorder(pl.Callback):
         )
 
 
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """A torch selective-checkpointing policy function: matrix multiplies saved, everything else recomputed."""
+    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+POLICIES = {"list": list(MATMULS), "function": _save_matmuls}
+
+
 class Preempter(pl.Callback):
     """Warns ``rank`` with SIGTERM as step ``step`` starts: the flag is agreed at the next batch's start."""
 
@@ -243,6 +253,9 @@ def run(out: Path, spec: str) -> None:
     optimizer_kind = options.pop("optimizer", "adamw")
     side = options.pop("side", False)
     preempt = options.pop("preempt", None)
+    policy = options.pop("policy", None)
+    if policy is not None:  # selective recompute: the matrix multiplies kept, the rest recomputed
+        options["recompute_policy"] = POLICIES[policy]
     cut_points = options.get("cut_at") is None
     torch.manual_seed(0)
     model_class = with_optimizer(SideValueGPT if side else NormLoggingGPT if gradnorm else TinyGPT, optimizer_kind)

@@ -22,6 +22,7 @@ from lightning_varuna.pipeline.model.cut import CutPoint, StageForward
 from lightning_varuna.pipeline.runtime.events import EventHooks
 from lightning_varuna.pipeline.runtime.links import Chunk, RankLinks, StageLinks
 from lightning_varuna.pipeline.runtime.rank_step import RankStep
+from lightning_varuna.pipeline.runtime.selective_recompute import RecomputePolicy
 from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageStep
 from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology
@@ -64,6 +65,9 @@ class StageExecutor:
         """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
         (see :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`); False keeps Varuna's rule alone."""
         self.summary: Tensor | None = None
+        self.recompute_policy: RecomputePolicy | None = None
+        """With recompute, the ops whose forward outputs a recompute takes instead of running them again
+        (:mod:`~lightning_varuna.pipeline.runtime.selective_recompute`)."""
         self._pool: dict[tuple[str, int, int], Tensor] = {}
         self._links: dict[tuple[int, bool], tuple[Schedule, StageLinks | RankLinks]] = {}
 

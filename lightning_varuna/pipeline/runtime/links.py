@@ -306,6 +306,7 @@ class StageContext(Protocol):
     current: StageForward | None
     feed_next_stage: bool
     summary: Tensor | None
+    recompute_policy: Any
 
     def buffer(self, kind: str, k: int, shape: torch.Size, dtype: torch.dtype, stage: int = 0) -> Tensor:
         """A receive buffer, reused across steps."""

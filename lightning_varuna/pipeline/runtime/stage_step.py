@@ -40,6 +40,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
 )
 from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Spec, StageContext, StageLinks, nbytes, scaled_shape
 from lightning_varuna.pipeline.runtime.recompute import backward_recomputed, rng_devices, rng_state, set_rng_state
+from lightning_varuna.pipeline.runtime.selective_recompute import SavedOps
 from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
@@ -111,6 +112,8 @@ class StageStep:
         # recompute by degree: each forward's activation at grad_from (a leaf), and its recomputed value
         self.boundaries: list[Tensor | None] = [None] * m
         self.recomputed: list[Tensor | None] = [None] * m
+        self.policy = executor.recompute_policy if train and self.no_grad_forward and self.grad_from is None else None
+        self.saved_ops: list[SavedOps | None] = [None] * m  # selective recompute: what each forward kept for R
         # the side values carried with the activations (None: none)
         kept = chunk.sides_kept if self.grad_from is not None else ()  # made and used on the stage by degree
         self.sides = StageSides(chunk, sizes, train, executor.boundary_dtype, kept) \
@@ -226,7 +229,8 @@ class StageStep:
         train = self.train
         if train and self.with_recompute and self.next is not None:
             self.rng[k] = rng_state(self.device)
-        out = self._stage_forward(k, with_grad=not self.no_grad_forward)
+        saved = self.saved_ops[k] = SavedOps(self.policy) if self.policy is not None else None
+        out = self._stage_forward(k, with_grad=not self.no_grad_forward, saved=saved)
         if out is SKIPPED:  # on every stage alike: no message of this micro-batch, no recompute, no backward
             self.skipped[k] = True
             self.rng[k] = None
@@ -253,9 +257,9 @@ class StageStep:
         """``R(k)``: the forward again, with autograd and the RNG state of ``F(k)``."""
         if self.skipped[k]:
             return 0, 0
-        with torch.random.fork_rng(devices=rng_devices(self.device)):
+        with torch.random.fork_rng(devices=rng_devices(self.device)):  # R takes (and so frees) what F saved
             set_rng_state(self.device, self.rng[k])
-            out = self._stage_forward(k, with_grad=True, recomputing=True)
+            out = self._stage_forward(k, with_grad=True, recomputing=True, saved=self.saved_ops[k])
         if self.grad_from is None:
             self.outputs[k] = out
         else:
@@ -324,13 +328,17 @@ class StageStep:
             self.sides.release(k)
         return -1 if self.grad_from is None else -2, stash
 
-    def _stage_forward(self, k: int, with_grad: bool, recomputing: bool = False) -> Any:
+    def _stage_forward(self, k: int, with_grad: bool, recomputing: bool = False, saved: SavedOps | None = None) -> Any:
         """The step's output; :data:`SKIPPED` if it returned None before reaching a cut point.
 
-        Recomputed by degree, a forward turns autograd on at ``grad_from`` and a recompute ends there.
+        Recomputed by degree, a forward turns autograd on at ``grad_from`` and a recompute ends there. ``saved``: a
+        selective recompute's outputs, kept by a forward and taken by its recompute (from the stage's input on).
         """
         executor = self.executor
         fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
+        stage_ops = ExitStack()
+        if saved is not None:
+            fetch = saved.entered_at_input(fetch, recomputing, stage_ops, f"Stage {self.stage}, micro-batch {k}")
         chunk = self.chunk
         partial = self.grad_from is not None
         handler = StageForward(executor.cuts, chunk.first_cut, self.grad_from if partial and recomputing else
@@ -338,7 +346,8 @@ class StageStep:
         executor.current = handler
         try:
             with forward_handler(handler), torch.set_grad_enabled(with_grad), (
-                    self.sides.forward(k, recomputing, executor.segment) if self.sides is not None else nullcontext()):
+                    self.sides.forward(k, recomputing, executor.segment) if self.sides is not None else nullcontext()
+            ), stage_ops:
                 try:
                     out = self.step(k)
                 except StageOutputReady:
