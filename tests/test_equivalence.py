@@ -27,8 +27,6 @@ CONFIGS = {
     "p4-zb-m5": "pipeline_parallel_size=4,num_microbatches=5,schedule=zero-bubble",
     "p4-varuna-cut_at": "pipeline_parallel_size=4,num_microbatches=4,cut_at=blocks",
     "p2-varuna": "pipeline_parallel_size=2,num_microbatches=4,batch=8",
-    "p2-varuna-norecompute-m3": "pipeline_parallel_size=2,num_microbatches=3,recompute=false,batch=8",
-    "p2-1f1b": "pipeline_parallel_size=2,num_microbatches=2,schedule=1f1b,batch=8",
     "p2-gpipe-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=gpipe,recompute=false,batch=8",
     "p2-1f1b-cut_at": "pipeline_parallel_size=2,num_microbatches=4,schedule=1f1b,cut_at=blocks,batch=8",
     # tied embedding/head + global clipping, as P x D = 2 x 2, 4 x 1 and 1 x 4 (plain data parallel)
@@ -81,6 +79,9 @@ CONFIGS = {
     "p4-zb-sac": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,policy=function",
 }
 FULL_MATRIX = {
+    # the P=2 cases of what CI runs at P=4 (varuna without recompute, odd m) and P=2 x D=2 (1f1b)
+    "p2-varuna-norecompute-m3": "pipeline_parallel_size=2,num_microbatches=3,recompute=false,batch=8",
+    "p2-1f1b": "pipeline_parallel_size=2,num_microbatches=2,schedule=1f1b,batch=8",
     "p4-varuna-sac": "pipeline_parallel_size=4,num_microbatches=4,policy=list",
     "p2-il-sac-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=interleaved,stages_per_rank=2,"
     "layers=8,policy=function",

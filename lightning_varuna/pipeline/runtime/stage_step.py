@@ -102,7 +102,8 @@ class StageStep:
         self.no_grad_forward = (not train) or (recompute and self.next is not None)
         self.stashes = train and recompute and self.prev is not None and self.next is not None
         self.grad_from = chunk.grad_from if train and recompute and self.next is not None else None
-        self.forwards_add_no_graph = self.no_grad_forward and self.grad_from is None
+        self.policy = executor.recompute_policy if train and self.no_grad_forward and self.grad_from is None else None
+        self.forwards_add_no_graph = self.no_grad_forward and self.grad_from is None and self.policy is None
         self.emit = executor.events.emit
         m = len(sizes)
         self.inputs: list[Tensor | None] = [None] * m
@@ -112,8 +113,7 @@ class StageStep:
         # recompute by degree: each forward's activation at grad_from (a leaf), and its recomputed value
         self.boundaries: list[Tensor | None] = [None] * m
         self.recomputed: list[Tensor | None] = [None] * m
-        self.policy = executor.recompute_policy if train and self.no_grad_forward and self.grad_from is None else None
-        self.saved_ops: list[SavedOps | None] = [None] * m  # selective recompute: what each forward kept for R
+        self.saved_ops: list[SavedOps | None] = [None] * m  # what each forward kept for R (none moves ahead then)
         # the side values carried with the activations (None: none)
         kept = chunk.sides_kept if self.grad_from is not None else ()  # made and used on the stage by degree
         self.sides = StageSides(chunk, sizes, train, executor.boundary_dtype, kept) \
