@@ -38,6 +38,8 @@ CONFIGS = {
     # the same stages in both (a "time" partition may differ between runs, and so would the dropout masks)
     "dropout-recompute": f"kind=steps,{P4},dropout=0.1,partition=params",
     "dropout-norecompute": f"kind=steps,{P4},dropout=0.1,partition=params,recompute=false",
+    # selective recompute asked to save dropout's random ops: they are recomputed, so the masks stay F's
+    "dropout-sac": f"kind=steps,{P4},dropout=0.1,partition=params,policy=dropout",
     # recompute by degree: stages of two segments, the first recomputed, the second's graph kept from the forward
     "dropout-rc1-l8": f"kind=steps,{P4},dropout=0.1,partition=params,recompute=1,layers=8",
     "dropout-norecompute-l8": f"kind=steps,{P4},dropout=0.1,partition=params,recompute=false,layers=8",
@@ -162,9 +164,10 @@ def test_validate_test_predict_on_fitted_model_match_plain_run(results: Path, na
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recomputed", ["dropout-recompute", "dropout-rc1-l8"])
+@pytest.mark.parametrize("recomputed", ["dropout-recompute", "dropout-rc1-l8", "dropout-sac"])
 def test_dropout_same_losses_with_and_without_recompute(results: Path, recomputed: str) -> None:
-    plain = recomputed.replace("-recompute", "-norecompute").replace("-rc1", "-norecompute")
+    plain = recomputed.replace("-recompute", "-norecompute").replace("-rc1", "-norecompute").replace("-sac",
+                                                                                                     "-norecompute")
     with_recompute, without = _ranks(results, recomputed), _ranks(results, plain)
     assert with_recompute[0]["plan_segments"] == without[0]["plan_segments"], "the same stages in both"
     if "rc1" in recomputed:  # each non-last stage has a part recomputed and a part kept

@@ -13,7 +13,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.pipeline import EngineConfig
-from lightning_varuna.pipeline.runtime.selective_recompute import SavedOps, SelectiveRecomputeError
+from lightning_varuna.pipeline.runtime.selective_recompute import (
+    SavedOps,
+    SelectiveRecomputeError,
+    StageOps,
+    draws_random_numbers,
+)
 
 MM = torch.ops.aten.mm.default
 
@@ -82,7 +87,7 @@ def test_a_policy_without_whole_stage_recompute_chosen_by_the_user_is_refused(op
         VarunaStrategy(pipeline_parallel_size=2, recompute_policy=[MM], **options)
 
 
-@pytest.mark.parametrize("policy", [[], [torch.ops.aten.mm], ["mm"], 3])
+@pytest.mark.parametrize("policy", [[], [torch.ops.aten.mm], ["mm"], 3, MM, torch.ops.aten.mm])
 def test_a_policy_that_is_neither_a_function_nor_a_list_of_ops_is_refused(policy) -> None:
     with pytest.raises(ValueError, match="recompute_policy"):
         EngineConfig(2, num_microbatches=4, recompute_policy=policy)
@@ -92,3 +97,49 @@ def test_a_list_of_ops_from_code_or_a_config_file_is_kept_as_a_tuple() -> None:
     config = EngineConfig(2, num_microbatches=4, recompute_policy=[MM, torch.ops.aten.addmm.default])
     assert config.recompute_policy == (MM, torch.ops.aten.addmm.default)
     hash(config)
+
+
+def test_ops_that_draw_random_numbers_are_recomputed_whatever_the_policy_says() -> None:
+    """A saved random op would draw nothing in R, which restores F's random state: later random ops would differ."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+
+    def step() -> torch.Tensor:  # a random mask the policy saves, then one it does not
+        h = x @ w
+        h = h * torch.bernoulli(torch.full_like(h, 0.5))
+        return (h * (torch.rand_like(h) > 0.5)) @ w
+
+    state = torch.get_rng_state()
+    expected = torch.autograd.grad(step().sum(), w)[0]
+    saved = SavedOps([MM, torch.ops.aten.bernoulli.default])  # torch's own contexts: a gradient 10.5 off
+    torch.set_rng_state(state)
+    with torch.no_grad(), saved.saving:
+        step()
+    torch.set_rng_state(state)
+    with saved.replaying:
+        out = step()
+    saved.check_replayed("test")
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), w)[0], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("op", "args", "random"), [
+    (torch.ops.aten.native_dropout.default, (torch.ones(2), 0.1, True), True),
+    (torch.ops.aten.native_dropout.default, (torch.ones(2), 0.0, True), False),
+    (torch.ops.aten.native_dropout.default, (torch.ones(2), 0.1, False), False),
+    (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (None, None, None, 0.0), False),
+    (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (None, None, None, 0.1), True),
+    (torch.ops.aten.bernoulli.default, (torch.ones(2),), True),
+    (MM, (torch.ones(2, 2), torch.ones(2, 2)), False),
+])
+def test_which_calls_draw_random_numbers(op, args, random: bool) -> None:
+    assert draws_random_numbers(op, args, {}) is random
+
+
+def test_a_recompute_that_runs_an_op_its_forward_did_not_is_an_error_naming_the_cause() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    saved = SavedOps([MM])
+    with torch.no_grad(), StageOps(saved, False, "Stage 0, micro-batch 0", first_stage=True):
+        _layer(x, w, 1)
+    with pytest.raises(SelectiveRecomputeError, match="ran an op its forward did not"):
+        with StageOps(saved, True, "Stage 0, micro-batch 0", first_stage=True):
+            _layer(x, w, 2)

@@ -295,6 +295,9 @@ def _check_recompute_policy(config: EngineConfig) -> None:
     if isinstance(policy, list):  # from a config file: one value, hashable like the others
         policy = tuple(policy)
         object.__setattr__(config, "recompute_policy", policy)
+    if callable(policy) and type(policy).__module__ == "torch._ops":  # an op is callable, but not a policy
+        raise ValueError(f"recompute_policy={policy!r} is an op, not a policy function: pass a list of ops such as"
+                         " [torch.ops.aten.mm.default].")
     if not callable(policy) and not (isinstance(policy, tuple) and policy):
         raise ValueError(f"recompute_policy must be a function (ctx, op, *args, **kwargs) -> CheckpointPolicy or a"
                          f" non-empty list of ops such as [torch.ops.aten.mm.default], got {policy!r}.")

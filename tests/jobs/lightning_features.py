@@ -177,6 +177,10 @@ def steps(out: Path, name: str, options: dict, reference: bool) -> dict:
     dropout = options.pop("dropout", 0.0)
     varlen = options.pop("varlen", False)
     layers = options.pop("layers", 4)
+    if options.pop("policy", None) == "dropout":  # selective recompute whose list names dropout's random ops too
+        aten = torch.ops.aten
+        options["recompute_policy"] = [aten.mm.default, aten.addmm.default, aten.bmm.default,
+                                       aten.bernoulli_.float, aten.native_dropout.default]
     torch.manual_seed(0)
     model = FeatureGPT(dropout=dropout, sync_dist=True, use_cut_points=options.get("cut_at") is None, n_layer=layers)
     full_numel = sum(p.numel() for p in model.parameters())

@@ -9,23 +9,27 @@ the expensive ops (matrix multiplies, attention) and recomputing the cheap ones 
 activations, residual adds) makes the recompute nearly free for the memory of those outputs: a point between
 "recompute the whole stage" and "keep every activation".
 
-The ops are recorded from the stage's first cut point (after its input arrived) to its last, so a forward and
-its recompute see the same ops in the same order. torch's ``create_selective_checkpoint_contexts`` does the
-saving and replaying; :meth:`SavedOps.check_replayed` makes sure every saved output was taken back.
+The ops are recorded from the stage's input on (after the received activation arrived; on the first stage from the
+step's start) to the stage's last cut point, so a forward and its recompute see the same ops in the same order.
+torch's ``create_selective_checkpoint_contexts`` does the saving and replaying; :meth:`SavedOps.check_replayed`
+makes sure every saved output was taken back. An op that draws random numbers (dropout, attention with a nonzero
+dropout probability) is always recomputed, whatever the policy says: R restores F's random state, and a saved
+random op would draw nothing in R, so every later random op of R would draw other numbers than in F.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from types import TracebackType
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["RecomputePolicy", "SavedOps", "SelectiveRecomputeError", "selective_contexts"]
+__all__ = ["RecomputePolicy", "SavedOps", "SelectiveRecomputeError", "StageOps", "draws_random_numbers",
+           "selective_contexts"]
 
 RecomputePolicy = Callable[..., Any] | Sequence[Any]
 """torch's selective checkpointing policy: a function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool``, or
@@ -38,7 +42,40 @@ which also checks the policy's list of ops."""
 
 
 class SelectiveRecomputeError(RuntimeError):
-    """A recompute did not take back every output its forward saved: the two ran different ops."""
+    """A recompute did not run the ops its forward ran, so it cannot take back what the forward saved."""
+
+
+def draws_random_numbers(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``op`` draws from a random generator (torch tags such ops ``nondeterministic_seeded``).
+
+    A call whose dropout probability is 0 (attention without dropout), or ``native_dropout`` with ``train=False``,
+    draws nothing. The argument names come from the op's schema (``OpOverload._schema``: no public accessor).
+    """
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    values = dict(zip((argument.name for argument in op._schema.arguments), args, strict=False)) | kwargs
+    if values.get("train", True) is False:
+        return False
+    probability = values.get("dropout_p", values.get("p"))
+    return not (isinstance(probability, (int, float)) and probability == 0)
+
+
+def _random_ops_recomputed(policy: RecomputePolicy) -> Callable[..., Any]:
+    """``policy`` as a function, with every call that draws random numbers recomputed (see the module)."""
+    if callable(policy):
+        chosen = policy
+    else:
+        saved = frozenset(policy)
+
+        def chosen(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def decide(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if draws_random_numbers(op, args, kwargs):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return chosen(ctx, op, *args, **kwargs)
+
+    return decide
 
 
 class SavedOps:
@@ -49,37 +86,7 @@ class SavedOps:
     """
 
     def __init__(self, policy: RecomputePolicy) -> None:
-        policy_arg = list(policy) if not callable(policy) else policy
-        self.saving, self.replaying = selective_contexts(policy_arg)
-
-    def entered_at_input(self, fetch: Callable[[], Tensor] | None, recomputing: bool, scope: ExitStack,
-                         where: str) -> Callable[[], Tensor] | None:
-        """Enters the saving mode (a forward) or the replaying one (a recompute) into ``scope`` at the stage's input.
-
-        That is once ``fetch`` has returned the received activation, or at once on the first stage (no ``fetch``).
-        The replaying mode checks at its exit that every saved output was taken (:meth:`check_replayed`).
-
-        Returns:
-            What to call for the input instead of ``fetch``.
-        """
-        mode = self._replaying_checked(where) if recomputing else self.saving
-        if fetch is None:
-            scope.enter_context(mode)
-            return None
-        received_by = fetch
-
-        def fetch_then_enter() -> Tensor:
-            received = received_by()
-            scope.enter_context(mode)
-            return received
-
-        return fetch_then_enter
-
-    @contextlib.contextmanager
-    def _replaying_checked(self, where: str) -> Iterator[None]:
-        with self.replaying:
-            yield
-        self.check_replayed(where)
+        self.saving, self.replaying = selective_contexts(_random_ops_recomputed(policy))
 
     def check_replayed(self, where: str) -> None:
         """Raises :class:`SelectiveRecomputeError` if the recompute left a saved output untaken.
@@ -99,6 +106,62 @@ class SavedOps:
                 " forward to run the same ops on its recompute (keep data-dependent or first-call-only code out of"
                 " the stage's segments), or turn recompute_policy off."
             )
+
+
+class StageOps:
+    """A stage forward's selective-recompute mode: the saving one in ``F(k)``, the replaying one in ``R(k)``.
+
+    Used as the innermost context of the stage's forward, and :meth:`after` wraps the function that receives the
+    stage's input: the mode is entered once the input has arrived (on the first stage, which receives nothing, when
+    the context is entered) and left with the context. Without ``saved`` it does nothing.
+
+    Args:
+        saved: The micro-batch's saved outputs (None: no policy).
+        recomputing: Whether this forward is ``R(k)``; its exit then checks that every saved output was taken.
+        where: The stage and micro-batch, for errors.
+        first_stage: Whether the stage receives no input.
+    """
+
+    def __init__(self, saved: SavedOps | None, recomputing: bool, where: str, first_stage: bool) -> None:
+        self.saved, self.recomputing, self.where, self.first_stage = saved, recomputing, where, first_stage
+        self._scope = ExitStack()
+
+    def after(self, fetch: Callable[[], Tensor] | None) -> Callable[[], Tensor] | None:
+        """``fetch`` that enters the mode once it has returned the stage's input."""
+        if self.saved is None or fetch is None:
+            return fetch
+        received_by = fetch
+
+        def fetch_then_enter() -> Tensor:
+            received = received_by()
+            self._enter()
+            return received
+
+        return fetch_then_enter
+
+    def _enter(self) -> None:
+        assert self.saved is not None
+        self._scope.enter_context(self.saved.replaying if self.recomputing else self.saved.saving)
+
+    def __enter__(self) -> StageOps:
+        if self.saved is not None and self.first_stage:
+            self._enter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self._scope.close()
+        if self.saved is None or not self.recomputing:
+            return
+        if error is None:
+            self.saved.check_replayed(self.where)
+        elif isinstance(error, RuntimeError) and "not found in storage" in str(error):  # torch's replay mismatch
+            raise SelectiveRecomputeError(
+                f"{self.where}: the recompute ran an op its forward did not ({error}). The forward runs without"
+                " autograd and the recompute with it; an op whose decomposition depends on that (e.g. a matmul of a"
+                " non-contiguous 3-d input with a weight) cannot be saved. Save other ops, or turn recompute_policy"
+                " off."
+            ) from error
 
 
 def _holds_tensor(entry: object) -> bool:

@@ -40,7 +40,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
 )
 from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Spec, StageContext, StageLinks, nbytes, scaled_shape
 from lightning_varuna.pipeline.runtime.recompute import backward_recomputed, rng_devices, rng_state, set_rng_state
-from lightning_varuna.pipeline.runtime.selective_recompute import SavedOps
+from lightning_varuna.pipeline.runtime.selective_recompute import SavedOps, StageOps
 from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
@@ -233,7 +233,7 @@ class StageStep:
         out = self._stage_forward(k, with_grad=not self.no_grad_forward, saved=saved)
         if out is SKIPPED:  # on every stage alike: no message of this micro-batch, no recompute, no backward
             self.skipped[k] = True
-            self.rng[k] = None
+            self.rng[k] = self.saved_ops[k] = None
             return 0, 0
         if self.next is not None:
             if not isinstance(out, Tensor):
@@ -335,10 +335,8 @@ class StageStep:
         selective recompute's outputs, kept by a forward and taken by its recompute (from the stage's input on).
         """
         executor = self.executor
-        fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
-        stage_ops = ExitStack()
-        if saved is not None:
-            fetch = saved.entered_at_input(fetch, recomputing, stage_ops, f"Stage {self.stage}, micro-batch {k}")
+        stage_ops = StageOps(saved, recomputing, f"Stage {self.stage}, micro-batch {k}", first_stage=self.prev is None)
+        fetch = stage_ops.after((lambda: self._forward_input(k, with_grad)) if self.prev is not None else None)
         chunk = self.chunk
         partial = self.grad_from is not None
         handler = StageForward(executor.cuts, chunk.first_cut, self.grad_from if partial and recomputing else
