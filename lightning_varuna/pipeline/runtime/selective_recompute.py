@@ -20,7 +20,7 @@ random op would draw nothing in R, so every later random op of R would draw othe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from types import TracebackType
 from typing import Any
 
@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = ["RecomputePolicy", "SavedOps", "SelectiveRecomputeError", "StageOps", "draws_random_numbers",
-           "selective_contexts"]
+           "selective_contexts", "stage_ops"]
 
 RecomputePolicy = Callable[..., Any] | Sequence[Any]
 """torch's selective checkpointing policy: a function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool``, or
@@ -116,20 +116,20 @@ class StageOps:
     the context is entered) and left with the context. Without ``saved`` it does nothing.
 
     Args:
-        saved: The micro-batch's saved outputs (None: no policy).
+        saved: The micro-batch's saved outputs.
         recomputing: Whether this forward is ``R(k)``; its exit then checks that every saved output was taken.
         where: The stage and micro-batch, for errors.
         first_stage: Whether the stage receives no input.
     """
 
-    def __init__(self, saved: SavedOps | None, recomputing: bool, where: str, first_stage: bool) -> None:
+    def __init__(self, saved: SavedOps, recomputing: bool, where: str, first_stage: bool) -> None:
         self.saved, self.recomputing, self.where, self.first_stage = saved, recomputing, where, first_stage
         self._scope = ExitStack()
 
     def after(self, fetch: Callable[[], Tensor] | None) -> Callable[[], Tensor] | None:
         """``fetch`` that enters the mode once it has returned the stage's input."""
-        if self.saved is None or fetch is None:
-            return fetch
+        if fetch is None:
+            return None
         received_by = fetch
 
         def fetch_then_enter() -> Tensor:
@@ -140,18 +140,17 @@ class StageOps:
         return fetch_then_enter
 
     def _enter(self) -> None:
-        assert self.saved is not None
         self._scope.enter_context(self.saved.replaying if self.recomputing else self.saved.saving)
 
     def __enter__(self) -> StageOps:
-        if self.saved is not None and self.first_stage:
+        if self.first_stage:
             self._enter()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self._scope.close()
-        if self.saved is None or not self.recomputing:
+        if not self.recomputing:
             return
         if error is None:
             self.saved.check_replayed(self.where)
@@ -162,6 +161,21 @@ class StageOps:
                 " non-contiguous 3-d input with a weight) cannot be saved. Save other ops, or turn recompute_policy"
                 " off."
             ) from error
+
+
+_NO_OPS = nullcontext()  # reusable: a forward without a policy allocates nothing here
+
+
+def stage_ops(saved: SavedOps | None, recomputing: bool, stage: int, k: int, fetch: Callable[[], Tensor] | None
+              ) -> tuple[AbstractContextManager[Any], Callable[[], Tensor] | None]:
+    """The context of a stage forward's selective-recompute mode and the input function that enters it.
+
+    Without ``saved`` (no policy): a shared no-op context and ``fetch`` itself.
+    """
+    if saved is None:
+        return _NO_OPS, fetch
+    ops = StageOps(saved, recomputing, f"Stage {stage}, micro-batch {k}", first_stage=fetch is None)
+    return ops, ops.after(fetch)
 
 
 def _holds_tensor(entry: object) -> bool:

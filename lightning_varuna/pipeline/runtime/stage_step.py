@@ -40,7 +40,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
 )
 from lightning_varuna.pipeline.runtime.links import Boxes, Chunk, Spec, StageContext, StageLinks, nbytes, scaled_shape
 from lightning_varuna.pipeline.runtime.recompute import backward_recomputed, rng_devices, rng_state, set_rng_state
-from lightning_varuna.pipeline.runtime.selective_recompute import SavedOps, StageOps
+from lightning_varuna.pipeline.runtime.selective_recompute import SavedOps, stage_ops
 from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
@@ -335,8 +335,8 @@ class StageStep:
         selective recompute's outputs, kept by a forward and taken by its recompute (from the stage's input on).
         """
         executor = self.executor
-        stage_ops = StageOps(saved, recomputing, f"Stage {self.stage}, micro-batch {k}", first_stage=self.prev is None)
-        fetch = stage_ops.after((lambda: self._forward_input(k, with_grad)) if self.prev is not None else None)
+        fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
+        ops, fetch = stage_ops(saved, recomputing, self.stage, k, fetch)
         chunk = self.chunk
         partial = self.grad_from is not None
         handler = StageForward(executor.cuts, chunk.first_cut, self.grad_from if partial and recomputing else
@@ -345,7 +345,7 @@ class StageStep:
         try:
             with forward_handler(handler), torch.set_grad_enabled(with_grad), (
                     self.sides.forward(k, recomputing, executor.segment) if self.sides is not None else nullcontext()
-            ), stage_ops:
+            ), ops:
                 try:
                     out = self.step(k)
                 except StageOutputReady:
