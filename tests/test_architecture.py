@@ -353,3 +353,17 @@ def test_every_change_to_lightnings_or_the_users_objects_is_listed_in_patches_py
     assert missing == []
     assert [p.number for p in PATCHES] == list(range(1, len(PATCHES) + 1))
     assert all(p.target and p.sites and p.why and p.tested and p.undone for p in PATCHES)
+
+
+def test_a_test_module_whose_module_fixture_runs_jobs_keeps_its_tests_on_one_xdist_worker() -> None:
+    # under `pytest -n 2 --dist loadgroup` a module-scoped fixture runs once per worker that gets one of the module's
+    # tests: without a group, both workers would run the same jobs
+    tests = Path(__file__).resolve().parent
+    ungrouped = []
+    for path in sorted(tests.glob("test_*.py")):
+        source = path.read_text()
+        module_fixture = re.search(r'@pytest\.fixture\(scope="module"\)\ndef \w+\(.*?\n(?=\S)', source, re.S)
+        if module_fixture and re.search(r"\b(torchrun|python)\(", module_fixture.group(0)):
+            if "pytest.mark.xdist_group(" not in source:
+                ungrouped.append(path.name)
+    assert not ungrouped, f"add pytestmark = pytest.mark.xdist_group(...) to {ungrouped}"

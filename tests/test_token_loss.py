@@ -57,6 +57,11 @@ def _differences(out: Path, config: str) -> tuple[float, float, list[str]]:
     return loss_diff, grad_diff, problems
 
 
+# under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once (not once per
+# worker)
+pytestmark = pytest.mark.xdist_group("token_loss")
+
+
 @pytest.fixture(scope="module")
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("token_loss")
