@@ -4,7 +4,7 @@
 plan of each schedule, the event hook); each step is a :class:`~lightning_varuna.pipeline.runtime.stage_step.StageStep`.
 A recompute or backward whose gradient is late, or that would leave the next stage without work, lets the next
 forward go first if its input is there (Varuna's opportunistic rule and ours,
-:func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`): forwards keep their order, as do recomputes and
+:func:`~lightning_varuna.pipeline.scheduling.run_time_rules.next_task`): forwards keep their order, as do recomputes and
 backwards, so every link's messages keep the plan's order.
 """
 
@@ -63,7 +63,8 @@ class StageExecutor:
         self.current: StageForward | None = None
         self.feed_next_stage = True
         """Whether a forward also goes ahead of a recompute or backward while the next stage has run out of work
-        (see :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`); False keeps Varuna's rule alone."""
+        (see :func:`~lightning_varuna.pipeline.scheduling.run_time_rules.next_task`); False keeps Varuna's rule
+        alone."""
         self.summary: Tensor | None = None
         self.recompute_policy: RecomputePolicy | None = None
         """With recompute, the ops whose forward outputs a recompute takes instead of running them again

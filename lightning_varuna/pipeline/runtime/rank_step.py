@@ -29,7 +29,8 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import PendingWeightGra
 from lightning_varuna.pipeline.runtime.links import Boxes, Inbox, LocalLink, Outbox, RankLinks, Spec
 from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageContext, StageStep
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
-from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
+from lightning_varuna.pipeline.scheduling.run_time_rules import next_task
+from lightning_varuna.pipeline.scheduling.tasks import Kind, Task
 
 __all__ = ["RankStep"]
 

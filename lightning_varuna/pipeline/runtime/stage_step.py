@@ -44,7 +44,8 @@ from lightning_varuna.pipeline.runtime.selective_recompute import SavedOps, stag
 from lightning_varuna.pipeline.runtime.side_values import StageSides
 from lightning_varuna.pipeline.runtime.skipped_batches import check_skipped_alike
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind
-from lightning_varuna.pipeline.scheduling.schedules import Kind, Task, next_task
+from lightning_varuna.pipeline.scheduling.run_time_rules import next_task
+from lightning_varuna.pipeline.scheduling.tasks import Kind, Task
 
 __all__ = ["SUMMARY_SIZE", "StageContext", "StageStep"]
 

@@ -21,7 +21,7 @@ order, as the sending rank runs it:
 
 Both sides of a link derive the same sequence from the same schedule, so the receiver posts its receives in the
 sender's order even where it consumes them in another (several stages per rank). The run-time rules
-(:func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`) only move forwards ahead of recomputes and
+(:func:`~lightning_varuna.pipeline.scheduling.run_time_rules.next_task`) only move forwards ahead of recomputes and
 backwards, which send on other links, so they never reorder a link's messages.
 """
 

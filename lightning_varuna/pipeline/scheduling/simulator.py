@@ -15,7 +15,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_varuna.pipeline.scheduling.schedules import Kind, Schedule, ScheduleError, Task, next_task
+from lightning_varuna.pipeline.scheduling.run_time_rules import next_task
+from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 
 __all__ = ["Jitter", "SimResult", "StageCosts", "ideal_bubble", "simulate"]
 
@@ -130,11 +131,11 @@ def simulate(
     its transfer ends.
 
     With ``opportunistic=True`` the executor's runtime rule applies (Varuna's opportunistic rule,
-    :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`): a stage whose next recompute or backward waits
-    for a late gradient runs its next forward first if that forward's input is there (for a backward, only on a stage
-    with recompute tasks, whose forwards the executor runs without autograd); with ``feed_next_stage`` it does so too
-    while the next stage has nothing left to do. Forwards keep their order, as do recomputes and backwards, so every
-    message between two stages is still sent in the same order.
+    :func:`~lightning_varuna.pipeline.scheduling.run_time_rules.next_task`): a stage whose next recompute or backward
+    waits for a late gradient runs its next forward first if that forward's input is there (for a backward, only on a
+    stage with recompute tasks, whose forwards the executor runs without autograd); with ``feed_next_stage`` it does
+    so too while the next stage has nothing left to do. Forwards keep their order, as do recomputes and backwards, so
+    every message between two stages is still sent in the same order.
 
     Args:
         schedule: One task list per stage.
@@ -144,7 +145,7 @@ def simulate(
         opportunistic: Whether to apply Varuna's runtime rule.
         feed_next_stage: With ``opportunistic``, whether a forward also goes first while the next stage has
             finished everything this stage sent it (see
-            :func:`~lightning_varuna.pipeline.scheduling.schedules.next_task`).
+            :func:`~lightning_varuna.pipeline.scheduling.run_time_rules.next_task`).
         transfer: Optional seconds one message occupies each boundary's link (``P - 1`` values).
         stage_ranks: With several stages per rank, the rank of each stage: ``schedule`` has one list per rank whose
             tasks name their stage, ``costs`` one entry per stage; a message between two stages of one rank arrives
