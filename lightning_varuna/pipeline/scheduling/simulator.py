@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from lightning_varuna.pipeline.scheduling.run_time_rules import next_task
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 
-__all__ = ["Jitter", "SimResult", "StageCosts", "ideal_bubble", "simulate"]
+__all__ = ["Jitter", "SimResult", "StageCosts", "ideal_bubble", "simulate", "unit_step"]
 
 Jitter = Callable[[int, int, Kind, int], float]
 """Extra delay of one message: ``jitter(src_stage, dst_stage, kind, microbatch) -> seconds``."""
@@ -90,6 +90,23 @@ class SimResult:
     bubble: float
     order: tuple[tuple[Task, ...], ...]
     start_times: tuple[tuple[float, ...], ...]
+
+
+def unit_step(schedule: Schedule, stage_ranks: Sequence[int] | None = None) -> float:
+    """The step of ``schedule`` with unit costs per task (``F = R = I = W = 1``) and free communication.
+
+    The generators compare their candidate lists by it.
+
+    Args:
+        schedule: One task list per rank.
+        stage_ranks: With several stages per rank, the rank of each stage (as for :func:`simulate`).
+
+    Returns:
+        The makespan in ticks.
+    """
+    num_stages = len(schedule) if stage_ranks is None else len(stage_ranks)
+    costs = [StageCosts(forward=1.0, backward=2.0, weight=1.0)] * num_stages
+    return simulate(schedule, costs, stage_ranks=stage_ranks).makespan
 
 
 def ideal_bubble(num_stages: int, num_microbatches: int) -> float:

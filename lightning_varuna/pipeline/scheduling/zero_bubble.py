@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_varuna.pipeline.scheduling.simulator import unit_step
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 
 __all__ = ["MemoryBound", "memory_bound", "zero_bubble_schedule"]
@@ -131,7 +132,7 @@ def zero_bubble_schedule(num_stages: int, num_microbatches: int, recompute: bool
     if recompute:
         return packed
     ordered = tuple(_ordered_stage(s, num_stages, num_microbatches) for s in range(num_stages))
-    return ordered if _unit_step(ordered) <= ORDERED_SLACK * _unit_step(packed) else packed
+    return ordered if unit_step(ordered) <= ORDERED_SLACK * unit_step(packed) else packed
 
 
 ORDERED_SLACK = 1.05
@@ -148,14 +149,6 @@ def _ordered_stage(stage: int, num_stages: int, num_microbatches: int) -> tuple[
             tasks.append(Task(Kind.F, k + warmup))
         tasks += [Task(Kind.I, k), Task(Kind.W, k)]
     return tuple(tasks)
-
-
-def _unit_step(schedule: Schedule) -> float:
-    """The simulated step of ``schedule`` with unit costs and free communication."""
-    # imported here: the simulator imports the schedules module, which imports this one
-    from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
-
-    return simulate(schedule, [StageCosts(forward=1.0, backward=2.0, weight=1.0)] * len(schedule)).makespan
 
 
 def _packed_schedule(num_stages: int, num_microbatches: int, recompute: bool) -> Schedule:

@@ -42,6 +42,7 @@ from lightning_varuna.pipeline.scheduling.looped_zero_bubble import (
     looped_zero_bubble_schedule,
 )
 from lightning_varuna.pipeline.scheduling.placement import V_SHAPED, placement_ranks
+from lightning_varuna.pipeline.scheduling.simulator import unit_step
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, Task
 
 __all__ = ["zero_bubble_v_bound", "zero_bubble_v_schedule"]
@@ -67,7 +68,8 @@ def zero_bubble_v_schedule(num_ranks: int, num_microbatches: int, recompute: boo
     if recompute:
         return greedy
     phased = tuple(_phased_rank(rank, num_ranks, num_microbatches) for rank in range(num_ranks))
-    return phased if _unit_step(phased, num_ranks) <= _unit_step(greedy, num_ranks) else greedy
+    placement = placement_ranks(num_ranks, 2, V_SHAPED)
+    return phased if unit_step(phased, placement) <= unit_step(greedy, placement) else greedy
 
 
 class _RankList:
@@ -119,12 +121,3 @@ def _phased_rank(rank: int, num_ranks: int, num_microbatches: int) -> tuple[Task
         while lst.count(stage, wgt) < n:
             lst.add(stage, wgt)
     return tuple(task for task in lst.tasks if task.microbatch < num_microbatches)
-
-
-def _unit_step(schedule: Schedule, num_ranks: int) -> float:
-    """The simulated step of ``schedule`` with unit costs per chunk task and free communication."""
-    # imported here: the simulator imports the schedules module, which imports this one
-    from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
-
-    costs = [StageCosts(forward=1.0, backward=2.0, weight=1.0)] * (2 * num_ranks)
-    return simulate(schedule, costs, stage_ranks=placement_ranks(num_ranks, 2, V_SHAPED)).makespan
