@@ -139,7 +139,7 @@ def test_zero_bubble_p4_m8_is_zb_h1() -> None:
     assert packed[3] == tasks("F0 I0 F1 I1 F2 I2 F3 I3 W0 W1 F4 I4 W2 W3 F5 I5 F6 I6 W4 W5 F7 I7 W6 W7")
     costs = [StageCosts(forward=1, backward=2)] * 4
     assert simulate(packed, costs).makespan == 29  # 1F1B: 33 at the same memory over the stages
-    # the list taken: 1F1B's order, each W right after its I, one tick longer (within 5%)
+    # the list taken: 1F1B's order, each W right after its I, one tick longer here but not made for I = W only
     schedule = make_schedule("zero-bubble", 4, 8, recompute=False)
     assert schedule[0] == tasks("F0 F1 F2 F3, I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7")
     assert schedule[3] == tasks(" ".join(f"F{k} I{k} W{k}" for k in range(8)))
@@ -156,26 +156,29 @@ def _random_delays(seed: int):
     return lambda *message: table.setdefault(message, draws.expovariate(2.0))
 
 
-@pytest.mark.parametrize(("num_stages", "m"), [(4, 16), (4, 32), (8, 32), (8, 16)])
-def test_zero_bubble_takes_the_1f1b_ordered_list_within_5_percent_and_it_loses_less_to_late_messages(
+@pytest.mark.parametrize(("num_stages", "m"), [(4, 16), (4, 32), (8, 16), (8, 32)])
+def test_zero_bubble_takes_the_1f1b_ordered_list_which_loses_less_to_a_short_w_and_to_late_messages(
     num_stages: int, m: int,
 ) -> None:
     chosen = make_schedule("zero-bubble", num_stages, m, recompute=False)
     packed = _packed_schedule(num_stages, m, False)
-    costs = [StageCosts(forward=1, backward=2)] * num_stages
+    ordered = tuple(_ordered_stage(s, num_stages, m) for s in range(num_stages))
+    assert chosen == ordered
 
-    def step(schedule: tuple, seed: int | None) -> float:
+    def step(schedule: tuple, seed: int | None = None, weight_share: float = 0.5) -> float:
+        costs = [StageCosts(forward=1, backward=2, weight=2 * weight_share)] * num_stages
         delays = None if seed is None else _random_delays(seed)
         return simulate(schedule, costs, jitter=delays, opportunistic=True).makespan
 
-    ordered = tuple(_ordered_stage(s, num_stages, m) for s in range(num_stages))
-    plain = step(ordered, None), step(packed, None)
-    lost = [statistics.mean(step(s, seed) for seed in range(20)) - step(s, None) for s in (ordered, packed)]
-    if plain[0] <= 1.05 * plain[1]:
-        assert chosen == ordered and plain[0] > plain[1], plain  # the packed list is shorter without delays
-        assert lost[0] < lost[1] / 2, lost
-    else:  # 62 against 57 ticks: the packed list stays, though it loses more to late messages (32.7 against 17.6)
-        assert (num_stages, m) == (8, 16) and chosen == packed and lost[0] < lost[1], (plain, lost)
+    # the packed list is made for I = W without delays, and is shorter there (P=8, m=16: 57 against 62 ticks) ...
+    gain = step(ordered) - step(packed)
+    assert gain > 0
+    # ... but where W is a fifth of the backward it waits for late gradients, and loses more than it gained (73.2
+    # against 66.2) ...
+    assert step(packed, weight_share=0.2) - step(ordered, weight_share=0.2) > gain
+    # ... and late messages cost it more too (P=8, m=16: 32.7 against 17.6 ticks; elsewhere more than twice as much)
+    lost = [statistics.mean(step(s, seed) for seed in range(20)) - step(s) for s in (ordered, packed)]
+    assert lost[0] < 0.6 * lost[1], lost
 
 
 def _peak_held(tasks_run: tuple[Task, ...], recomputes: bool) -> tuple[int, int, int]:

@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_varuna.pipeline.scheduling.placement import LOOPED, Placement, placement_ranks
+from lightning_varuna.pipeline.scheduling.simulator import WEIGHT_SHARES, most_robust
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 
-__all__ = ["looped_zero_bubble_bound", "looped_zero_bubble_schedule"]
+__all__ = ["greedy_chunk_schedule", "looped_zero_bubble_bound", "looped_zero_bubble_schedule"]
 
 
 def looped_zero_bubble_bound(
@@ -39,6 +40,10 @@ def looped_zero_bubble_bound(
     if recompute:
         return (2, 3) if rank == placement_ranks(num_ranks, 2, placement)[-1] else (1, 2)
     return 2 * num_ranks, 2 * num_ranks
+
+
+_TICKS = 10
+"""Ticks of a forward in the generating simulation (a backward takes twice as many, split by ``weight_share``)."""
 
 
 @dataclass
@@ -66,9 +71,35 @@ class _Rank:
 
 
 def looped_zero_bubble_schedule(
-    num_ranks: int, stages_per_rank: int, num_microbatches: int, recompute: bool, placement: Placement = LOOPED
+    num_ranks: int, stages_per_rank: int, num_microbatches: int, recompute: bool
 ) -> Schedule:
-    """The zero-bubble schedule over two chunks per rank (see the module docstring).
+    """The zero-bubble schedule over the looped placement (``schedule="zero-bubble"`` with ``stages_per_rank=2``).
+
+    With recompute the packed list of :func:`greedy_chunk_schedule`; without, that list or the one with each ``W``
+    right after its ``I``, whichever stays nearer the better of the two whatever share of a backward ``W`` takes
+    (:func:`~lightning_varuna.pipeline.scheduling.simulator.most_robust`; see the module docstring).
+
+    Args:
+        num_ranks: ``P``.
+        stages_per_rank: ``v``.
+        num_microbatches: ``m`` (any number from 1).
+        recompute: Whether every stage but the last runs its forwards without autograd and recomputes before ``I``.
+
+    Returns:
+        Per rank its task list, every task naming its stage. Not validated.
+    """
+    if recompute:
+        return greedy_chunk_schedule(num_ranks, stages_per_rank, num_microbatches, recompute)
+    candidates = [greedy_chunk_schedule(num_ranks, stages_per_rank, num_microbatches, recompute, weight_share=share)
+                  for share in WEIGHT_SHARES]
+    return most_robust(candidates, placement_ranks(num_ranks, stages_per_rank, LOOPED))
+
+
+def greedy_chunk_schedule(
+    num_ranks: int, stages_per_rank: int, num_microbatches: int, recompute: bool, placement: Placement = LOOPED,
+    weight_share: float = 0.5,
+) -> Schedule:
+    """The list of the generating simulation over several chunks per rank (see the module docstring).
 
     Args:
         num_ranks: ``P``.
@@ -76,6 +107,8 @@ def looped_zero_bubble_schedule(
         num_microbatches: ``m`` (any number from 1).
         recompute: Whether every stage but the last runs its forwards without autograd and recomputes before ``I``.
         placement: Where the stages live: ``"looped"`` or ``"v"``.
+        weight_share: The share of a backward that ``W`` takes in the simulation (``I`` takes the rest); a forward
+            takes half a backward. ``0.5``: the unit costs of the module docstring.
 
     Returns:
         Per rank its task list, every task naming its stage. Not validated.
@@ -91,14 +124,22 @@ def looped_zero_bubble_schedule(
     chunks[0].inputs.update(range(num_microbatches))
     ranks = [_Rank([chunks[s] for s in range(last + 1) if ranks_of[s] == r],
                    looped_zero_bubble_bound(r, num_ranks, recompute, placement)) for r in range(num_ranks)]
+    backward = 2 * _TICKS
+    weight = round(backward * weight_share)
+    ticks = {Kind.F: _TICKS, Kind.R: _TICKS, Kind.I: backward - weight, Kind.W: weight}
     total = sum(num_microbatches * (4 if c.recomputes else 3) for c in chunks)
-    for tick in range(4 * total + 1):
+    tick = 0
+    while True:
         for rank in ranks:
             _finish(rank, chunks, tick)
         if sum(len(r.order) for r in ranks) == total and all(r.running is None for r in ranks):
             return tuple(tuple(r.order) for r in ranks)
         for rank in ranks:
-            _start(rank, chunks, tick, num_microbatches)
+            _start(rank, chunks, tick, num_microbatches, ticks)
+        running = [r.busy_until for r in ranks if r.running is not None]
+        if not running:
+            break
+        tick = min(running)  # the next task to end (nothing else changes before it)
     raise ScheduleError(f"looped zero-bubble simulation did not finish for P={num_ranks}, v={stages_per_rank},"
                         f" m={num_microbatches}")
 
@@ -115,7 +156,7 @@ def _finish(rank: _Rank, chunks: list[_Chunk], tick: int) -> None:
         chunks[s - 1].gradients.add(task.microbatch)
 
 
-def _start(rank: _Rank, chunks: list[_Chunk], tick: int, num_microbatches: int) -> None:
+def _start(rank: _Rank, chunks: list[_Chunk], tick: int, num_microbatches: int, ticks: dict[Kind, int]) -> None:
     if rank.running is not None:
         return
     chosen = _choose(rank, len(chunks) - 1, num_microbatches)
@@ -138,7 +179,7 @@ def _start(rank: _Rank, chunks: list[_Chunk], tick: int, num_microbatches: int) 
         chunk.weight_grads += 1
         rank.until_w -= 1
     rank.running = (task, chunk)
-    rank.busy_until = tick + 1
+    rank.busy_until = tick + max(1, ticks[task.kind])
     rank.order.append(task)
 
 

@@ -16,7 +16,7 @@ Two generators, and :func:`zero_bubble_v_schedule` takes the better list:
   message sent a whole triple earlier, so a late message costs the step little: under random message delays this
   list loses less than half what the greedy one loses (the tests measure it), a fifth at ``P = 8, m = 32``.
 - **Greedy** (every case with recompute, and the few shapes where it is shorter: ``m`` below about ``1.4 P``):
-  :func:`~lightning_varuna.pipeline.scheduling.looped_zero_bubble.looped_zero_bubble_schedule` (a discrete-time
+  :func:`~lightning_varuna.pipeline.scheduling.looped_zero_bubble.greedy_chunk_schedule` (a discrete-time
   simulation with unit costs ``F = R = I = W = 1`` per chunk that starts, whenever a rank is idle, the first ready
   task by priority ``I > R > F > W``, forwards of the later stage first, within the memory bound) run over the
   V-shaped placement. It packs every task at the first tick it can run, so each message arrives just in time.
@@ -37,10 +37,7 @@ on every rank. Two properties, checked by the tests for ``P = 2..8``, ``m = 1..3
 
 from __future__ import annotations
 
-from lightning_varuna.pipeline.scheduling.looped_zero_bubble import (
-    looped_zero_bubble_bound,
-    looped_zero_bubble_schedule,
-)
+from lightning_varuna.pipeline.scheduling.looped_zero_bubble import greedy_chunk_schedule, looped_zero_bubble_bound
 from lightning_varuna.pipeline.scheduling.placement import V_SHAPED, placement_ranks
 from lightning_varuna.pipeline.scheduling.simulator import unit_step
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, Task
@@ -64,7 +61,7 @@ def zero_bubble_v_schedule(num_ranks: int, num_microbatches: int, recompute: boo
     Returns:
         Per rank its task list, every task naming its stage. Not validated.
     """
-    greedy = looped_zero_bubble_schedule(num_ranks, 2, num_microbatches, recompute, V_SHAPED)
+    greedy = greedy_chunk_schedule(num_ranks, 2, num_microbatches, recompute, V_SHAPED)
     if recompute:
         return greedy
     phased = tuple(_phased_rank(rank, num_ranks, num_microbatches) for rank in range(num_ranks))
