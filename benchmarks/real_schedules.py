@@ -77,6 +77,7 @@ OURS = {
     "ours-interleaved": dict(schedule="interleaved", recompute=False, stages_per_rank=2),
     "ours-zb-v2": dict(schedule="zero-bubble", recompute=False, stages_per_rank=2),
     "ours-zbv": dict(schedule="zero-bubble-v", recompute=False, stages_per_rank=2),
+    "ours-zb-v2-rc": dict(schedule="zero-bubble", recompute=True, stages_per_rank=2),
     "ours-varuna-rc": dict(schedule="varuna", recompute=True),
     "ours-1f1b-rc": dict(schedule="1f1b", recompute=True),
     "ours-zb-rc": dict(schedule="zero-bubble", recompute=True),
