@@ -88,12 +88,9 @@ OURS = {
     "ours-1f1b-sac": dict(schedule="1f1b", recompute=True, recompute_policy="saved_ops"),
     **{f"ours-zb-rc{n}": dict(schedule="zero-bubble", recompute=n) for n in (1, 2, 3)},
 }
-DEFAULT_SYSTEMS = [
-    "torch-1f1b", "torch-1f1b-full", "torch-1f1b-sac", "torch-interleaved1f1b", "torch-interleaved1f1b-full",
-    "torch-interleavedzb", "torch-zbv", "torch-dualpipev",
-    "ours-1f1b", "ours-zb", "ours-interleaved", "ours-zbv", "ours-1f1b-rc", "ours-varuna-rc", "ours-zb-rc",
-    "ours-zbv-rc", "ours-1f1b-sac", "ours-zb-sac",
-]
+DEFAULT_SYSTEMS = [*TORCH_SYSTEMS, *(name for name in OURS if name not in ("ours-varuna-sac", "ours-zb-rc1",
+                                                                            "ours-zb-rc2", "ours-zb-rc3"))]
+"""Every torch row and every one of ours but three degrees of recompute and one selective-recompute row."""
 LOSS_RTOL = 1e-4
 
 
