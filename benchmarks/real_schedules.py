@@ -355,15 +355,21 @@ def worker(args) -> int:
                 "held_mib_per_rank": [per[r][1] / 2**20 for r in range(P)],
                 "build_and_warmup_s": max(per[r][3] for r in range(P)), "chunks": per[0][4],
             })
-        ref = rows[0]["losses"]
+        check_losses(rows)
         for row in rows:
-            diff = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], ref, strict=True))
-            row["loss_max_rel_diff"], row["loss_ok"] = diff, diff <= LOSS_RTOL
             print(f"  {row['system']:28s} {row['step_s'] * 1e3:8.1f} ms  peak MiB "
-                  f"{max(row['peak_mib_per_rank']):6.1f}  loss diff {diff:.1e}", flush=True)
+                  f"{max(row['peak_mib_per_rank']):6.1f}  loss diff {row['loss_max_rel_diff']:.1e}", flush=True)
         Path(args.worker_out).write_text(json.dumps(rows))
     dist.destroy_process_group()
     return 0
+
+
+def check_losses(rows: list[dict]) -> None:
+    """Marks each row ``loss_ok`` if its loss at every measured step is within :data:`LOSS_RTOL` of the first row's."""
+    ref = rows[0]["losses"]
+    for row in rows:
+        diff = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], ref, strict=True))
+        row["loss_max_rel_diff"], row["loss_ok"] = diff, diff <= LOSS_RTOL
 
 
 # --------------------------------------------------------------------------------------------- driver
