@@ -4,6 +4,7 @@ Run (from the repository root; it starts one ``torchrun`` job of 2 processes per
 
     python benchmarks/real_schedules.py --out benchmarks/results/real_schedules.json
     python benchmarks/real_schedules.py --render benchmarks/results/real_schedules.json   # the tables again
+    python benchmarks/real_schedules.py --device cuda --out real_schedules_gpu.json        # two GPUs, NCCL
 
 The model and data, the same for every system: the example GPT (``examples/gpt/model.py``; by default 8 blocks,
 n_embd 128, 4 heads, block_size 128, vocab 256, tied embedding and head, dropout 0), built with one seed, so every
@@ -33,7 +34,9 @@ Memory: in ``--memory-steps`` more steps per system, untimed, a ``TorchDispatchM
 (``mallinfo2``, ``emulated.py``'s probe; torch's CPU allocator is malloc-based) after every aten op; peak = the
 largest reading above the step's start (after ``zero_grad`` and ``gc.collect``): activations kept for backward,
 boundary buffers, gradients and temporaries. held = heap after warm-up - heap before the system was built
-(buffers a framework keeps between steps). The maximum over ranks decides whether a job fits.
+(buffers a framework keeps between steps). The maximum over ranks decides whether a job fits. With
+``--device cuda`` (one GPU per process, NCCL) the figures are CUDA's allocator's (``memory_allocated``, and
+``max_memory_allocated`` over the step) and each step ends with a ``torch.cuda.synchronize()``.
 Check: every system's loss at every measured step is compared with the first system's (the same weights and
 tokens, fp32); a row whose losses differ by more than 1e-4 relative is marked ``loss_ok: false`` and the run
 exits non-zero.
@@ -180,7 +183,7 @@ def _loss_fn(logits, target):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def run_torch(name: str, args, rank: int, P: int, tied_group):
+def run_torch(name: str, args, rank: int, P: int, tied_group, device):
     """torch.distributed.pipelining stages and schedule: returns (step, zero_grad, plan)."""
     import torch
     import torch.distributed as dist
@@ -190,14 +193,15 @@ def run_torch(name: str, args, rank: int, P: int, tied_group):
     cls_name, v, placement = TORCH[sched_name]
     S = P * v
     sids = [rank, 2 * P - 1 - rank] if placement == "v" else [rank + i * P for i in range(v)]
-    gpt = build_gpt(args)
+    gpt = build_gpt(args).to(device)
     chunks = [TorchChunk.build(gpt, s, S, ckpt if s != S - 1 else "none") for s in sids]
     mbs, T, C, V = args.batch // args.microbatches, args.seq, args.embd, args.vocab
     stages = []
     for chunk, s in zip(chunks, sids, strict=True):
-        ex_in = torch.zeros(mbs, T, dtype=torch.long) if s == 0 else torch.zeros(mbs, T, C, requires_grad=True)
-        ex_out = torch.zeros(mbs, T, V if s == S - 1 else C, requires_grad=True)
-        stages.append(pp.PipelineStage(chunk, s, S, torch.device("cpu"), input_args=ex_in, output_args=ex_out))
+        ex_in = (torch.zeros(mbs, T, dtype=torch.long, device=device) if s == 0
+                 else torch.zeros(mbs, T, C, device=device, requires_grad=True))
+        ex_out = torch.zeros(mbs, T, V if s == S - 1 else C, device=device, requires_grad=True)
+        stages.append(pp.PipelineStage(chunk, s, S, device, input_args=ex_in, output_args=ex_out))
     sched = getattr(pp, cls_name)(stages if v > 1 else stages[0], n_microbatches=args.microbatches,
                                   loss_fn=_loss_fn, scale_grads=True)
     has_first, has_last = 0 in sids, S - 1 in sids
@@ -222,7 +226,7 @@ def run_torch(name: str, args, rank: int, P: int, tied_group):
     return step, zero_grad, [[s * (args.layers // S), (s + 1) * (args.layers // S) - 1] for s in range(S)]
 
 
-def run_ours(name: str, args, rank: int, P: int, tied_group):
+def run_ours(name: str, args, rank: int, P: int, tied_group, device):
     """Our PipelineEngine on the same GPT: returns (step, zero_grad, plan)."""
     from lightning_varuna.pipeline.config import EngineConfig
     from lightning_varuna.pipeline.engine import PipelineEngine
@@ -233,8 +237,8 @@ def run_ours(name: str, args, rank: int, P: int, tied_group):
     gpt = build_gpt(args)
     config = EngineConfig(pipeline_parallel_size=P, num_microbatches=args.microbatches, partition="params",
                           p2p_timeout=120.0, **kwargs)
-    engine = PipelineEngine(gpt, config)
-    plan = engine.setup(make_batch(args, -1), gpt._loss)
+    engine = PipelineEngine(gpt, config, device)
+    plan = engine.setup(tuple(t.to(device) for t in make_batch(args, -1)), gpt._loss)
     spans = [[st.segments[0], st.segments[-1]] for st in plan.stages]
     S = P * int(kwargs.get("stages_per_rank", 1))
     per = args.layers // S
@@ -257,7 +261,38 @@ def run_ours(name: str, args, rank: int, P: int, tied_group):
 
 
 # --------------------------------------------------------------------------------------------- worker
-def heap_probe():
+class Meter:
+    """Bytes in use and a step's peak: the glibc heap on CPU (read after every aten op), CUDA's allocator on GPUs."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+
+    def in_use(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.memory_allocated()
+        from emulated import heap_in_use
+
+        return heap_in_use()
+
+    def measure(self, step, batch):
+        """Runs ``step(batch)``; returns its result and the peak bytes in use above the start."""
+        if self.cuda:
+            start = self.in_use()
+            self.torch.cuda.reset_peak_memory_stats()
+            out = step(batch)
+            self.torch.cuda.synchronize()
+            return out, self.torch.cuda.max_memory_allocated() - start
+        mode = _heap_probe()
+        with mode:
+            out = step(batch)
+        return out, mode.peak - mode.start
+
+
+def _heap_probe():
     """A dispatch mode that keeps the largest glibc heap figure seen after any aten op."""
     from emulated import heap_in_use
     from torch.utils._python_dispatch import TorchDispatchMode  # the public hook for per-op work below autograd
@@ -272,67 +307,73 @@ def heap_probe():
             self.peak = max(self.peak, heap_in_use())
             return out
 
-    return HeapProbe(), heap_in_use
+    return HeapProbe()
 
 
-def one_step(fns, args, k: int, probe: bool):
+def one_step(fns, args, k: int, meter: Meter | None, device):
+    """One step of a system (a barrier first); with ``meter``, untimed use: its peak memory instead of times."""
+    import torch
     import torch.distributed as dist
 
     step, zero_grad = fns[0], fns[1]
-    batch = make_batch(args, k)
+    batch = tuple(t.to(device) for t in make_batch(args, k))
     zero_grad()
     gc.collect()
-    mode = None
-    if probe:
-        mode, _ = heap_probe()
     dist.barrier()
+    if meter is not None:
+        loss, peak = meter.measure(step, batch)
+        return None, None, loss, peak
     t0 = time.monotonic()
-    if mode is not None:
-        with mode:
-            loss = step(batch)
-    else:
-        loss = step(batch)
+    loss = step(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t1 = time.monotonic()
-    return t0, t1, loss, (mode.peak - mode.start) if mode is not None else None
+    return t0, t1, loss, None
 
 
 def worker(args) -> int:
     import torch
     import torch.distributed as dist
-    from emulated import heap_in_use
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":  # one GPU per process, NCCL
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+    meter = Meter(device)
     rank, P = dist.get_rank(), dist.get_world_size()
     tied_group = dist.new_group(list(range(P)))  # P=2: every layout but the V puts a tied copy on each rank
     names = args.systems.split(",")
     # one-time allocations (gloo's buffers, lazy library state) land here, not in the first system's "held"
-    prewarm = run_torch("torch-1f1b", args, rank, P, tied_group)
-    one_step(prewarm, args, -1000, probe=True)
+    prewarm = run_torch("torch-1f1b", args, rank, P, tied_group, device)
+    one_step(prewarm, args, -1000, meter, device)
     del prewarm
     built = []
     for name in names:
         gc.collect()
         dist.barrier()
-        base = heap_in_use()
+        base = meter.in_use()
         t_build = time.monotonic()
         if name.startswith("torch-"):
             v_shape = TORCH[TORCH_SYSTEMS[name][0]][2] == "v"
-            fns = run_torch(name, args, rank, P, None if v_shape else tied_group)
+            fns = run_torch(name, args, rank, P, None if v_shape else tied_group, device)
         else:
-            fns = run_ours(name, args, rank, P, tied_group)
+            fns = run_ours(name, args, rank, P, tied_group, device)
         for i in range(args.warmup):
-            one_step(fns, args, -100 - i, probe=False)
+            one_step(fns, args, -100 - i, None, device)
         fns[1]()
         gc.collect()
-        built.append((name, fns, heap_in_use() - base, time.monotonic() - t_build))
+        built.append((name, fns, meter.in_use() - base, time.monotonic() - t_build))
     recs: list[list] = [[] for _ in built]
     peaks = [0] * len(built)
     for k in range(args.steps + args.memory_steps):
         probe = k >= args.steps
         for j in range(len(built)):
             idx = (j + k) % len(built)
-            t0, t1, loss, peak = one_step(built[idx][1], args, k, probe)
+            t0, t1, loss, peak = one_step(built[idx][1], args, k, meter if probe else None, device)
             if probe:
                 peaks[idx] = max(peaks[idx], peak)
             else:
@@ -444,10 +485,11 @@ def render(out: dict) -> str:
 def driver(args) -> int:
     systems = args.systems.split(",")
     config = {k: getattr(args, k) for k in ("layers", "embd", "heads", "seq", "vocab", "batch", "microbatches",
-                                            "steps", "warmup", "memory_steps")}
+                                            "steps", "warmup", "memory_steps", "device")}
     out = {
         "command": "python benchmarks/real_schedules.py " + " ".join(sys.argv[1:]),
-        "config": {**config, "P": 2, "threads_per_process": 1, "backend": "gloo", "loss_rtol": LOSS_RTOL},
+        "config": {**config, "P": 2, "threads_per_process": 1 if args.device == "cpu" else None,
+                   "backend": "gloo" if args.device == "cpu" else "nccl", "loss_rtol": LOSS_RTOL},
         "systems": systems,
         "package_commit": _git("rev-parse", "HEAD"),
         "package_uncommitted_changes": _git("status", "--porcelain", "--", "lightning_varuna", "benchmarks"),
@@ -506,6 +548,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-steps", type=int, default=1, help="untimed steps with the heap probe on")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one repetition may take")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: one GPU per process (two GPUs), NCCL, memory from CUDA's allocator")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -4,7 +4,8 @@ Run as is on a GPU machine: ``bash tests/gpu/run.sh``. With one GPU: the compute
 the forward's CUDA RNG, bf16 autocast with bfloat16 on the wire, ``torch.cuda.max_memory_allocated``, linear layers'
 gradients accumulated in place against autograd's), P=1 under
 Lightning, and P=2 with two processes sharing the GPU over gloo (``p2p_backend="gloo"``: pinned host staging),
-engine-level and under Lightning. With two or more GPUs, NCCL point-to-point too (P=2, and P=2 x D=2 with four).
+engine-level and under Lightning. With two or more GPUs, NCCL point-to-point too (P=2, and P=2 x D=2 with four), and
+``benchmarks/real_schedules.py``'s comparison of torch's schedules with ours (losses equal, its table printed).
 Every job also runs in the NCCL-rules mode (``launch.py``), so its p2p order is replayed as well.
 """
 
@@ -144,3 +145,31 @@ def test_fused_accumulation_on_cuda_saves_the_largest_weight_and_matches_autogra
     assert fused_peak <= plain_peak - 0.9 * weight
     for got, want in zip(fused_grads, plain_grads, strict=True):
         torch.testing.assert_close(got, want, **FP32)
+
+
+@pytest.mark.skipif(GPUS < 2, reason="torch's P=2 pipeline and ours over NCCL need two GPUs")
+def test_real_compute_schedules_benchmark_runs_torchs_and_ours_on_two_gpus_with_equal_losses(tmp_path: Path) -> None:
+    """benchmarks/real_schedules.py's comparison on GPUs (the CPU run is in docs/benchmarks.md, section 11): one and
+    two chunks per rank, torch's and ours, with and without recompute; every system's losses equal the first's."""
+    import subprocess
+    import sys
+
+    from helpers.launch import ROOT
+
+    out = tmp_path / "real_schedules_gpu.json"
+    systems = ("torch-1f1b,torch-1f1b-full,torch-interleaved1f1b,torch-zbv,torch-dualpipev,"
+               "ours-1f1b,ours-zb,ours-interleaved,ours-zbv,ours-varuna-rc,ours-1f1b-rc,ours-zb-rc")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "real_schedules.py"), "--device", "cuda", "--repeats", "2",
+         "--steps", "10", "--systems", systems, "--out", str(out), "--timeout", "500"],
+        capture_output=True, text=True, timeout=1100, cwd=ROOT,
+    )
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-4000:])
+    data = json.loads(out.read_text())
+    assert data["config"]["backend"] == "nccl" and all(row["loss_ok"] for row in data["summary"])
+    peaks = {row["system"]: row["peak_mib"] for row in data["summary"]}
+    assert all(peak > 0 for peak in peaks.values()), peaks
+    # recompute keeps less on the first stage than torch's plain 1F1B (the last stage never recomputes)
+    first = {row["system"]: row["peak_mib_per_rank"][0] for row in data["summary"]}
+    assert first["ours-1f1b-rc"] < first["torch-1f1b"], first
+    print(data["table_md"])  # the GPU check's log carries the table
