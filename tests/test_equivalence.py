@@ -23,8 +23,6 @@ CONFIGS = {
     "p4-1f1b-norecompute-m3": "pipeline_parallel_size=4,num_microbatches=3,schedule=1f1b,recompute=false",
     "p4-gpipe-m5": "pipeline_parallel_size=4,num_microbatches=5,schedule=gpipe",
     "p4-gpipe-norecompute": "pipeline_parallel_size=4,num_microbatches=4,schedule=gpipe,recompute=false",
-    "p4-zb-norecompute": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,recompute=false",
-    "p4-zb-m5": "pipeline_parallel_size=4,num_microbatches=5,schedule=zero-bubble",
     "p4-varuna-cut_at": "pipeline_parallel_size=4,num_microbatches=4,cut_at=blocks",
     "p2-varuna": "pipeline_parallel_size=2,num_microbatches=4,batch=8",
     "p2-gpipe-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=gpipe,recompute=false,batch=8",
@@ -46,17 +44,14 @@ CONFIGS = {
     "bf16-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,precision=bf16-mixed,overlap=false",
     # fp16 with a loss scaler; an inf injected into stage 0's gradients at step 2 must make every stage skip
     "fp16-inf-p2d2": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,precision=16-mixed,inf=2",
-    # several model chunks per rank (interleaved 1F1B over the looped placement): P=2 (one link each way carries
-    # both directions), P=4 with 8 blocks (the wrap-around link), tied embedding + clipping with every bucket
-    # reduced in the last backward of the stage that makes its gradients final
-    "p2-il-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=interleaved,stages_per_rank=2,"
-    "recompute=false,batch=8",
+    # several model chunks per rank (interleaved 1F1B over the looped placement): P=4 with 8 blocks (the
+    # wrap-around link), tied embedding + clipping at P=2 (one link each way carries both directions) with every
+    # bucket reduced in the last backward of the stage that makes its gradients final
     "p4-il-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=interleaved,stages_per_rank=2,layers=8",
     "tied-clip-p2d2-il": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=interleaved,stages_per_rank=2,bucket=4096,partition=params",
     # zero-bubble over the looped placement: I/W split on ranks of two chunks (weights shared across a rank's
     # chunks final after the last W of either; every bucket released by the W that makes it final)
-    "p4-lzb-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,stages_per_rank=2,layers=8",
     "tied-clip-p2d2-lzb": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
     # the V schedule over the V-shaped placement: P=4 (rank 3's two stages hand over in memory; the first and last
@@ -65,20 +60,27 @@ CONFIGS = {
     "tied-clip-p2d2-zbv": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble-v,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
     # recompute by degree: each non-last stage recomputes its first segment, the rest keeps its graph
-    "p2-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,recompute=1,partition=params",
     "tied-clip-p2d2-zb-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble,recompute=1,bucket=4096,partition=params",
     # recompute by degree over the V-shaped placement: forwards in the V schedule's order, each R(k) right before
     # I(k) (rank 1's two stages hand over in memory)
     "p2-zbv-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble-v,stages_per_rank=2,"
     "recompute=1,layers=8,partition=params",
-    # selective recompute: the recompute takes the matrix multiplies' outputs from the forward (a list of ops
-    # under 1F1B with tied embedding and clipping at P x D = 2 x 2; a policy function under zero-bubble at P=4)
-    "tied-clip-p2d2-sac": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
-    "schedule=1f1b,policy=list",
+    # selective recompute: the recompute takes the matrix multiplies' outputs from the forward (a policy function
+    # under zero-bubble at P=4; a list of ops runs in test_side_values and below)
     "p4-zb-sac": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,policy=function",
 }
 FULL_MATRIX = {
+    # what CI runs of several chunks per rank, recompute by degree and selective recompute, at the other P and
+    # with recompute switched (test_side_values runs zero-bubble at P=4 with odd m, and a list policy, in CI)
+    "p4-zb-norecompute": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,recompute=false",
+    "p4-zb-m5": "pipeline_parallel_size=4,num_microbatches=5,schedule=zero-bubble",
+    "p2-il-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=interleaved,stages_per_rank=2,"
+    "recompute=false,batch=8",
+    "p4-lzb-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,stages_per_rank=2,layers=8",
+    "p2-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,recompute=1,partition=params",
+    "tied-clip-p2d2-sac": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=1f1b,policy=list",
     # the P=2 cases of what CI runs at P=4 (varuna without recompute, odd m) and P=2 x D=2 (1f1b)
     "p2-varuna-norecompute-m3": "pipeline_parallel_size=2,num_microbatches=3,recompute=false,batch=8",
     "p2-1f1b": "pipeline_parallel_size=2,num_microbatches=2,schedule=1f1b,batch=8",
