@@ -237,6 +237,22 @@ def test_zero_bubble_with_recompute_holds_no_more_than_1f1b_with_recompute() -> 
                 assert ticks[0] < ticks[1], (num_stages, m, ticks)
 
 
+@pytest.mark.parametrize("num_stages", [2, 3, 4, 8])
+def test_zero_bubble_with_recompute_takes_the_least_time_any_schedule_recomputing_every_stage_can(
+        num_stages: int) -> None:
+    # every non-last stage recomputes each micro-batch and holds back at most one W: stage P-2 gets its first
+    # input after P-2 forwards, has m (F + R + I + W) of work, and its last I still has P-2 stages' I to pass before
+    # stage 0's last W, so no such schedule is shorter than (P-2) F + m (F + R + B) + (P-2) I (unit costs: F = R =
+    # I = W = 1). zero-bubble's list reaches it for every m >= P; 1F1B's is up to 1.16x longer (P=8, m=8)
+    costs = [StageCosts(forward=1, backward=2, recompute=1)] * num_stages
+    for m in (num_stages, 2 * num_stages, 32):
+        least = 2 * (num_stages - 2) + 4 * m
+        ticks = simulate(make_schedule("zero-bubble", num_stages, m, recompute=True), costs,
+                         opportunistic=True).makespan
+        assert ticks == least, (num_stages, m, ticks, least)
+        assert simulate(make_schedule("1f1b", num_stages, m, recompute=True), costs).makespan > least
+
+
 # --- all schedules and sizes ----------------------------------------------------------------------------
 
 
