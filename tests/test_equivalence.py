@@ -59,26 +59,26 @@ CONFIGS = {
     "p4-zbv-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble-v,stages_per_rank=2,layers=8",
     "tied-clip-p2d2-zbv": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble-v,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
-    # recompute by degree: each non-last stage recomputes its first segment, the rest keeps its graph
-    "tied-clip-p2d2-zb-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
-    "schedule=zero-bubble,recompute=1,bucket=4096,partition=params",
-    # recompute by degree over the V-shaped placement: forwards in the V schedule's order, each R(k) right before
+    # recompute by degree (each non-last stage recomputes its first segment, the rest keeps its graph) over the
+    # V-shaped placement: forwards in the V schedule's order, each R(k) right before
     # I(k) (rank 1's two stages hand over in memory)
     "p2-zbv-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble-v,stages_per_rank=2,"
     "recompute=1,layers=8,partition=params",
     # selective recompute: the recompute takes the matrix multiplies' outputs from the forward (a policy function
-    # under zero-bubble at P=4; a list of ops runs in test_side_values and below)
+    # under zero-bubble at P=4; a list of ops below, and in process in test_selective_recompute)
     "p4-zb-sac": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,policy=function",
 }
 FULL_MATRIX = {
     # what CI runs of several chunks per rank, recompute by degree and selective recompute, at the other P and
-    # with recompute switched (test_side_values runs zero-bubble at P=4 with odd m, and a list policy, in CI)
+    # with recompute switched (test_side_values runs zero-bubble at P=4 with odd m in CI)
     "p4-zb-norecompute": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,recompute=false",
     "p4-zb-m5": "pipeline_parallel_size=4,num_microbatches=5,schedule=zero-bubble",
     "p2-il-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=interleaved,stages_per_rank=2,"
     "recompute=false,batch=8",
     "p4-lzb-l8": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,stages_per_rank=2,layers=8",
     "p2-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,recompute=1,partition=params",
+    "tied-clip-p2d2-zb-rc1": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
+    "schedule=zero-bubble,recompute=1,bucket=4096,partition=params",
     "tied-clip-p2d2-sac": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=1f1b,policy=list",
     # the P=2 cases of what CI runs at P=4 (varuna without recompute, odd m) and P=2 x D=2 (1f1b)

@@ -3,8 +3,8 @@
 Each checkpoint is written by one job and resumed by later, separate jobs (fresh processes, as a restarted job
 would be). The jobs are batched: the three writers run in one 4-process job, the 4-process resumes in another and the
 2-process resume in a third, so the module starts four jobs, not one per run. The checkpoints written and resumed
-over the V-shaped placement run with ``VARUNA_SCHEDULES=full`` (or ``VARUNA_TESTS=full``); CI resumes one chunk per
-rank with two and two with one over the looped placement.
+with two model chunks per rank (two -> one, and over the V-shaped placement) run with ``VARUNA_SCHEDULES=full`` (or
+``VARUNA_TESTS=full``); CI resumes a checkpoint of one chunk per rank with two.
 """
 
 from __future__ import annotations
@@ -24,20 +24,22 @@ COMMON = "pipeline_parallel_size=2,num_microbatches=4,global_batch_size=16,batch
 P4 = "pipeline_parallel_size=4,num_microbatches=4,global_batch_size=16,batch=5"
 WRITERS = {  # name -> (options, reference), each trained 4 of an epoch's 8 steps and saved at step 4
     "first-1f1b": (COMMON, "reference"),
-    "first-il": (f"{COMMON},schedule=interleaved,stages_per_rank=2", "reference"),
 }
 RESUMES_ON_FOUR = {  # name -> (options, the writer whose checkpoint it resumes)
     "p4-from-1f1b": (P4, "first-1f1b"),
     # one chunk per rank -> two (interleaved, P=2 x D=2: four stages on two ranks)
     "chunks-from-1f1b": (f"{COMMON},schedule=interleaved,stages_per_rank=2", "first-1f1b"),
-    "p4-from-il": (f"{P4},schedule=1f1b", "first-il"),
 }
 RESUMES_ON_TWO = {"two-from-1f1b": (COMMON, "first-1f1b")}  # P=2 x D=1
-V_SHAPED = wanted(part="SCHEDULES")
-if V_SHAPED:
-    # the V schedule: stages 0 and 3 on rank 0, with the tied embedding, 1 and 2 on rank 1
-    WRITERS["first-zbv"] = (f"{COMMON},tie=true,schedule=zero-bubble-v,stages_per_rank=2", "reference-tied")
+WRITTEN_WITH_TWO = wanted(part="SCHEDULES")
+if WRITTEN_WITH_TWO:
+    WRITERS.update({
+        "first-il": (f"{COMMON},schedule=interleaved,stages_per_rank=2", "reference"),
+        # the V schedule: stages 0 and 3 on rank 0, with the tied embedding, 1 and 2 on rank 1
+        "first-zbv": (f"{COMMON},tie=true,schedule=zero-bubble-v,stages_per_rank=2", "reference-tied"),
+    })
     RESUMES_ON_FOUR.update({
+        "p4-from-il": (f"{P4},schedule=1f1b", "first-il"),
         # the looped placement's checkpoint resumed V-shaped (rank 0 now holds stages 0 and 3, rank 1 stages 1, 2)
         "v-from-il": (f"{COMMON},schedule=zero-bubble-v,stages_per_rank=2", "first-il"),
         # the V-shaped checkpoint resumed looped (zero-bubble: stages 0 and 2 on rank 0) and with one chunk per rank
@@ -59,7 +61,7 @@ def _specs(out: Path, runs: dict[str, tuple[str, str]]) -> list[str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("resume")
-    references = ["reference:epoch_steps=8"] + (["reference-tied:epoch_steps=8,tie=true"] if V_SHAPED else [])
+    references = ["reference:epoch_steps=8"] + (["reference-tied:epoch_steps=8,tie=true"] if WRITTEN_WITH_TWO else [])
     python("equivalence.py", str(out), *references)
     torchrun("equivalence.py", str(out), *(f"{name}:{options},steps=4,save_every=4,save_dir={out / name}"
                                            for name, (options, _) in WRITERS.items()), timeout=600)
@@ -102,13 +104,14 @@ def test_mid_epoch_checkpoint_from_p2d2_resumes_under_p4d1_on_two_processes_and_
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not WRITTEN_WITH_TWO, reason="on demand: VARUNA_SCHEDULES=full or VARUNA_TESTS=full")
 def test_a_checkpoint_written_with_two_chunks_per_rank_resumes_with_one(results: Path) -> None:
     """Written at P=2 x D=2 with two model chunks per rank (interleaved), resumed at P=4 x D=1 with one (1F1B)."""
     _check_resumed(results, "p4-from-il")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not V_SHAPED, reason="on demand: VARUNA_SCHEDULES=full or VARUNA_TESTS=full")
+@pytest.mark.skipif(not WRITTEN_WITH_TWO, reason="on demand: VARUNA_SCHEDULES=full or VARUNA_TESTS=full")
 def test_checkpoints_move_between_the_looped_and_the_v_shaped_placement(results: Path) -> None:
     """The interleaved checkpoint resumed V-shaped; one written by the V schedule with a tied embedding resumed
     with the same four stages looped and at P=4 x D=1."""

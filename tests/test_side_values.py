@@ -6,7 +6,8 @@ both to every block as keyword arguments (as T5 passes its relative position bia
 step-1 gradients equal the plain run's, with recompute and without, under several schedules, with uneven
 micro-batches, with several stages per rank (looped and V-shaped), and recomputed by degree where stage 0
 makes the values in its recomputed segment and uses them in its kept ones. Every pipelined step is replayed
-under NCCL's rules. The two-chunk placements without recompute run with ``VARUNA_SCHEDULES=full``.
+under NCCL's rules. The two-chunk placements without recompute, recompute by degree with one chunk per rank and
+selective recompute run with ``VARUNA_SCHEDULES=full``.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ CONFIGS = {
     # activation) and their gradients come back the same way
     "p2d2-zbv": f"pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble-v,stages_per_rank=2,batch=8,{SIDE}",
     # recompute by degree where stage 0 makes both values in its recomputed segment and uses them after it
-    "p2d2-rc1": f"pipeline_parallel_size=2,num_microbatches=4,recompute=1,batch=8,{SIDE}",
     "p2d2-lzb-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble,stages_per_rank=2,"
     f"recompute=1,batch=8,layers=8,{SIDE}",
-    # selective recompute: side values received in the forward and taken again by the recompute, which replays
-    # the forward's matrix multiplies
-    "p4-1f1b-sac": f"pipeline_parallel_size=4,num_microbatches=4,schedule=1f1b,policy=list,{SIDE}",
 }
-if wanted(part="SCHEDULES"):  # the two-chunk schedules without recompute (CI runs them with it)
+if wanted(part="SCHEDULES"):  # the two-chunk placements without recompute (CI runs them with it) and more
     CONFIGS.update({
+        "p2d2-rc1": f"pipeline_parallel_size=2,num_microbatches=4,recompute=1,batch=8,{SIDE}",
+        # selective recompute: side values received in the forward and taken again by the recompute, which replays
+        # the forward's matrix multiplies
+        "p4-1f1b-sac": f"pipeline_parallel_size=4,num_microbatches=4,schedule=1f1b,policy=list,{SIDE}",
         "p2d2-lzb-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble,stages_per_rank=2,"
         f"recompute=false,batch=8,{SIDE}",
         "p2d2-zbv-norecompute": "pipeline_parallel_size=2,num_microbatches=4,schedule=zero-bubble-v,"
