@@ -60,12 +60,12 @@ CONFIGS = {
     "tied-clip-p2d2-zbv": "pipeline_parallel_size=2,num_microbatches=4,batch=8,tie=true,clip=0.5,gradnorm=true,"
     "schedule=zero-bubble-v,stages_per_rank=2,recompute=false,bucket=4096,partition=params",
     # recompute by degree (each non-last stage recomputes its first segment, the rest keeps its graph) over the
-    # V-shaped placement: forwards in the V schedule's order, each R(k) right before
-    # I(k) (rank 1's two stages hand over in memory)
+    # V-shaped placement: forwards in the V schedule's order, each R(k) right before I(k) (rank 1's two stages hand
+    # over in memory)
     "p2-zbv-rc1-l8": "pipeline_parallel_size=2,num_microbatches=4,batch=8,schedule=zero-bubble-v,stages_per_rank=2,"
     "recompute=1,layers=8,partition=params",
     # selective recompute: the recompute takes the matrix multiplies' outputs from the forward (a policy function
-    # under zero-bubble at P=4; a list of ops below, and in process in test_selective_recompute)
+    # under zero-bubble at P=4; a list of ops in FULL_MATRIX, and in process in test_selective_recompute)
     "p4-zb-sac": "pipeline_parallel_size=4,num_microbatches=8,schedule=zero-bubble,policy=function",
 }
 FULL_MATRIX = {

@@ -1,7 +1,7 @@
 """Job morphing: a checkpoint written mid-epoch under one P x D resumes under another on the same trajectory.
 
 Each checkpoint is written by one job and resumed by later, separate jobs (fresh processes, as a restarted job
-would be). The jobs are batched: the three writers run in one 4-process job, the 4-process resumes in another and the
+would be). The jobs are batched: the writers run in one 4-process job, the 4-process resumes in another and the
 2-process resume in a third, so the module starts four jobs, not one per run. The checkpoints written and resumed
 with two model chunks per rank (two -> one, and over the V-shaped placement) run with ``VARUNA_SCHEDULES=full`` (or
 ``VARUNA_TESTS=full``); CI resumes a checkpoint of one chunk per rank with two.
