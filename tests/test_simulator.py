@@ -12,6 +12,7 @@ from lightning_varuna.pipeline.scheduling.schedules import (
     ScheduleError,
     Task,
     make_schedule,
+    stage_ranks,
     validate_schedule,
 )
 from lightning_varuna.pipeline.scheduling.simulator import Jitter, SimResult, StageCosts, ideal_bubble, simulate
@@ -184,3 +185,63 @@ def test_cost_count_mismatch_and_deadlock() -> None:
     )
     with pytest.raises(ScheduleError, match="deadlock.*stage 0 at B0, stage 1 at F1"):
         simulate(deadlocked, unit_costs(2))
+
+
+def _asking_every_rank(schedule, costs, comm, jitter, stage_ranks, opportunistic) -> SimResult:
+    """The simulation as first written: at every event every free rank is asked again, until none starts a task."""
+    from lightning_varuna.pipeline.scheduling import simulator as sim
+
+    ranks = tuple(range(len(schedule))) if stage_ranks is None else tuple(stage_ranks)
+    num_stages, links = len(ranks), sim._Links(None, ranks)
+    pending = [list(tasks) for tasks in schedule]
+    recomputing = {sim._stage_of(t, r) for r, tasks in enumerate(schedule) for t in tasks if t.kind is Kind.R}
+    stashes = [any(t.kind is Kind.R for t in tasks) if stage_ranks is None
+               else (lambda task, r=r: sim._stage_of(task, r) in recomputing) for r, tasks in enumerate(schedule)]
+    waits = [{id(t): sim._awaited(t, r, num_stages) for t in tasks} for r, tasks in enumerate(schedule)]
+    free_at, arrivals, now = [0.0] * len(schedule), {}, 0.0
+    order, starts = [[] for _ in schedule], [[] for _ in schedule]
+    while True:
+        started = True
+        while started:
+            started = False
+            for rank in range(len(schedule)):
+                if free_at[rank] > now or not pending[rank]:
+                    continue
+                index = sim._pick(rank, num_stages, pending[rank], waits[rank], arrivals, now, opportunistic,
+                                  stashes[rank], True)
+                if index is not None:
+                    task = pending[rank].pop(index)
+                    stage = sim._stage_of(task, rank)
+                    free_at[rank] = now + costs[stage].cost(task.kind)
+                    sim._send(stage, num_stages, task, free_at[rank], arrivals, comm, jitter, links)
+                    order[rank].append(task)
+                    starts[rank].append(now)
+                    started = True
+        if not any(pending):
+            return sim._result(costs, ranks, free_at, order, starts)
+        now = min(t for t in [*free_at, *arrivals.values()] if t > now)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_asking_only_the_ranks_an_event_concerns_gives_what_asking_every_rank_gives(name: str) -> None:
+    """Zero-time tasks and messages included (a rank freed, or a message arrived, at the time it is asked)."""
+    draws = random.Random(7)
+    for v in (1, 2):
+        for ranks in (2, 3, 4):
+            for m in (1, 3, 4, 8):
+                try:
+                    schedule = make_schedule(name, ranks, m, draws.random() < 0.5, stages_per_rank=v)
+                except ScheduleError:
+                    continue
+                placement = None if v == 1 else stage_ranks(ranks, v, name)
+                stages = ranks * v
+                costs = [StageCosts(forward=draws.choice((0.0, 0.5, 1.0)), backward=draws.choice((0.0, 2.0)),
+                                    weight=draws.choice((0.0, 1.0, None))) for _ in range(stages)]
+                costs = [c if c.weight is None or c.weight <= c.backward else StageCosts(c.forward, 1.0, weight=1.0)
+                         for c in costs]
+                for comm, jitter in ((0.0, None), (0.1, seeded_jitter(m, 0.5))):
+                    for opportunistic in (False, True):
+                        want = _asking_every_rank(schedule, costs, comm, jitter, placement, opportunistic)
+                        got = simulate(schedule, costs, comm=comm, jitter=jitter, opportunistic=opportunistic,
+                                       stage_ranks=placement)
+                        assert got == want, (name, v, ranks, m, comm, opportunistic)

@@ -11,6 +11,7 @@ Used to compare schedules, to check the runtime rule, and to choose a pipeline s
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -222,34 +223,76 @@ def simulate(
     if forwards_stash is not None:
         by_stage = forwards_stash
         stashes = [_stashes_by_stage(r, by_stage) for r in range(num_ranks)]
+    # the message each task waits for, looked up by the task's identity: the run-time rules ask about tasks
+    waits = [{id(task): _awaited(task, rank, num_stages) for task in tasks} for rank, tasks in enumerate(schedule)]
     free_at = [0.0] * num_ranks
     arrivals: _Arrivals = {}
+    wakeups = _Wakeups(num_ranks)
     order: list[list[Task]] = [[] for _ in range(num_ranks)]
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     now = 0.0
     while True:
-        started = True
-        while started:
-            started = False
-            for rank in range(num_ranks):
+        due = wakeups.due
+        while due:
+            wakeups.due = set()
+            for rank in sorted(due):
                 if free_at[rank] > now or not pending[rank]:
                     continue
-                index = _pick(rank, num_stages, pending[rank], arrivals, now, opportunistic, stashes[rank],
+                index = _pick(rank, num_stages, pending[rank], waits[rank], arrivals, now, opportunistic, stashes[rank],
                               feed_next_stage)
                 if index is None:
                     continue
                 task = pending[rank].pop(index)
                 stage = _stage_of(task, rank)
                 finish = now + costs[stage].cost(task.kind)
-                _send(stage, num_stages, task, finish, arrivals, comm, jitter, links)
+                sent = _send(stage, num_stages, task, finish, arrivals, comm, jitter, links)
+                if sent is not None:
+                    wakeups.add(sent[0], ranks[sent[1]], now)
+                wakeups.add(finish, rank, now)
                 free_at[rank] = finish
                 order[rank].append(task)
                 starts[rank].append(now)
-                started = True
+            due = wakeups.due
         if not any(pending):
             break
-        now = _next_event(now, free_at, arrivals, pending)
+        now = wakeups.next(now, pending)
     return _result(costs, ranks, free_at, order, starts)
+
+
+class _Wakeups:
+    """When to look at which rank again: a rank's choice changes only when it frees up or a message reaches it.
+
+    A free rank that waits keeps waiting until one of the two happens, so only those ranks are asked again (in
+    rank order, as long as starts at the same time wake more); every such time is an event.
+    """
+
+    def __init__(self, num_ranks: int) -> None:
+        self.due: set[int] = set(range(num_ranks))  # the ranks to ask at the current time
+        self._times: list[float] = []  # heap of the later times in ``_ranks``
+        self._ranks: dict[float, set[int]] = {}
+
+    def add(self, time: float, rank: int, now: float) -> None:
+        """Ask ``rank`` again at ``time`` (at once if that is ``now``)."""
+        if time <= now:
+            self.due.add(rank)
+        elif time in self._ranks:
+            self._ranks[time].add(rank)
+        else:
+            self._ranks[time] = {rank}
+            heapq.heappush(self._times, time)
+
+    def next(self, now: float, pending: list[list[Task]]) -> float:
+        """Moves to the earliest later event and returns its time (the ranks to ask there are then ``due``).
+
+        Raises:
+            ScheduleError: If nothing is left to happen but tasks remain (a deadlock).
+        """
+        if not self._times:
+            blocked = ", ".join(f"stage {s} at {tasks[0]!r}" for s, tasks in enumerate(pending) if tasks)
+            raise ScheduleError(f"deadlock in simulation at time {now}: blocked {blocked}")
+        time = heapq.heappop(self._times)
+        self.due = self._ranks.pop(time)
+        return time
 
 
 def _stashes_by_stage(rank: int, stage_stashes: Callable[[int], bool]) -> Callable[[Task], bool]:
@@ -261,23 +304,28 @@ def _stage_of(task: Task, rank: int) -> int:
     return rank if task.stage is None else task.stage
 
 
-def _ready(rank: int, num_stages: int, task: Task, arrivals: _Arrivals, now: float) -> bool:
-    """Whether the message ``task`` waits for (if any) has arrived at its stage by ``now``."""
+def _awaited(task: Task, rank: int, num_stages: int) -> tuple[int, Kind, int] | None:
+    """The arrival key of the message ``task`` waits for, or ``None`` if it waits for none."""
     stage = _stage_of(task, rank)
-    waits = (task.kind is Kind.F and stage > 0) or (task.kind in _GRADIENT_KINDS and stage < num_stages - 1)
-    return not waits or arrivals.get((stage, _arrival_kind(task.kind), task.microbatch), math.inf) <= now
+    if (task.kind is Kind.F and stage > 0) or (task.kind in _GRADIENT_KINDS and stage < num_stages - 1):
+        return stage, _arrival_kind(task.kind), task.microbatch
+    return None
 
 
 def _pick(
-    rank: int, num_stages: int, tasks: list[Task], arrivals: _Arrivals, now: float, opportunistic: bool,
-    forwards_stash: bool | Callable[[Task], bool], feed_next_stage: bool,
+    rank: int, num_stages: int, tasks: list[Task], waits: dict[int, tuple[int, Kind, int] | None],
+    arrivals: _Arrivals, now: float, opportunistic: bool, forwards_stash: bool | Callable[[Task], bool],
+    feed_next_stage: bool,
 ) -> int | None:
-    """Index in ``tasks`` of the task to start now, or ``None`` to wait."""
-    index = 0
-    if opportunistic:
-        ready = lambda task: _ready(rank, num_stages, task, arrivals, now)  # noqa: E731
-        index = next_task(tasks, ready, forwards_stash, feed_next_stage)
-    return index if _ready(rank, num_stages, tasks[index], arrivals, now) else None
+    """Index in ``tasks`` of the task to start now, or ``None`` to wait (``waits``: the list's arrival keys by id)."""
+
+    def ready(task: Task) -> bool:
+        # the run-time rules also ask about tasks not in the list (the backward of a pending recompute)
+        key = waits[id(task)] if id(task) in waits else _awaited(task, rank, num_stages)
+        return key is None or arrivals.get(key, math.inf) <= now
+
+    index = next_task(tasks, ready, forwards_stash, feed_next_stage) if opportunistic else 0
+    return index if ready(tasks[index]) else None
 
 
 class _Links:
@@ -312,33 +360,21 @@ def _send(
     comm: float,
     jitter: Jitter | None,
     links: _Links,
-) -> None:
-    """Record the arrival time of the message ``task`` sends when it finishes, if it sends one."""
+) -> tuple[float, int] | None:
+    """Record the arrival of the message ``task`` sends when it finishes: its time and destination stage (if any)."""
     if task.kind is Kind.F and stage < num_stages - 1:
         destination = stage + 1
     elif task.kind in _GRADIENT_KINDS and stage > 0:
         destination = stage - 1
     else:
-        return
+        return None
+    key = (destination, _arrival_kind(task.kind), task.microbatch)
     if links.local(stage, destination):
-        arrivals[(destination, _arrival_kind(task.kind), task.microbatch)] = finish
-        return
-    extra = 0.0 if jitter is None else jitter(stage, destination, task.kind, task.microbatch)
-    crossed = links.send(stage, destination, finish)
-    arrivals[(destination, _arrival_kind(task.kind), task.microbatch)] = crossed + max(0.0, comm + extra)
-
-
-def _next_event(now: float, free_at: list[float], arrivals: _Arrivals, pending: list[list[Task]]) -> float:
-    """The earliest time after ``now`` at which a stage frees up or a message arrives.
-
-    Raises:
-        ScheduleError: If nothing is left to happen but tasks remain (a deadlock).
-    """
-    later = [t for t in free_at if t > now] + [t for t in arrivals.values() if t > now]
-    if not later:
-        blocked = ", ".join(f"stage {s} at {tasks[0]!r}" for s, tasks in enumerate(pending) if tasks)
-        raise ScheduleError(f"deadlock in simulation at time {now}: blocked {blocked}")
-    return min(later)
+        arrivals[key] = finish
+    else:
+        extra = 0.0 if jitter is None else jitter(stage, destination, task.kind, task.microbatch)
+        arrivals[key] = links.send(stage, destination, finish) + max(0.0, comm + extra)
+    return arrivals[key], destination
 
 
 def _result(
