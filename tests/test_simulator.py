@@ -192,7 +192,6 @@ def test_cost_count_mismatch_and_deadlock() -> None:
         simulate(deadlocked, unit_costs(2))
 
 
-
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_asking_only_the_ranks_an_event_concerns_gives_what_asking_every_rank_gives(name: str) -> None:
     """Zero-time tasks and messages included (a rank freed, or a message arrived, at the time it is asked)."""

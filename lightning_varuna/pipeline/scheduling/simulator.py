@@ -232,9 +232,8 @@ def simulate(
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     now = 0.0
     while True:
-        due = wakeups.due
-        while due:
-            wakeups.due = set()
+        while wakeups.due:
+            due, wakeups.due = wakeups.due, set()
             for rank in sorted(due):
                 if free_at[rank] > now or not pending[rank]:
                     continue
@@ -252,7 +251,6 @@ def simulate(
                 free_at[rank] = finish
                 order[rank].append(task)
                 starts[rank].append(now)
-            due = wakeups.due
         if not any(pending):
             break
         now = wakeups.next(now, pending)
