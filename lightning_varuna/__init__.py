@@ -9,11 +9,11 @@ from lightning_varuna.pipeline import (
     PipelineEngine,
     PipelineError,
 )
-from lightning_varuna.pipeline.varuna_warning import VarunaDeprecationWarning, VarunaWarning
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = [
     "CheckpointError", "CutPoint", "CutPointError", "EngineConfig", "PipelineEngine", "PipelineError", "PartitionError",
-    "VarunaDeprecationWarning", "VarunaStrategy", "VarunaWarning", "load_from_checkpoint",
+    "VarunaStrategy", "VarunaWarning", "load_from_checkpoint",
 ]
 __version__ = "0.1.0"
 
@@ -26,7 +26,3 @@ from lightning_varuna.strategy import VarunaStrategy  # noqa: E402
 
 VarunaStrategy.register_strategies(StrategyRegistry)
 register_for_fabric(FABRIC_STRATEGIES)
-
-from lightning_varuna import old_paths  # noqa: E402
-
-old_paths.install()  # old module paths (before the sub-packages) import with a FutureWarning naming the new one

@@ -183,11 +183,7 @@ PATCHES: tuple[Patch, ...] = (
               ("pipeline/model/no_trace.py", "setattr(self.module, name, saved.restore())")),
           "The first real step must start from the state a plain run's would (a metric fed by the dry run, a"
           " BatchNorm's statistics, the RNGs).", _TORCH, "this is the undoing of the dry run's own changes"),
-    Patch(21, "the interpreter's import system: a finder on sys.meta_path for the modules' old paths", (
-              ("old_paths.py", "sys.meta_path.insert(0, OldPaths())"),),
-          "Code written for the package's earlier layout imports with a FutureWarning naming the new path.",
-          "Python 3.11", "not undone: it answers only the package's old module names"),
-    Patch(22, "the user's optimizer under zero_stage=1: its groups' params and its state keys, for the step only;"
+    Patch(21, "the user's optimizer under zero_stage=1: its groups' params and its state keys, for the step only;"
           " and its step pre/post hooks", (
               ("pipeline/comm/sharded_step.py", 'group["params"] = [view for view, _ in pairs]'),
               ("pipeline/comm/sharded_step.py", 'group["params"] = params'),
@@ -200,7 +196,7 @@ PATCHES: tuple[Patch, ...] = (
           " learning rate 0 with zero gradients (the groups' lr set to 0 and put back).", _TORCH,
           "the post-hook puts the module's own parameters and state keys back after every step; the hooks are"
           " removed at the strategy's teardown"),
-    Patch(23, "forward pre-hooks and forward hooks on the user's modules that make or use side values", (
+    Patch(22, "forward pre-hooks and forward hooks on the user's modules that make or use side values", (
               ("pipeline/runtime/side_value_hooks.py", "register_forward_pre_hook(_substitute(slot),"),
               ("pipeline/runtime/side_value_hooks.py", "register_forward_hook(_capture(slot), prepend=True)")),
           "A value a later stage uses other than through a cut point (T5's position bias) is captured where it is"

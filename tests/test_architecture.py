@@ -1,12 +1,10 @@
-"""The package's layers: a Lightning-free engine, checkpointing below the Lightning glue, ``fault/`` below all three, no
-import cycles, unique module names, folders of at most 15 modules and modules of at most 500 lines, old module paths
-that still import, a module table in docs/architecture.md that matches the tree, and Lightning left as it was after
-teardown."""
+"""The package's layers: a Lightning-free engine, checkpointing below the Lightning glue, ``fault/`` below all three,
+no import cycles, unique module names, folders of at most 15 modules and modules of at most 500 lines, a module
+table in docs/architecture.md that matches the tree, and Lightning left as it was after teardown."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import re
 import signal
 import subprocess
@@ -14,11 +12,8 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-from lightning_varuna.old_paths import MOVED, REMOVED
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_varuna"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
@@ -131,42 +126,6 @@ def test_the_module_table_of_the_architecture_doc_lists_every_module_of_the_pack
 def test_no_module_of_the_package_has_more_than_500_lines() -> None:
     lines = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert {path: n for path, n in lines.items() if n > 500} == {}
-
-
-def test_names_that_moved_from_partition_to_dry_run_still_import_with_a_warning() -> None:
-    from lightning_varuna.pipeline.model import dry_run, partition
-
-    with pytest.warns(FutureWarning, match=r"lightning_varuna\.pipeline\.model\.dry_run\.trace_step"):
-        assert partition.trace_step is dry_run.trace_step
-    with pytest.raises(AttributeError):
-        partition.no_such_name  # noqa: B018
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_gives_the_moved_module_with_a_warning_naming_the_new_path(old: str) -> None:
-    new = MOVED[old]
-    assert not _module_file(old).exists() and _module_file(new).exists()
-    parent, _, child = old.rpartition(".")
-    sys.modules.pop(old, None)
-    try:
-        with pytest.warns(FutureWarning, match=re.escape(f"{old} moved to {new}")):
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new) and module.__spec__.name == new
-    finally:  # leave no alias behind
-        sys.modules.pop(old, None)
-        vars(sys.modules[parent]).pop(child, None)
-
-
-def test_python_m_with_an_old_module_path_runs_the_moved_module() -> None:
-    result = subprocess.run([sys.executable, "-m", "lightning_varuna.pipeline.p2p_check"], capture_output=True,
-                            text=True, timeout=120, cwd=PACKAGE.parent)
-    assert result.returncode == 2, result.stderr[-3000:]  # the usage line of nccl_replay.main, without arguments
-    assert "moved to lightning_varuna.pipeline.scheduling.nccl_replay" in result.stderr
-    assert "usage: python -m lightning_varuna.pipeline.scheduling.nccl_replay" in result.stderr
-
-
-def _module_file(name: str) -> Path:
-    return PACKAGE.parent.joinpath(*name.split(".")).with_suffix(".py")
 
 
 def test_the_pipeline_engine_trains_without_lightning_loaded() -> None:
@@ -284,12 +243,6 @@ def test_patches_are_undone_at_teardown_and_a_later_trainer_is_stock_lightning(t
     handlers = getattr(handler, "signal_handlers", [handler])
     assert any(getattr(h, "__self__", None).__class__ is _SignalConnector for h in handlers), handler
     assert not hasattr(plain._checkpoint_connector, "_varuna_requested_ckpt_path")
-
-
-@pytest.mark.parametrize("old", sorted(REMOVED))
-def test_a_removed_module_path_says_what_replaced_it(old: str) -> None:
-    with pytest.raises(ImportError, match=f"{old} was removed: .*use lightning_varuna"):
-        importlib.import_module(old)
 
 
 # What changes an object that is not the package's own: every line of the package that matches one of these must

@@ -25,7 +25,6 @@ from lightning_varuna import (
     EngineConfig,
     PartitionError,
     PipelineEngine,
-    VarunaDeprecationWarning,
     VarunaStrategy,
 )
 from lightning_varuna.pipeline import Topology
@@ -553,19 +552,9 @@ def test_fused_optimizer_with_a_loss_scaler_is_rejected() -> None:
                 dist.destroy_process_group()
 
 
-def test_engine_keyword_options_still_work_and_name_the_config_form() -> None:
-    with pytest.warns(VarunaDeprecationWarning, match=r"PipelineEngine\(module, EngineConfig\(pipeline_parallel_size="
-                                                      r"\.\.\., num_microbatches=\.\.\.\)\)"):
-        engine = PipelineEngine(nn.Linear(4, 1), 2, num_microbatches=4)
-    assert engine.config == EngineConfig(2, num_microbatches=4)
-    assert engine.pipeline_size == 2
-    with pytest.warns(VarunaDeprecationWarning), pytest.raises(ValueError, match="schedule='nope'"):
-        PipelineEngine(nn.Linear(4, 1), schedule="nope")
-
-
-def test_engine_refuses_a_config_and_options_together() -> None:
-    with pytest.raises(TypeError, match=r"both a config and options \['num_microbatches'\].*dataclasses\.replace"):
-        PipelineEngine(nn.Linear(4, 1), EngineConfig(2), num_microbatches=4)
+def test_engine_refuses_options_that_are_not_a_config() -> None:
+    with pytest.raises(TypeError, match=r"one EngineConfig, got 2.*PipelineEngine\(module, EngineConfig\("):
+        PipelineEngine(nn.Linear(4, 1), 2)
 
 
 def test_engine_takes_its_options_as_one_config_without_warning() -> None:

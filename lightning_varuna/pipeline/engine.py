@@ -19,7 +19,6 @@ import functools
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -52,7 +51,6 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import remove_grad_accu
 from lightning_varuna.pipeline.scheduling.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.setup_phase import SetupPhase
 from lightning_varuna.pipeline.topology import Topology
-from lightning_varuna.pipeline.varuna_warning import VarunaDeprecationWarning
 
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
 
@@ -87,9 +85,6 @@ class PipelineEngine(SetupPhase):
         device: The device of this rank (default: CPU).
         planner: Chooses the ``"auto"`` values at setup; needed when ``config`` leaves any to it
             (``config.searches``): :func:`lightning_varuna.pipeline.planning.choice.choose`, the package's planner.
-        **options: The options as keyword arguments instead of ``config`` (the form before ``config``; deprecated:
-            it warns with :class:`~lightning_varuna.pipeline.varuna_warning.VarunaDeprecationWarning`). A second
-            positional argument that is not an ``EngineConfig`` is read as ``pipeline_parallel_size``.
 
     With ``"auto"`` for ``microbatch_size``, ``schedule``, ``recompute``, or ``pipeline_parallel_size`` together
     with ``global_batch_size``, :meth:`setup` has ``planner`` profile the model and choose those values;
@@ -106,9 +101,12 @@ class PipelineEngine(SetupPhase):
         device: torch.device | None = None,
         *,
         planner: Planner | None = None,
-        **options: Any,
     ) -> None:
-        config = _config_of(config, options)
+        if config is None:
+            config = EngineConfig()
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"PipelineEngine takes its options as one EngineConfig, got {config!r}: write"
+                            " PipelineEngine(module, EngineConfig(pipeline_parallel_size=..., ...)).")
         if config.searches and planner is None:
             raise ValueError(
                 "This EngineConfig leaves values to the planner ('auto', or a profile to plan from): give the engine"
@@ -394,20 +392,3 @@ class PipelineEngine(SetupPhase):
         remove_grad_accumulation(self._accumulating)
         self._accumulating = []
 
-
-def _config_of(config: object, options: dict[str, Any]) -> EngineConfig:
-    """The engine's config: ``config`` itself, or the deprecated keyword form converted (with a warning)."""
-    if isinstance(config, EngineConfig) and not options:
-        return config
-    if isinstance(config, EngineConfig):
-        raise TypeError(f"PipelineEngine got both a config and options {sorted(options)}: set them in the config,"
-                        " e.g. dataclasses.replace(config, ...).")
-    if config is not None:  # the earlier signature's second positional argument
-        options = {"pipeline_parallel_size": config, **options}
-    if not options:
-        return EngineConfig()
-    warnings.warn(
-        "PipelineEngine(module, option=...) is deprecated: pass the options as a config,"
-        f" PipelineEngine(module, EngineConfig({', '.join(f'{k}=...' for k in options)}))"
-        " (from lightning_varuna import EngineConfig).", VarunaDeprecationWarning, stacklevel=3)
-    return EngineConfig(**options)

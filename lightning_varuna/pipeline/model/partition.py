@@ -307,18 +307,3 @@ def make_plan(
     return Plan(stages=stage_infos, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch,
                 stages_per_rank=stages_per_rank, placement=placement)
 
-
-_MOVED_TO_DRY_RUN = frozenset({"CutInfo", "TIMED_RUNS", "time_segments", "trace_step"})
-
-
-def __getattr__(name: str) -> object:
-    """Names that moved to :mod:`~lightning_varuna.pipeline.model.dry_run` still import from here, with a warning."""
-    if name in _MOVED_TO_DRY_RUN:
-        import warnings
-
-        from lightning_varuna.pipeline.model import dry_run
-
-        warnings.warn(f"{__name__}.{name} moved to lightning_varuna.pipeline.model.dry_run.{name}; import it from"
-                      " there", FutureWarning, stacklevel=2)
-        return getattr(dry_run, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
