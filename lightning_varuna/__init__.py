@@ -21,8 +21,8 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_varuna.checkpoint.plain_format import load_from_checkpoint  # noqa: E402
-from lightning_varuna.fabric import register_for_fabric  # noqa: E402
-from lightning_varuna.strategy import VarunaStrategy  # noqa: E402
+from lightning_varuna.trainer.fabric import register_for_fabric  # noqa: E402
+from lightning_varuna.trainer.strategy import VarunaStrategy  # noqa: E402
 
 VarunaStrategy.register_strategies(StrategyRegistry)
 register_for_fabric(FABRIC_STRATEGIES)

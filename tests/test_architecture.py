@@ -95,6 +95,12 @@ def test_checkpointing_imports_nothing_of_the_lightning_glue_and_lightning_only_
     assert offending == {}
 
 
+def test_the_package_root_holds_only_the_public_names_and_the_layers() -> None:
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py"]
+    layers = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    assert layers == ["checkpoint", "fault", "pipeline", "trainer"]
+
+
 def test_module_file_names_are_unique_across_the_package_and_differ_from_its_folders() -> None:
     # ``__init__.py`` aside: a module's name alone says which one it is, and no module is named like a folder
     modules = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
@@ -215,7 +221,7 @@ def test_patches_are_undone_at_teardown_and_a_later_trainer_is_stock_lightning(t
     from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
     from lightning_varuna import VarunaStrategy
-    from lightning_varuna.patches import requested_ckpt_path
+    from lightning_varuna.trainer.patches import requested_ckpt_path
 
     try:
         varuna = _fit(VarunaStrategy(pipeline_parallel_size=1, num_microbatches=2), tmp_path)
@@ -279,12 +285,13 @@ def _code_lines(path: Path) -> dict[int, str]:
     return dict(enumerate(lines, 1))
 
 
-_PATCH_HELPER = {("patches.py", "setattr(obj, name, value)"), ("patches.py", "setattr(obj, name, previous)"),
-                 ("patches.py", "vars(obj).pop(name, None)")}
+_PATCH_HELPER = {("trainer/patches.py", "setattr(obj, name, value)"),
+                 ("trainer/patches.py", "setattr(obj, name, previous)"),
+                 ("trainer/patches.py", "vars(obj).pop(name, None)")}
 
 
 def test_every_change_to_lightnings_or_the_users_objects_is_listed_in_patches_py() -> None:
-    from lightning_varuna.patches import PATCHES
+    from lightning_varuna.trainer.patches import PATCHES
 
     listed = {site for patch in PATCHES for site in patch.sites} | _PATCH_HELPER
     unlisted = []

@@ -143,7 +143,7 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
     profile.save(tmp_path / "profile.json")
     memory = "4MiB"  # rules out the configurations that hold the whole model on one stage
     gpt = ROOT / "examples" / "gpt"
-    command = [sys.executable, "-m", "lightning_varuna.plan", "--config", str(gpt / "config.yaml"),
+    command = [sys.executable, "-m", "lightning_varuna.trainer.preview", "--config", str(gpt / "config.yaml"),
                "--model", f"{gpt / 'model.py'}:GPT", "--data", f"{gpt / 'data.py'}:StdlibText", "--devices", "4",
                "--auto", "--global-batch-size", str(GLOBAL_BATCH), "--memory", memory,
                "--profile", str(tmp_path / "profile.json"), "--top", "0", "--data.max_chars", "20000", "--meta"]

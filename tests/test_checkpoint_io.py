@@ -212,7 +212,8 @@ def test_convert_command_line(tmp_path: Path) -> None:
     _plain_lightning_checkpoint(plain, steps=1)
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(JOBS), str(ROOT / "tests"), env["PYTHONPATH"]])
-    command = [sys.executable, "-m", "lightning_varuna.convert", "from-plain", str(plain), str(tmp_path / "dir")]
+    command = [sys.executable, "-m", "lightning_varuna.trainer.convert", "from-plain", str(plain),
+               str(tmp_path / "dir")]
     failed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert failed.returncode == 1 and "--model" in failed.stderr
     done = subprocess.run([*command, "--model", "checkpoint_io:GroupedGPT"], capture_output=True, text=True,
@@ -258,7 +259,7 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
 
     # to a plain file: loads into the LightningModule, and resumes under Lightning's default strategy
     plain = tmp_path / "plain.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning_varuna.convert", "to-plain", str(folder / "last.ckpt"),
+    subprocess.run([sys.executable, "-m", "lightning_varuna.trainer.convert", "to-plain", str(folder / "last.ckpt"),
                     str(plain)], check=True, env=_env(), timeout=120, capture_output=True)
     loaded = GroupedGPT.load_from_checkpoint(plain)
     for name, value in loaded.named_parameters():

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from lightning_varuna.data import ElasticBatchSampler, ResumableDataLoader, make_resumable
+from lightning_varuna.trainer.data import ElasticBatchSampler, ResumableDataLoader, make_resumable
 
 
 def _ddp_batches(n: int, batch: int, replicas: int, rank: int, shuffle: bool, drop_last: bool, drop_last_batch: bool,
@@ -114,7 +114,7 @@ class _Stream:
 def test_an_iterable_that_is_not_a_data_loader_is_kept_with_a_warning_that_says_what_it_needs() -> None:
     from types import SimpleNamespace
 
-    from lightning_varuna.data import resumable_training_loader
+    from lightning_varuna.trainer.data import resumable_training_loader
 
     stream = _Stream([torch.zeros(2, 3)])
     assert make_resumable(stream, 2, 0, None, lambda: 0, lambda: (0, 0)) is None

@@ -19,7 +19,7 @@ import pytest
 from helpers.launch import JOBS, python, run_checked
 
 from lightning_varuna.checkpoint import is_complete
-from lightning_varuna.recovery.preemption import PREEMPTED_EXIT_CODE
+from lightning_varuna.trainer.recovery.preemption import PREEMPTED_EXIT_CODE
 
 SCENARIOS = ["error", "hook-error", "hang", "hang-dp", "hang-sync", "kill", "exit", "train-end-error",
              "teardown-error", "mixed-skip", "kill-scatter", "kill-gather"]

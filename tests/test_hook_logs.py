@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_varuna.logs.hook_logs import _plan, merge
+from lightning_varuna.trainer.logs.hook_logs import _plan, merge
 
 
 def test_merge_unions_keys_and_recomputes_totals() -> None:

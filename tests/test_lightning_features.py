@@ -21,7 +21,7 @@ import torch
 from helpers.launch import python, torchrun
 from helpers.models import TinyGPT
 
-from lightning_varuna.logs.log_sync import LogCapture, reduce_records
+from lightning_varuna.trainer.logs.log_sync import LogCapture, reduce_records
 
 REFERENCES = {
     "reference-parity": "kind=parity",

@@ -295,14 +295,14 @@ def test_nothing_fits_and_a_foreign_profile_are_errors(tmp_path: Path, monkeypat
 @pytest.mark.parametrize(("text", "expected"), [("100Gbit", 12.5e9), ("12.5GB", 12.5e9), ("800MB", 8e8),
                                                 ("1e9", 1e9), ("100mbit/s", 12.5e6)])
 def test_cli_bandwidths(text: str, expected: float) -> None:
-    from lightning_varuna.plan import parse_bandwidth
+    from lightning_varuna.trainer.preview import parse_bandwidth
 
     assert parse_bandwidth(text) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("text", "expected"), [("20us", 2e-5), ("0.5ms", 5e-4), ("1e-5", 1e-5), ("2s", 2.0)])
 def test_cli_latencies(text: str, expected: float) -> None:
-    from lightning_varuna.plan import parse_seconds
+    from lightning_varuna.trainer.preview import parse_seconds
 
     assert parse_seconds(text) == pytest.approx(expected)
     with pytest.raises(ValueError, match="latency 'soon'"):

@@ -23,7 +23,7 @@ from helpers.launch import python
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.checkpoint import is_complete
 from lightning_varuna.checkpoint.storage import META
-from lightning_varuna.recovery.preemption import (
+from lightning_varuna.trainer.recovery.preemption import (
     PREEMPTED_EXIT_CODE,
     FileNotice,
     HTTPNotice,
@@ -239,7 +239,7 @@ def test_cli_builds_the_notice_from_a_class_path() -> None:
     parser = ArgumentParser()
     parser.add_class_arguments(VarunaStrategy, "strategy")
     config = parser.parse_object({"strategy": {"preemption_notice": {
-        "class_path": "lightning_varuna.recovery.preemption.HTTPNotice",
+        "class_path": "lightning_varuna.trainer.recovery.preemption.HTTPNotice",
         "init_args": {"url": "http://169.254.169.254/latest/meta-data/spot/instance-action", "interval": 2.0},
     }}})
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in 4.49
@@ -263,7 +263,7 @@ def test_a_warning_inside_an_accumulation_window_stops_where_the_next_window_beg
     resume with a short window. The warned rank's flag stays set, so the stop comes at the next window start."""
     from types import SimpleNamespace
 
-    from lightning_varuna.recovery.preemption import PreemptionGuard
+    from lightning_varuna.trainer.recovery.preemption import PreemptionGuard
 
     current = SimpleNamespace(ready=0)
     trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=3,

@@ -2,9 +2,9 @@
 
 No process group is needed: both directions run in one process, on local paths or fsspec URLs.
 
-    python -m lightning_varuna.convert to-plain DIR OUT.ckpt
-    python -m lightning_varuna.convert from-plain IN.ckpt DIR [--model package.module:ModelClass]
-    python -m lightning_varuna.convert to-safetensors DIR_OR_CKPT OUT.safetensors [--strip-prefix model.]
+    python -m lightning_varuna.trainer.convert to-plain DIR OUT.ckpt
+    python -m lightning_varuna.trainer.convert from-plain IN.ckpt DIR [--model package.module:ModelClass]
+    python -m lightning_varuna.trainer.convert to-safetensors DIR_OR_CKPT OUT.safetensors [--strip-prefix model.]
 
 ``to-plain`` writes what Lightning's default strategies write: the full ``state_dict`` (loads with
 ``Model.load_from_checkpoint``) and optimizer states keyed by parameter *index* (resumes with
@@ -128,7 +128,7 @@ def load_from_checkpoint(
     ``map_location`` and ``kwargs`` behave as there. A plain checkpoint file goes to Lightning's loader as it is.
     It runs in this process alone (whether or not a process group exists) and holds the weights about three
     times in memory at its peak; for a model that does not fit, convert the checkpoint to a file first
-    (``python -m lightning_varuna.convert to-plain``).
+    (``python -m lightning_varuna.trainer.convert to-plain``).
 
     Args:
         cls: The LightningModule class.
@@ -299,9 +299,9 @@ def _model_from(spec: str, plain_path: str | os.PathLike[str], weights_only: boo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line (``python -m lightning_varuna.convert --help``)."""
+    """The command line (``python -m lightning_varuna.trainer.convert --help``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_varuna.convert", description=__doc__.split("\n")[0]
+        prog="varuna-convert", description=__doc__.split("\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
     to = commands.add_parser("to-plain", help="sharded checkpoint directory -> plain Lightning checkpoint file")

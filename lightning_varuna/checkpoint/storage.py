@@ -52,7 +52,7 @@ sharded in the format of torch.distributed.checkpoint, and Lightning's own state
   IsADirectoryError):
       lightning_varuna.load_from_checkpoint(MyModule, "<this directory>")
 - A plain single-file Lightning checkpoint:
-      python -m lightning_varuna.convert to-plain <this directory> model.ckpt
+      python -m lightning_varuna.trainer.convert to-plain <this directory> model.ckpt
 """
 _PROTOCOL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")  # two characters at least: "C:" is a drive
 

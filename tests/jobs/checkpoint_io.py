@@ -156,7 +156,7 @@ def _rank_zero_reports_first() -> contextlib.AbstractContextManager:
     Rank 0's report is in the job's store once it was sent over the watchdog ring; a rank that says its error is
     raised on every rank marks itself idle there, any other report is a verdict that ends this rank at once.
     """
-    from lightning_varuna.recovery import checkpoint_hooks
+    from lightning_varuna.trainer.recovery import checkpoint_hooks
 
     load = checkpoint_hooks.checkpoint_load.load
 

@@ -35,7 +35,7 @@ from forked import marked_time, run_ranks  # noqa: E402
 from helpers.models import RandomTokens, TinyGPT  # noqa: E402
 
 import lightning_varuna  # noqa: E402
-from lightning_varuna.recovery.preemption import HTTPNotice  # noqa: E402
+from lightning_varuna.trainer.recovery.preemption import HTTPNotice  # noqa: E402
 
 WORLD = 4
 STEPS = 8

@@ -55,9 +55,9 @@ _ENGINE_TEARDOWN = (
 PATCHES: tuple[Patch, ...] = (
     Patch(1, "_CheckpointConnector._select_ckpt_path (the class's method), and two attributes it records on the"
           " trainer's checkpoint connector", (
-              ("patches.py", "_CheckpointConnector._select_ckpt_path = select"),
-              ("patches.py", "setattr(self, _REQUESTED, ckpt_path)"),
-              ("patches.py", "setattr(self, _SELECTED, selected)")),
+              ("trainer/patches.py", "_CheckpointConnector._select_ckpt_path = select"),
+              ("trainer/patches.py", "setattr(self, _REQUESTED, ckpt_path)"),
+              ("trainer/patches.py", "setattr(self, _SELECTED, selected)")),
           "Lightning resolves ckpt_path='last' before any strategy hook runs, and the strategy needs what the user"
           " asked for ('last' may fall back to an older checkpoint, an explicit path may not). For 'last' it chooses"
           " the newest complete copy of the run's last checkpoint (recovery.resume.choose_last, from the files alone,"
@@ -66,84 +66,85 @@ PATCHES: tuple[Patch, ...] = (
           " will be restored (initial_weights are then not loaded).", _LIGHTNING,
           "never: installed once per process, it calls Lightning's own method for any other strategy"),
     Patch(2, "trainer._signal_connector.register_signal_handlers (during fit)", (
-              ("patches.py", 'patches.replace(trainer._signal_connector, "register_signal_handlers"'),),
+              ("trainer/patches.py", 'patches.replace(trainer._signal_connector, "register_signal_handlers"'),),
           "Lightning's SIGTERM handler runs a collective inside the signal handler, which deadlocks a pipeline when"
           " one rank is signalled while its peers wait in a p2p receive; its SLURM handler saves a checkpoint inside"
           " the handler. The strategy's own handlers only set a flag (recovery.preemption).", _LIGHTNING,
           "by InstancePatches.undo when the preemption guard is detached (the strategy's teardown)"),
     Patch(3, "fit_loop.epoch_loop._broadcast_sigterm_tensor (during fit)", (
-              ("patches.py", 'patches.replace(epoch_loop, "_broadcast_sigterm_tensor", agree)'),),
+              ("trainer/patches.py", 'patches.replace(epoch_loop, "_broadcast_sigterm_tensor", agree)'),),
           "Lightning broadcasts rank 0's SIGTERM flag at every batch; the strategy agrees on every rank's flag"
           " instead (an all-reduce in its place, so the agreement costs no extra collective).", _LIGHTNING,
           "by InstancePatches.undo when the preemption guard is detached (the strategy's teardown)"),
     Patch(4, "fit_loop.epoch_loop.advance (during fit, one process only)", (
-              ("patches.py", 'patches.replace(epoch_loop, "advance", agree_then_advance)'),),
+              ("trainer/patches.py", 'patches.replace(epoch_loop, "advance", agree_then_advance)'),),
           "Lightning calls (3) only with several processes; a single process agrees before each batch here.",
           _LIGHTNING, "by InstancePatches.undo when the preemption guard is detached (the strategy's teardown)"),
     Patch(5, "LightningModule.log of the user's module (while the strategy runs one step)", (
-              ("patches.py", "module.log = log"), ("patches.py", "del module.log")),
+              ("trainer/patches.py", "module.log = log"), ("trainer/patches.py", "del module.log")),
           "A pipelined step calls the user's step once per micro-batch and only the last stage sees the loss, so"
           " its self.log calls are captured, reduced over micro-batches and shared over the pipeline before"
           " Lightning sees them (logs.log_sync).", _LIGHTNING, "at the end of the step (a context manager)"),
     Patch(6, "ModelSummary._summary of the trainer's model summary callbacks (during fit)", (
-              ("patches.py", 'patches.replace(callback, "_summary"'),),
+              ("trainer/patches.py", 'patches.replace(callback, "_summary"'),),
           "Lightning summarizes the module at on_fit_start, after the strategy has cut it down to one stage;"
           " _summary is where Lightning itself picks another summary (DeepSpeed's). It returns the whole model's"
           " summary, made by Lightning's own _summary before the model was partitioned (callbacks).", _LIGHTNING,
           _TEARDOWN),
     Patch(7, "_DataLoaderSource.dataloader of the running loop's data source (from setup to the loop's first"
           " request)", (
-              ("patches.py", 'patches.replace(source, "dataloader", dataloader)'),
-              ("patches.py", 'vars(source).pop("dataloader", None)')),
+              ("trainer/patches.py", 'patches.replace(source, "dataloader", dataloader)'),
+              ("trainer/patches.py", 'vars(source).pop("dataloader", None)')),
           "The dry run needs a batch before Lightning requests the dataloader, and a second *_dataloader() call"
           " would be one more than a plain run makes (reload_dataloaders_every_n_epochs counts them): the loop"
           " gets, once, the loader the dry run's batch came from.", _LIGHTNING,
           "at the loop's first request (it removes itself), else " + _TEARDOWN),
     Patch(8, "BasePredictionWriter.write_on_batch_end/write_on_epoch_end of the trainer's prediction writers"
           " (during predict, on every stage but the first)", (
-              ("patches.py", 'patches.replace(callback, "write_on_batch_end"'),
-              ("patches.py", 'patches.replace(callback, "write_on_epoch_end"')),
+              ("trainer/patches.py", 'patches.replace(callback, "write_on_batch_end"'),
+              ("trainer/patches.py", 'patches.replace(callback, "write_on_epoch_end"')),
           "Every stage of a pipeline holds the same predictions, so each replica writes them once, as a process of"
           " a plain data-parallel run does.", _LIGHTNING, _TEARDOWN),
     Patch(9, "LightningModule._device of the user's module (during the dry run of a model built on meta)", (
-              ("patches.py", 'patches.replace(module, "_device"'),),
+              ("trainer/patches.py", 'patches.replace(module, "_device"'),),
           "The step then runs on meta tensors, and code that creates tensors on self.device must create them"
           " there.", _LIGHTNING, "at the end of the dry run (a context manager)"),
     Patch(10, "forward and update of the module's torchmetrics Metrics (during that dry run)", (
-              ("patches.py", 'patches.replace(metric, "update"'), ("patches.py", 'patches.replace(metric, "forward"')),
+              ("trainer/patches.py", 'patches.replace(metric, "update"'),
+              ("trainer/patches.py", 'patches.replace(metric, "forward"')),
           "A metric's state is real and its input validation reads values, neither of which works on meta"
           " tensors; the dry run only needs shapes.", _LIGHTNING + ", torchmetrics 1.x",
           "at the end of the dry run (a context manager)"),
     Patch(11, "cpu of the user's module (during teardown, only if setup failed before this stage was"
-          " materialized)", (("patches.py", 'patches.replace(module, "cpu"'),),
+          " materialized)", (("trainer/patches.py", 'patches.replace(module, "cpu"'),),
           "Lightning's teardown moves the module to the CPU, which raises for meta tensors and would hide the error"
           " that ended setup; the real tensors are moved instead, meta ones stay.", _LIGHTNING,
           "at the end of Lightning's teardown (a context manager)"),
     Patch(12, "Lightning's precision plugin: replaced by an object of a generated subclass of its class and"
           " PipelinePrecision, sharing its attributes; its loss scaler by a ShardedGradScaler; the global norm"
           " given to it", (
-              ("precision.py", 'type(f"Pipeline{cls.__name__}"'),
-              ("precision.py", "wrapped.__dict__.update(plugin.__dict__)"),
-              ("precision.py", "with_scaler.scaler = _sharded("),
-              ("strategy.py", "precision.global_grad_norm = self.global_grad_norm")),
+              ("trainer/precision.py", 'type(f"Pipeline{cls.__name__}"'),
+              ("trainer/precision.py", "wrapped.__dict__.update(plugin.__dict__)"),
+              ("trainer/precision.py", "with_scaler.scaler = _sharded("),
+              ("trainer/strategy.py", "precision.global_grad_norm = self.global_grad_norm")),
           "clip_grad_by_norm must clip by the whole model's norm (all stages), and fp16 overflow must be agreed by"
           " every stage and replica; a subclass of the user's own plugin class keeps everything else of it"
           " (autocast, conversions, state) and Lightning's isinstance checks.", _LIGHTNING,
           "not needed: the plugin object the user gave is left as it was (the strategy holds the new one)"),
     Patch(13, "LightningModule._current_fx_name of the user's module (while the merged optimizer-hook logs are"
           " replayed)", (
-              ("logs/hook_logs.py", "module._current_fx_name = HOOK"),
-              ("logs/hook_logs.py", "module._current_fx_name = previous")),
+              ("trainer/logs/hook_logs.py", "module._current_fx_name = HOOK"),
+              ("trainer/logs/hook_logs.py", "module._current_fx_name = previous")),
           "Lightning files a self.log call under the hook that is running; the logs of on_before_optimizer_step,"
           " merged over the pipeline, are replayed after it and must be filed under it.", _LIGHTNING,
           "at once: the previous value is put back (try/finally)"),
     Patch(14, "torchmetrics Metric._forward_cache of a metric the user logs (on every stage, at a step's end)", (
-              ("logs/log_sync.py", "metric._forward_cache = flat[index].float()"),),
+              ("trainer/logs/log_sync.py", "metric._forward_cache = flat[index].float()"),),
           "Lightning's step value of a logged Metric object is its _forward_cache: it becomes the batch's value,"
           " shared from the last stage (not the last micro-batch's, nor a stale one on other stages).",
           _LIGHTNING + ", torchmetrics 1.x", "not undone: the metric's next forward sets it, as without the strategy"),
     Patch(15, "lightning's rank_zero_only.rank (Lightning's and Fabric's)", (
-              ("processes.py", "rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank"),),
+              ("trainer/processes.py", "rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank"),),
           "Lightning's rank-zero utilities read it; Lightning's own parallel strategies set it the same way.",
           _LIGHTNING, "not undone, as by Lightning's strategies"),
     Patch(16, "the user's model: modules of other stages stood in for (their forward replaced, a compiled"

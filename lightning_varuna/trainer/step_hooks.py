@@ -4,7 +4,7 @@ Each stage runs the user's ``training_step`` (or ``validation_step``, ...) for e
 decide what a stage computes. Only the last stage reaches the loss and what is logged after the model's forward,
 so its ``self.log`` calls are captured, reduced over micro-batches and shared over the pipeline (in training
 behind the last gradient, with no collective), and every stage then logs the same keys and values
-(:mod:`lightning_varuna.logs.log_sync`).
+(:mod:`lightning_varuna.trainer.logs.log_sync`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import Metric
 
 from lightning_varuna.fault.failures import report_failure, waiting_on_peers
-from lightning_varuna.logs.log_sync import LogBroadcaster, LogCapture, LogMeta, fill, reduce_records, replay
 from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
+from lightning_varuna.trainer.logs.log_sync import LogBroadcaster, LogCapture, LogMeta, fill, reduce_records, replay
 
 __all__ = ["StepRunner", "check_metric_states"]
 
@@ -145,7 +145,7 @@ class StepRunner:
     def _summarizer(self, capture: LogCapture, shared: dict[str, Any]) -> Callable[[list[Any], list[float]], Tensor]:
         """Packs the last stage's loss and logs to travel back along the pipeline behind the last gradient.
 
-        The packet is :func:`~lightning_varuna.logs.log_sync.pack`'s format.
+        The packet is :func:`~lightning_varuna.trainer.logs.log_sync.pack`'s format.
         """
         def summarize(outputs: list[Any], units: list[float]) -> Tensor:
             meta, values, shared["skipped"] = self._reduce(capture, outputs, units, True)

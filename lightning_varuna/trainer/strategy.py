@@ -27,36 +27,42 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_varuna.batch_gradients import window_position
-from lightning_varuna.callbacks import (
-    FrozenSummary,
-    adapt_callbacks,
-    refuse_unsupported_callbacks,
-    whole_model_summaries,
-)
 from lightning_varuna.checkpoint.lease import DEFAULT_TIMEOUT_S
 from lightning_varuna.checkpoint.pretrained import InitialWeights
 from lightning_varuna.checkpoint.writer import CheckpointWriter
-from lightning_varuna.data import check_global_batch, resumable_training_loader
 from lightning_varuna.fault.failures import report_failure, waiting_on_peers
-from lightning_varuna.patches import InstancePatches, install_ckpt_path_recorder, kept_on_meta
 from lightning_varuna.pipeline import config as engine_config  # the options' types, written once there
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
-from lightning_varuna.pipeline_setup import Pipeline, boundary_dtype, build_pipeline, check_strategy_options, new_engine
-from lightning_varuna.precision import PipelinePrecision, pipeline_precision
-from lightning_varuna.processes import (
+from lightning_varuna.trainer.batch_gradients import window_position
+from lightning_varuna.trainer.callbacks import (
+    FrozenSummary,
+    adapt_callbacks,
+    refuse_unsupported_callbacks,
+    whole_model_summaries,
+)
+from lightning_varuna.trainer.data import check_global_batch, resumable_training_loader
+from lightning_varuna.trainer.module_setup import (
+    Pipeline,
+    boundary_dtype,
+    build_pipeline,
+    check_strategy_options,
+    new_engine,
+)
+from lightning_varuna.trainer.patches import InstancePatches, install_ckpt_path_recorder, kept_on_meta
+from lightning_varuna.trainer.precision import PipelinePrecision, pipeline_precision
+from lightning_varuna.trainer.processes import (
     ProcessGroupStrategy,
     global_grad_norm,
     is_initialized,
     stop_watching_peers,
     watch_peers,
 )
-from lightning_varuna.recovery.checkpoint_hooks import CheckpointHooks, StrategyCheckpoints
-from lightning_varuna.recovery.preemption import Preempted, PreemptionGuard, PreemptionNotice
-from lightning_varuna.recovery.resume import choose_last
+from lightning_varuna.trainer.recovery.checkpoint_hooks import CheckpointHooks, StrategyCheckpoints
+from lightning_varuna.trainer.recovery.preemption import Preempted, PreemptionGuard, PreemptionNotice
+from lightning_varuna.trainer.recovery.resume import choose_last
 
 __all__ = ["VarunaStrategy"]
 
@@ -103,13 +109,13 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             resumed under another P x D follows the same optimization. Needs Lightning's default distributed
             sampler (``use_distributed_sampler=True`` and a plain ``DataLoader``).
         preemption_notice: A source of advance warning of a preemption, polled during fit (e.g.
-            ``lightning_varuna.recovery.preemption.HTTPNotice`` for a cloud metadata endpoint). Whatever the notice,
-            ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
+            ``lightning_varuna.trainer.recovery.preemption.HTTPNotice`` for a cloud metadata endpoint). Whatever the
+            notice, ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
             ``last.ckpt`` in the ``ModelCheckpoint``'s directory and exits with status 143.
         memory_limit: Bytes, or a string such as ``"80GiB"``, that a stage may use: the planner chooses only a
             configuration predicted within 90% of it (10% kept in reserve). Default: the device's memory (CUDA),
             or the machine's memory shared by the processes of a node (CPU).
-        profile: A profile file (``python -m lightning_varuna.plan --save-profile``) to plan from instead of
+        profile: A profile file (``python -m lightning_varuna.trainer.preview --save-profile``) to plan from instead of
             measuring; the same file always gives the same choice.
         timeline_dir: If set, every training step is recorded: the loggers get the bubble fraction and each
             stage's busy time at the logging interval, and at the end of fit ``timeline.json`` (a Chrome trace:
@@ -270,7 +276,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     @property
     @override
     def precision_plugin(self) -> Precision:
-        """The precision plugin Lightning chose, made pipeline-aware (:mod:`lightning_varuna.precision`)."""
+        """The precision plugin Lightning chose, made pipeline-aware (:mod:`lightning_varuna.trainer.precision`)."""
         return self._precision_plugin if self._precision_plugin is not None else pipeline_precision(Precision())
 
     @precision_plugin.setter
@@ -323,9 +329,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         """Gives the training loader a data position that survives a resume under another number of replicas.
 
-        Lightning's ``DistributedSampler`` is replaced by an :class:`~lightning_varuna.data.ElasticBatchSampler`
-        that reads the same samples in the same order, and whose position (samples consumed by finished steps)
-        is saved in checkpoints. With ``global_batch_size``, each replica reads ``global_batch_size / D``.
+        Lightning's ``DistributedSampler`` becomes a :class:`~.data.ElasticBatchSampler`: the same samples in the
+        same order, its position saved in checkpoints; each replica reads ``global_batch_size / D`` if given.
         """
         trainer = self.attached_module.trainer
         if not trainer.training or self.topology is None:  # the training loader is prepared while training
@@ -350,9 +355,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Tensors created inside are on this process's device; with ``empty_init=True``, parameters on ``meta``.
 
-        ``Trainer.init_module(empty_init=True)`` thus builds a model whose parameters take no memory (each stage
-        materializes its own at setup), while its buffers keep the values computed at construction. With
-        ``empty_init`` not set (a plain ``Trainer.init_module()``) parameters are real, as with other strategies.
+        ``Trainer.init_module(empty_init=True)`` thus builds parameters that take no memory (each stage materializes
+        its own at setup) and real buffers; a plain ``Trainer.init_module()`` builds real parameters.
         """
         meta = parameters_on_meta() if empty_init else contextlib.nullcontext()
         with meta, self.root_device, self.precision_plugin.tensor_init_context():
@@ -361,11 +365,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     @contextlib.contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Inside ``configure_model``: parameters are created on the meta device, buffers are real.
-
-        Each stage materializes and initializes only its own parameters at setup (``param_init_fn``), or loads
-        them (``initial_weights``, or a checkpoint when resuming).
-        """
+        """Inside ``configure_model``: parameters on the meta device (each stage materializes its own), real buffers."""
         with parameters_on_meta():
             yield
 
@@ -435,8 +435,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         """Steps the optimizer after syncing gradients across replicas and tied copies.
 
         What the module and callbacks log in ``on_before_optimizer_step`` (which runs between the closure and
-        the step) is captured and, after the step, merged over the pipeline (:mod:`lightning_varuna.logs.hook_logs`):
-        logged gradient norms are the whole model's.
+        the step) is captured and, after the step, merged over the pipeline
+        (:mod:`lightning_varuna.trainer.logs.hook_logs`): logged gradient norms are the whole model's.
         """
         pipeline = self._pipeline
         assert pipeline is not None

@@ -30,9 +30,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.fault.failures import check_job, waiting_on_peers
 from lightning_varuna.fault.watchdog import current_watchdog
-from lightning_varuna.patches import InstancePatches, take_over_sigterm
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
+from lightning_varuna.trainer.patches import InstancePatches, take_over_sigterm
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",

@@ -34,12 +34,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_varuna.data import check_global_batch
 from lightning_varuna.fault.failures import PipelineError, waiting_on_peers
 from lightning_varuna.fault.watchdog import current_watchdog
-from lightning_varuna.launcher import PipelineLauncher
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.trainer.data import check_global_batch
+from lightning_varuna.trainer.launcher import PipelineLauncher
 
 __all__ = ["ProcessGroupStrategy", "global_grad_norm", "is_initialized", "stop_watching_peers",
            "waiting", "watch_peers"]

@@ -23,8 +23,8 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from lightning_varuna.patches import InstancePatches, hand_over_dataloader
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
+from lightning_varuna.trainer.patches import InstancePatches, hand_over_dataloader
 
 __all__ = ["ElasticBatchSampler", "ResumableDataLoader", "check_global_batch", "make_resumable",
            "resumable_training_loader", "sample_batch"]
@@ -289,7 +289,7 @@ def sample_batch(trainer: Any, patches: InstancePatches) -> Any:
 
     A ``*_dataloader()`` hook is called here as the loop would call it (``_request_dataloader``, which records the
     loader's arguments for Lightning's sampler injection), and the loop's first request gets the same loaders
-    back (:func:`~lightning_varuna.patches.hand_over_dataloader`): the hook runs as often as in a plain run.
+    back (:func:`~lightning_varuna.trainer.patches.hand_over_dataloader`): the hook runs as often as in a plain run.
     Reading the batch leaves the RNGs as they were.
     """
     fn = trainer.state.fn.value  # "fit", "validate", "test" or "predict"

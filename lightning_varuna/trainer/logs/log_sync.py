@@ -21,7 +21,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_varuna.patches import replaced_log
+from lightning_varuna.trainer.patches import replaced_log
 
 LogKwargs = tuple[tuple[str, Any], ...]
 """The plain (picklable) ``log`` keyword arguments of a key, sorted by name."""

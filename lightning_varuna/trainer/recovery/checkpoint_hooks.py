@@ -22,11 +22,11 @@ from lightning_varuna.checkpoint.lease import Holder, LeaseKeeper, LeaseTicket
 from lightning_varuna.checkpoint.state import CheckpointError, StateShards
 from lightning_varuna.checkpoint.storage import Location
 from lightning_varuna.checkpoint.writer import CheckpointWriter
-from lightning_varuna.recovery.resume import checkpoint_folders, last_fallbacks, requested_name
+from lightning_varuna.trainer.recovery.resume import checkpoint_folders, last_fallbacks, requested_name
 
 if TYPE_CHECKING:  # the mixin is checked as the strategy it is mixed into
     from lightning_varuna.pipeline.engine import PipelineEngine
-    from lightning_varuna.processes import ProcessGroupStrategy as _StrategyBase
+    from lightning_varuna.trainer.processes import ProcessGroupStrategy as _StrategyBase
 else:
     _StrategyBase = object
 
@@ -116,7 +116,7 @@ class StrategyCheckpoints:
 
 
 class CheckpointHooks(_StrategyBase):
-    """The checkpoint hooks of :class:`~lightning_varuna.strategy.VarunaStrategy`, over :class:`StrategyCheckpoints`.
+    """The strategy's checkpoint hooks, over :class:`StrategyCheckpoints`.
 
     The strategy inherits them; its ``__init__`` sets the attributes used here.
     """

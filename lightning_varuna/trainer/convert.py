@@ -1,4 +1,4 @@
-"""``python -m lightning_varuna.convert``: the command line of :mod:`lightning_varuna.checkpoint.plain_format`."""
+"""``varuna-convert``: the command line of :mod:`lightning_varuna.checkpoint.plain_format`."""
 
 import sys
 

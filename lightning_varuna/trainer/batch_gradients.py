@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
-from lightning_varuna.callbacks import trainer_callbacks
+from lightning_varuna.trainer.callbacks import trainer_callbacks
 
 __all__ = ["BatchGradients", "window_position"]
 

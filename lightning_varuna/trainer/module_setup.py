@@ -20,21 +20,21 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_varuna.batch_gradients import BatchGradients
 from lightning_varuna.checkpoint.pretrained import InitialWeights, ModelLayout
-from lightning_varuna.data import sample_batch
-from lightning_varuna.logs.hook_logs import OptimizerHookLogs
-from lightning_varuna.logs.log_sync import LogCapture
-from lightning_varuna.patches import InstancePatches, meta_dry_run, selected_ckpt_path
 from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors
 from lightning_varuna.pipeline.planning.choice import AutoConfig, choose
 from lightning_varuna.pipeline.topology import Topology
-from lightning_varuna.processes import ProcessGroupStrategy
-from lightning_varuna.reports import TimelineOutput, optimizer_spec, report_choice
-from lightning_varuna.step_hooks import StepRunner, check_metric_states
+from lightning_varuna.trainer.batch_gradients import BatchGradients
+from lightning_varuna.trainer.data import sample_batch
+from lightning_varuna.trainer.logs.hook_logs import OptimizerHookLogs
+from lightning_varuna.trainer.logs.log_sync import LogCapture
+from lightning_varuna.trainer.patches import InstancePatches, meta_dry_run, selected_ckpt_path
+from lightning_varuna.trainer.processes import ProcessGroupStrategy
+from lightning_varuna.trainer.reports import TimelineOutput, optimizer_spec, report_choice
+from lightning_varuna.trainer.step_hooks import StepRunner, check_metric_states
 
 __all__ = ["STEP_HOOKS", "Pipeline", "boundary_dtype", "build_pipeline", "new_engine"]
 

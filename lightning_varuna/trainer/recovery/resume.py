@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_varuna.checkpoint.publish import OLD_SUFFIX, TMP_SUFFIX, TRASH_SUFFIX, copies, newest_copy
 from lightning_varuna.checkpoint.storage import PART_SUFFIX, Location, is_complete, written_at
-from lightning_varuna.patches import requested_ckpt_path
+from lightning_varuna.trainer.patches import requested_ckpt_path
 
 __all__ = ["checkpoint_folders", "choose_last", "last_fallbacks", "requested_name"]
 

@@ -1,4 +1,4 @@
-r"""Plan a pipeline job without training: ``python -m lightning_varuna.plan --config config.yaml --devices N``.
+r"""Preview a pipeline job without training: ``varuna-preview --config config.yaml --devices N``.
 
 It builds the model, the data and the strategy from a LightningCLI config (as ``fit`` would), profiles the model
 in this process (or reads ``--profile``; measured profiles are cached), and prints every valid configuration for
@@ -9,9 +9,9 @@ for real here, or with ``--meta`` on the meta device (as the strategy builds the
 
 Examples::
 
-    python -m lightning_varuna.plan --config examples/gpt/config.yaml --model examples/gpt/model.py:GPT \\
+    python -m lightning_varuna.trainer.preview --config examples/gpt/config.yaml --model examples/gpt/model.py:GPT \\
         --data examples/gpt/data.py:StdlibText --devices 8 --auto --global-batch-size 32
-    python -m lightning_varuna.plan ... --devices 16 --devices-per-node 8 --bandwidth 10Gbit --memory 80GiB
+    python -m lightning_varuna.trainer.preview ... --devices 16 --devices-per-node 8 --bandwidth 10Gbit --memory 80GiB
 
 The model and data classes come from ``--model``/``--data`` (``package.module:Class`` or ``path/file.py:Class``),
 or from ``class_path`` entries in the config. Arguments the planner does not know are passed on to the
@@ -39,7 +39,6 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import move_data_to_device
 
-from lightning_varuna.patches import meta_dry_run
 from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import batch_size_of, default_loss, first_samples, samples
@@ -58,9 +57,10 @@ from lightning_varuna.pipeline.planning.profile_data import Network, Profile, Pr
 from lightning_varuna.pipeline.planning.search import Candidate, Cluster, PlanError, format_table
 from lightning_varuna.pipeline.timelines.picture import render_png
 from lightning_varuna.pipeline.timelines.timeline import predicted_events, write_chrome_trace
-from lightning_varuna.pipeline_setup import boundary_dtype
-from lightning_varuna.reports import optimizer_spec
-from lightning_varuna.strategy import VarunaStrategy
+from lightning_varuna.trainer.module_setup import boundary_dtype
+from lightning_varuna.trainer.patches import meta_dry_run
+from lightning_varuna.trainer.reports import optimizer_spec
+from lightning_varuna.trainer.strategy import VarunaStrategy
 
 __all__ = ["main", "parse_bandwidth", "parse_seconds"]
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_varuna.plan", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="varuna-preview", description=__doc__.split("\n")[0],
                                      allow_abbrev=False)
     parser.add_argument("--config", action="append", default=[], help="LightningCLI config file (repeatable)")
     parser.add_argument("--model", help="the LightningModule class: package.module:Class or path/file.py:Class")

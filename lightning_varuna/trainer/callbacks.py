@@ -5,9 +5,9 @@
   the model. The strategy asks each summary callback for its summary (Lightning's own ``_summary``: layers up to
   its depth, parameter counts, modes, FLOPs and sizes of the ``example_input_array`` forward) while the model is
   still whole, keeps the numbers, and hands them back at ``on_fit_start``
-  (:func:`lightning_varuna.patches.summarize_with`). The stage table the strategy prints follows it.
+  (:func:`lightning_varuna.trainer.patches.summarize_with`). The stage table the strategy prints follows it.
 - ``BasePredictionWriter``: every stage of a pipeline holds the same predictions; only the first stage of each
-  replica writes them (:func:`lightning_varuna.patches.silence_prediction_writers`).
+  replica writes them (:func:`lightning_varuna.trainer.patches.silence_prediction_writers`).
 - ``StochasticWeightAveraging`` is refused: it keeps a copy of the whole model on every rank and averages it with
   one stage's parameters, and its checkpoint state would hold one stage's average.
 """
@@ -20,7 +20,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, StochasticWeightAveraging
 
-from lightning_varuna.patches import InstancePatches, silence_prediction_writers, summarize_with
+from lightning_varuna.trainer.patches import InstancePatches, silence_prediction_writers, summarize_with
 
 __all__ = [
     "FrozenSummary", "adapt_callbacks", "refuse_unsupported_callbacks", "trainer_callbacks", "whole_model_summaries",
@@ -84,5 +84,5 @@ def refuse_unsupported_callbacks(trainer: Trainer) -> None:
             "StochasticWeightAveraging does not work with VarunaStrategy: it keeps a copy of the whole model on"
             " every rank and averages it with the parameters of this rank's stage only, and its checkpoint state"
             " would hold one stage's average. Remove the callback (to average weights, average checkpoints of the"
-            " run after `python -m lightning_varuna.convert to-plain`)."
+            " run after `python -m lightning_varuna.trainer.convert to-plain`)."
         )

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from torch import Tensor
 
-from lightning_varuna.callbacks import trainer_callbacks
 from lightning_varuna.fault.failures import waiting_on_peers
-from lightning_varuna.logs.log_sync import LogCapture, LogKwargs, _MetricLog, headers, pack
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.trainer.callbacks import trainer_callbacks
+from lightning_varuna.trainer.logs.log_sync import LogCapture, LogKwargs, _MetricLog, headers, pack
 
 __all__ = ["HookLogMerger", "OptimizerHookLogs", "logs_in_optimizer_hook"]
 
@@ -120,7 +120,7 @@ class HookLogMerger:
         self._plan: list[tuple[str, dict[str, Any], str, Any]] = []
 
     def replay(self, module: LightningModule, records: Sequence[tuple[int, str, Any, dict[str, Any]]]) -> None:
-        """Merges ``records`` (from a :class:`~lightning_varuna.logs.log_sync.LogCapture`) and logs the result.
+        """Merges ``records`` (from a :class:`~lightning_varuna.trainer.logs.log_sync.LogCapture`) and logs the result.
 
         Collective over the pipeline group: every stage calls it after the same optimizer step.
         """
