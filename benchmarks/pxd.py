@@ -128,7 +128,7 @@ class Config:
 
         from lightning_varuna.pipeline.config import EngineConfig
         from lightning_varuna.pipeline.engine import PipelineEngine
-        from lightning_varuna.pipeline.runtime.events import StageCounters
+        from lightning_varuna.pipeline.comm.events import StageCounters
 
         world = dist.get_world_size()
         self.compute, self.P, self.D = compute, P, world // P

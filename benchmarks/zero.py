@@ -61,7 +61,7 @@ def strategy_job(out: Path, layout: str) -> None:
     from helpers.models import RandomTokens, TinyGPT
 
     import lightning_varuna
-    from lightning_varuna.pipeline.runtime.events import StageCounters
+    from lightning_varuna.pipeline.comm.events import StageCounters
 
     torch.set_num_threads(1)
     pipeline, data = LAYOUTS[layout]

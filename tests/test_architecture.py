@@ -1,6 +1,7 @@
-"""The package's layers: a Lightning-free engine, checkpointing below the Lightning glue, ``fault/`` below all three,
-no import cycles, unique module names, folders of at most 15 modules and modules of at most 500 lines, a module
-table in docs/architecture.md that matches the tree, and Lightning left as it was after teardown."""
+"""The package's layers (the Lightning glue in ``trainer/``, checkpointing, the Lightning-free engine, ``failstop/``
+and ``files/`` at the bottom), the order of the engine's parts, no import cycles, unique module names, folders of at
+most 15 modules and modules of at most 500 lines, a module table in docs/architecture.md that matches the tree,
+and Lightning left as it was after teardown."""
 
 from __future__ import annotations
 
@@ -50,22 +51,52 @@ def _outside(module: str, *allowed: str) -> bool:
         for package in allowed)
 
 
-def test_fault_imports_nothing_of_lightning_or_of_the_other_layers() -> None:
+def test_the_bottom_layers_import_nothing_of_lightning_or_of_the_layers_above() -> None:
+    # files/ imports nothing of the package; failstop/ only files/
     offending = {}
-    for path in sorted((PACKAGE / "fault").rglob("*.py")):
-        bad = sorted(m for m in _imports(path) if _is_lightning(m) or _outside(m, "fault"))
-        if bad:
-            offending[_module_name(path)] = bad
+    for layer, allowed in (("files", ("files",)), ("failstop", ("failstop", "files"))):
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            bad = sorted(m for m in _imports(path) if _is_lightning(m) or _outside(m, *allowed))
+            if bad:
+                offending[_module_name(path)] = bad
     assert offending == {}
 
 
 def test_the_pipeline_engine_imports_nothing_of_lightning_or_of_the_layers_above_it() -> None:
     offending = {}
     for path in sorted((PACKAGE / "pipeline").rglob("*.py")):
-        bad = sorted(m for m in _imports(path) if _is_lightning(m) or _outside(m, "pipeline", "fault"))
+        bad = sorted(m for m in _imports(path) if _is_lightning(m) or _outside(m, "pipeline", "failstop", "files"))
         if bad:
             offending[_module_name(path)] = bad
     assert offending == {}
+
+
+# Inside pipeline/, each part imports only parts of lower levels: the engine and its setup at the top, the planner
+# and the timeline it is handed (engine_inputs), the config, a stage's runtime, communication, the model's
+# splitting, and the pure schedules at the bottom
+_PIPELINE_LEVELS = {
+    "__init__": 10, "engine": 9, "setup_phase": 8, "timelines": 8, "planning": 7, "engine_inputs": 6, "config": 5,
+    "runtime": 4, "batches": 4, "comm": 3, "model": 2, "scheduling": 1, "topology": 1, "varuna_warning": 1,
+}
+
+
+def _pipeline_part(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["lightning_varuna", "pipeline"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_inside_the_pipeline_engine_no_part_imports_a_part_above_it() -> None:
+    upward = []
+    for path in sorted((PACKAGE / "pipeline").rglob("*.py")):
+        part = _pipeline_part(_module_name(path))
+        assert part in _PIPELINE_LEVELS, f"add {part} to _PIPELINE_LEVELS"
+        for imported in sorted(_imports(path)):
+            other = _pipeline_part(imported)
+            if other is not None and other != part and _PIPELINE_LEVELS[other] >= _PIPELINE_LEVELS[part]:
+                upward.append(f"{_module_name(path)} -> {imported}")
+    assert upward == []
 
 
 def test_the_runtime_imports_neither_planning_nor_drawing() -> None:
@@ -87,7 +118,7 @@ def test_checkpointing_imports_nothing_of_the_lightning_glue_and_lightning_only_
     offending = {}
     for path in sorted((PACKAGE / "checkpoint").rglob("*.py")):
         imports = _imports(path)
-        bad = sorted(m for m in imports if _outside(m, "checkpoint", "pipeline", "fault"))
+        bad = sorted(m for m in imports if _outside(m, "checkpoint", "pipeline", "failstop", "files"))
         if path.name != "plain_format.py":
             bad += sorted(m for m in imports if _is_lightning(m))
         if bad:
@@ -98,7 +129,7 @@ def test_checkpointing_imports_nothing_of_the_lightning_glue_and_lightning_only_
 def test_the_package_root_holds_only_the_public_names_and_the_layers() -> None:
     assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py"]
     layers = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
-    assert layers == ["checkpoint", "fault", "pipeline", "trainer"]
+    assert layers == ["checkpoint", "failstop", "files", "pipeline", "trainer"]
 
 
 def test_module_file_names_are_unique_across_the_package_and_differ_from_its_folders() -> None:

@@ -25,7 +25,7 @@ from lightning_varuna.checkpoint import publish
 from lightning_varuna.checkpoint.job import write_single
 from lightning_varuna.checkpoint.load import resolve
 from lightning_varuna.checkpoint.storage import Location, read_meta
-from lightning_varuna.fault.atomic_write import write_atomic
+from lightning_varuna.files.atomic_write import write_atomic
 from lightning_varuna.trainer.recovery.resume import choose_last, last_fallbacks
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.comm.transfers import Link, decode_header, encode_skip_header
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
-from lightning_varuna.pipeline.runtime.events import (
+from lightning_varuna.pipeline.comm.events import (
     Event,
     EventHooks,
     EventKind,

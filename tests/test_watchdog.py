@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_varuna.fault.watchdog import KEEPALIVE_S, Watchdog
+from lightning_varuna.failstop.watchdog import KEEPALIVE_S, Watchdog
 
 WAIT = 10.0
 """Seconds a test waits for something that should take milliseconds (a loaded CI machine)."""
@@ -242,7 +242,7 @@ def test_an_uncaught_exception_at_exit_is_a_failure_and_a_clean_exit_is_not(serv
 
 
 def test_ring_connections_probe_for_a_lost_machine() -> None:
-    from lightning_varuna.fault.ring_sockets import tune
+    from lightning_varuna.failstop.ring_sockets import tune
 
     with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_connection(listener.getsockname()) as client:
         tune(client)

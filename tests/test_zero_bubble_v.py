@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.partition import Plan, StageInfo

@@ -14,7 +14,7 @@ that names it, unless it is *stale*:
 Every write of a lease is conditional on the lease it read: the lease is a file per *generation*
 (``.varuna-lease.<generation>.json``, the newest is the lease), and a job that read generation ``g`` (to take
 it, take it over or renew it) writes generation ``g + 1`` only if that file does not exist yet (a hard link, see
-:mod:`~lightning_varuna.fault.atomic_write`). Of two jobs that decided on the same generation (a keeper
+:mod:`~lightning_varuna.files.atomic_write`). Of two jobs that decided on the same generation (a keeper
 renewing its lease while another job takes it over as stale) exactly one creates the next file; the other
 has lost the lease. A write keeps the generation before it (a job that read an older one and creates its
 successor finds a newer file beside it and has lost), and a release writes a generation that names no
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_varuna.checkpoint.storage import Location
-from lightning_varuna.fault.atomic_write import write_atomic
+from lightning_varuna.files.atomic_write import write_atomic
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "LEASE_FILE", "LEASE_PREFIX", "Holder", "LeaseKeeper", "LeaseTicket", "is_lease_file",

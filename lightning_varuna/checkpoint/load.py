@@ -40,7 +40,7 @@ from lightning_varuna.checkpoint.state import (
     plain_to_flat,
 )
 from lightning_varuna.checkpoint.storage import INDEX, META, Location, is_complete, read_meta, single_process_quiet
-from lightning_varuna.fault.failures import raised_on_every_rank
+from lightning_varuna.failstop.failures import raised_on_every_rank
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = ["check_files", "load", "read_everything", "read_items", "resolve"]

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from lightning_varuna.fault.atomic_write import PART_SUFFIX, write_atomic
+from lightning_varuna.files.atomic_write import PART_SUFFIX, write_atomic
 
 __all__ = [
     "INDEX", "META", "PART_SUFFIX", "README", "README_TEXT", "RECORD_FILE", "Location", "is_complete", "read_meta",

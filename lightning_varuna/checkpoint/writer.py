@@ -26,7 +26,7 @@ from lightning_varuna.checkpoint.lease import LeaseTicket
 from lightning_varuna.checkpoint.publish import remove_quietly
 from lightning_varuna.checkpoint.state import CheckpointError, split_shards
 from lightning_varuna.checkpoint.storage import Location, to_bytes
-from lightning_varuna.fault.failures import raised_on_every_rank
+from lightning_varuna.failstop.failures import raised_on_every_rank
 
 __all__ = ["CheckpointWriter"]
 

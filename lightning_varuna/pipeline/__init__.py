@@ -7,7 +7,7 @@ planner and timeline recorder it is given), :mod:`~.topology`, :mod:`~.batches`;
 :mod:`~.planning` (auto-configuration), :mod:`~.timelines`.
 """
 
-from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine, StepResult
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError

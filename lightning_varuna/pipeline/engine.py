@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_varuna.fault.watchdog import current_watchdog
+from lightning_varuna.failstop.watchdog import current_watchdog
 from lightning_varuna.pipeline.batches import (
     batch_size_of,
     count_loss_units,
@@ -37,6 +37,7 @@ from lightning_varuna.pipeline.batches import (
     samples,
     split_batch,
 )
+from lightning_varuna.pipeline.comm.events import EventHooks
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep, check_elementwise
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
@@ -45,7 +46,6 @@ from lightning_varuna.pipeline.engine_inputs import Choice, Planner, StepRecorde
 from lightning_varuna.pipeline.model.cut import CutPoint
 from lightning_varuna.pipeline.model.partition import Plan
 from lightning_varuna.pipeline.model.stand_ins import remove_stand_ins
-from lightning_varuna.pipeline.runtime.events import EventHooks
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import remove_grad_accumulation
 from lightning_varuna.pipeline.scheduling.schedules import Schedule, make_schedule
@@ -122,7 +122,7 @@ class PipelineEngine(SetupPhase):
         self.executor: StageExecutor | None = None
         self.grad_sync: GradientSync | None = None
         self.events = EventHooks()
-        """The executor's event hook: add recorders (:mod:`~.runtime.events`) before or after setup."""
+        """The executor's event hook: add recorders (:mod:`~.comm.events`) before or after setup."""
         self.autoconfig: Choice | None = None
         """The planner's choice, when it chose (with :func:`~lightning_varuna.pipeline.planning.choice.choose`: an
         :class:`~lightning_varuna.pipeline.planning.choice.AutoConfig`, which holds the ranking too)."""
@@ -379,7 +379,7 @@ class PipelineEngine(SetupPhase):
         """Undoes setup's changes to the module (freed parameters stay freed); this rank's work with others is done.
 
         From here on this process may end without its peers taking it for a failure (see
-        :mod:`~lightning_varuna.fault.watchdog`).
+        :mod:`~lightning_varuna.failstop.watchdog`).
         """
         watchdog = current_watchdog()
         if watchdog is not None:

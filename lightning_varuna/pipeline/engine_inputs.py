@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from lightning_varuna.pipeline.comm.events import Event
 from lightning_varuna.pipeline.config import EngineConfig
-from lightning_varuna.pipeline.runtime.events import Event
 
 if TYPE_CHECKING:
     from lightning_varuna.pipeline.model.dry_run import Trace
@@ -58,7 +58,7 @@ class StepRecorder(Protocol):
     """
 
     def __call__(self, event: Event) -> None:
-        """Receives each event of the executor (an :class:`~.runtime.events.EventHooks` recorder)."""
+        """Receives each event of the executor (an :class:`~.comm.events.EventHooks` recorder)."""
         ...
 
     def add(self, kind: str, start: float, end: float, microbatch: int | None = None,

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_varuna.fault.failures import destroy_process_groups_at_exit
-from lightning_varuna.fault.watchdog import watch_job
+from lightning_varuna.failstop.failures import destroy_process_groups_at_exit
+from lightning_varuna.failstop.watchdog import watch_job
 from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples
+from lightning_varuna.pipeline.comm.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
@@ -40,7 +41,6 @@ from lightning_varuna.pipeline.model.no_trace import no_trace
 from lightning_varuna.pipeline.model.partition import Plan, check_pipeline_size, make_plan
 from lightning_varuna.pipeline.model.segment_costs import DeviceRates
 from lightning_varuna.pipeline.model.stand_ins import apply_plan
-from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import MIN_FUSED_NUMEL, install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
@@ -96,7 +96,7 @@ class SetupPhase:
         parameter held by several stages its first holder's (as ``DistributedDataParallel`` broadcasts rank 0's
         state), so the replicas train one model whatever the seeding. Every rank must call it (it is
         collective). Errors in the model are raised on every rank before any rank waits on another; from the
-        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.fault.watchdog`). With
+        first wait on, a rank that dies or fails ends every rank (:mod:`~lightning_varuna.failstop.watchdog`). With
         ``"auto"`` values the model is profiled and the configuration chosen (:attr:`autoconfig`) before the process
         grid is made.
 
@@ -253,7 +253,7 @@ class SetupPhase:
         return P2P(topo, self.config.p2p_timeout, self.events, staging)
 
     def _trace_p2p(self, run: str) -> None:
-        """In the NCCL-rules mode (:data:`~.runtime.events.P2P_TRACE_ENV`), records the p2p trace."""
+        """In the NCCL-rules mode (:data:`~.comm.events.P2P_TRACE_ENV`), records the p2p trace."""
         directory = os.environ.get(P2P_TRACE_ENV)
         topo = self.topology
         if directory and topo is not None and topo.pipeline_size > 1:

@@ -3,7 +3,7 @@
 Each rank of a pipeline holds part of the model, so a run in which one rank failed produced no model, even when
 the failure came after the last step (``on_train_end``, a ``teardown`` hook). Under Lightning's own launchers
 the other ranks would return normally, and the job could exit 0. Here every trainer call ends with
-:func:`~lightning_varuna.fault.failures.finish_together`: a rank whose call succeeded waits (at most the
+:func:`~lightning_varuna.failstop.failures.finish_together`: a rank whose call succeeded waits (at most the
 strategy's ``timeout``) until every rank's has ended, and raises a ``PipelineError`` naming the rank that failed.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-from lightning_varuna.fault.failures import finish_together
+from lightning_varuna.failstop.failures import finish_together
 
 __all__ = ["PipelineLauncher"]
 

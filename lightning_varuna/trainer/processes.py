@@ -5,8 +5,8 @@ layout (checked before any process starts, and how the sampler splits the data a
 the default process group (started as Lightning's own ``DDPStrategy`` starts it, with the same private helpers of
 ``lightning.fabric``; see the private-API list in ``docs/architecture.md``), and Lightning's barrier, broadcast and
 ``sync_dist`` reduction. Once the pipeline exists each collective goes through
-:func:`~lightning_varuna.fault.failures.waiting_on_peers`, so a peer that failed or hung turns into a
-:class:`~lightning_varuna.fault.failures.PipelineError` that names it, within the job's timeout.
+:func:`~lightning_varuna.failstop.failures.waiting_on_peers`, so a peer that failed or hung turns into a
+:class:`~lightning_varuna.failstop.failures.PipelineError` that names it, within the job's timeout.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_varuna.fault.failures import PipelineError, waiting_on_peers
-from lightning_varuna.fault.watchdog import current_watchdog
+from lightning_varuna.failstop.failures import PipelineError, waiting_on_peers
+from lightning_varuna.failstop.watchdog import current_watchdog
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.trainer.data import check_global_batch

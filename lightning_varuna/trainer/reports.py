@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_varuna.fault.failures import waiting_on_peers
+from lightning_varuna.failstop.failures import waiting_on_peers
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.planning.choice import AutoConfig, OptimizerSpec
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE

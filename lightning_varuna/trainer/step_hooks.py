@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchmetrics import Metric
 
-from lightning_varuna.fault.failures import report_failure, waiting_on_peers
+from lightning_varuna.failstop.failures import report_failure, waiting_on_peers
 from lightning_varuna.pipeline.engine import PipelineEngine, default_loss
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
 from lightning_varuna.trainer.logs.log_sync import LogBroadcaster, LogCapture, LogMeta, fill, reduce_records, replay

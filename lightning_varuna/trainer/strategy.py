@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_varuna.checkpoint.lease import DEFAULT_TIMEOUT_S
 from lightning_varuna.checkpoint.pretrained import InitialWeights
 from lightning_varuna.checkpoint.writer import CheckpointWriter
-from lightning_varuna.fault.failures import report_failure, waiting_on_peers
+from lightning_varuna.failstop.failures import report_failure, waiting_on_peers
 from lightning_varuna.pipeline import config as engine_config  # the options' types, written once there
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep
 from lightning_varuna.pipeline.engine import PipelineEngine

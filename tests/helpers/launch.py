@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lightning_varuna.pipeline.runtime.events import P2P_TRACE_ENV
+from lightning_varuna.pipeline.comm.events import P2P_TRACE_ENV
 from lightning_varuna.pipeline.scheduling.nccl_replay import CheckSummary, P2POrderError, check_trace_dir
 
 ROOT = Path(__file__).resolve().parents[2]

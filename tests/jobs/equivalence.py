@@ -44,7 +44,7 @@ from helpers.models import RandomTokens, SideValueGPT, TinyGPT  # noqa: E402
 from spec import parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
-from lightning_varuna.pipeline.runtime.events import StageCounters  # noqa: E402
+from lightning_varuna.pipeline.comm.events import StageCounters  # noqa: E402
 from lightning_varuna.trainer.recovery.preemption import Preempted  # noqa: E402
 
 STEPS = 8

@@ -41,7 +41,7 @@ from parity import parity  # noqa: E402
 from spec import parse_spec, trainer_for  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
-from lightning_varuna.pipeline.runtime.events import StageCounters  # noqa: E402
+from lightning_varuna.pipeline.comm.events import StageCounters  # noqa: E402
 
 FIT_EPOCHS = 2
 STEPS = 4

@@ -20,7 +20,7 @@ from torch import nn
 from lightning_varuna import CutPoint
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.runtime.events import StageCounters
+from lightning_varuna.pipeline.comm.events import StageCounters
 
 SLOW_BACKWARD_S = 0.05
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_varuna.fault.failures import PipelineError, peer_error
+from lightning_varuna.failstop.failures import PipelineError, peer_error
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["GradientSync", "default_bucket_bytes"]

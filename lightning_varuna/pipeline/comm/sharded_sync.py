@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_varuna.fault.failures import PipelineError, peer_error
+from lightning_varuna.failstop.failures import PipelineError, peer_error
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.topology import Topology
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_varuna.fault.failures import PipelineError, peer_error
-from lightning_varuna.pipeline.runtime.events import Event, EventHooks, EventKind, PostedOp
+from lightning_varuna.failstop.failures import PipelineError, peer_error
+from lightning_varuna.pipeline.comm.events import Event, EventHooks, EventKind, PostedOp
 from lightning_varuna.pipeline.scheduling.lowering import Message
 from lightning_varuna.pipeline.topology import Topology
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.config import AUTO, EngineConfig, ScheduleName
 from lightning_varuna.pipeline.engine_inputs import OptimizerSpec
 from lightning_varuna.pipeline.model.dry_run import Trace

@@ -24,7 +24,7 @@ from typing import Any, overload
 
 import torch
 
-from lightning_varuna.fault.atomic_write import write_atomic
+from lightning_varuna.files.atomic_write import write_atomic
 
 __all__ = [
     "PROFILE_VERSION", "CutProfile", "Link", "Network", "ParamProfile", "Profile", "ProfileError", "SegmentProfile",

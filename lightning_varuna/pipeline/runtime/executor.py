@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_varuna.pipeline.comm.events import EventHooks
 from lightning_varuna.pipeline.comm.transfers import P2P
 from lightning_varuna.pipeline.model.cut import CutPoint, StageForward
-from lightning_varuna.pipeline.runtime.events import EventHooks
 from lightning_varuna.pipeline.runtime.links import Chunk, RankLinks, StageLinks
 from lightning_varuna.pipeline.runtime.rank_step import RankStep
 from lightning_varuna.pipeline.runtime.selective_recompute import RecomputePolicy

@@ -16,11 +16,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.failstop.failures import PipelineError
+from lightning_varuna.pipeline.comm.events import EventHooks
 from lightning_varuna.pipeline.comm.transfers import P2P, Transfer
 from lightning_varuna.pipeline.model.cut import CutPoint, StageForward
 from lightning_varuna.pipeline.model.data_flow import SideValue
-from lightning_varuna.pipeline.runtime.events import EventHooks
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan
 from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology

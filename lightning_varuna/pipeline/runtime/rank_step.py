@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_varuna.pipeline.runtime.events import Event, EventKind
+from lightning_varuna.pipeline.comm.events import Event, EventKind
 from lightning_varuna.pipeline.runtime.fused_linear_grad import PendingWeightGrads
 from lightning_varuna.pipeline.runtime.links import Boxes, Inbox, LocalLink, Outbox, RankLinks, Spec
 from lightning_varuna.pipeline.runtime.stage_step import SUMMARY_SIZE, StageContext, StageStep

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, encode_header
 from lightning_varuna.pipeline.model.data_flow import SideValue
 from lightning_varuna.pipeline.runtime.links import Chunk, Spec, scaled_shape

@@ -28,10 +28,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from lightning_varuna.fault.failures import PipelineError
+from lightning_varuna.failstop.failures import PipelineError
+from lightning_varuna.pipeline.comm.events import Event, EventKind
 from lightning_varuna.pipeline.comm.transfers import HEADER_SIZE, Transfer, decode_header, encode_header
 from lightning_varuna.pipeline.model.cut import CutPointError, StageForward, StageOutputReady, forward_handler
-from lightning_varuna.pipeline.runtime.events import Event, EventKind
 from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     PendingWeightGrads,
     WeightGradWork,

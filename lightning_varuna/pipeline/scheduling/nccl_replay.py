@@ -18,7 +18,7 @@ fills).
 
 :func:`plan_trace` models the executor's posting for any schedule (data only, e.g. interleaved or zero-bubble task
 lists), and :func:`check_trace_dir` replays the traces that running engines write in the NCCL-rules mode
-(:data:`~lightning_varuna.pipeline.runtime.events.P2P_TRACE_ENV`; the test suite turns it on for every multi-process
+(:data:`~lightning_varuna.pipeline.comm.events.P2P_TRACE_ENV`; the test suite turns it on for every multi-process
 job). ``python -m lightning_varuna.pipeline.scheduling.nccl_replay DIR`` checks such a directory.
 """
 

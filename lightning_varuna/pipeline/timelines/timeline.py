@@ -2,7 +2,7 @@
 
 A timeline is a list of :class:`TimelineEvent` (a stage's task, a wait for a message, a send, the gradient sync,
 the optimizer step), predicted by the planner (:func:`predicted_events`) or recorded while training
-(:class:`TimelineRecorder`, a recorder of the executor's event hook, :mod:`~lightning_varuna.pipeline.runtime.events`).
+(:class:`TimelineRecorder`, a recorder of the executor's event hook, :mod:`~lightning_varuna.pipeline.comm.events`).
 :func:`chrome_trace` gives the JSON that ``chrome://tracing`` and Perfetto (ui.perfetto.dev) open, one process per
 replica and a track per stage (sends and gradient sync on tracks of their own, since they overlap the tasks);
 :func:`~lightning_varuna.pipeline.timelines.picture.render_png` draws them (matplotlib); :func:`step_metrics` gives
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_varuna.pipeline.comm.events import Event, EventKind, PostedOp
 from lightning_varuna.pipeline.planning.search import Prediction
-from lightning_varuna.pipeline.runtime.events import Event, EventKind, PostedOp
 
 __all__ = ["COLORS", "KINDS", "StepSpan", "TimelineEvent", "TimelineRecorder", "chrome_trace", "pipeline_metrics",
            "predicted_events", "step_metrics", "step_span", "write_chrome_trace"]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
 from torch import Tensor
 
-from lightning_varuna.fault.failures import waiting_on_peers
+from lightning_varuna.failstop.failures import waiting_on_peers
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.trainer.callbacks import trainer_callbacks
 from lightning_varuna.trainer.logs.log_sync import LogCapture, LogKwargs, _MetricLog, headers, pack

@@ -28,8 +28,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_varuna.fault.failures import check_job, waiting_on_peers
-from lightning_varuna.fault.watchdog import current_watchdog
+from lightning_varuna.failstop.failures import check_job, waiting_on_peers
+from lightning_varuna.failstop.watchdog import current_watchdog
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 from lightning_varuna.trainer.patches import InstancePatches, take_over_sigterm

@@ -56,7 +56,7 @@ from typing import IO, Any, NotRequired, TypedDict, cast
 
 import torch.distributed as dist
 
-from lightning_varuna.fault.ring_sockets import KEEPALIVE_S, local_address, tune
+from lightning_varuna.failstop.ring_sockets import KEEPALIVE_S, local_address, tune
 
 __all__ = [
     "FAILED_EXIT_CODE", "GRACE_S", "KEEPALIVE_S", "SETTLE_S", "Verdict", "Watchdog", "current_watchdog",

@@ -1,7 +1,7 @@
 """Failures across ranks: the error a lost peer raises, reports to the job, and clean exits.
 
 A rank that fails leaves its error in the job's store and tells the job's watchdogs
-(:func:`report_failure`; :mod:`~lightning_varuna.fault.watchdog` then ends every other rank), so that a peer
+(:func:`report_failure`; :mod:`~lightning_varuna.failstop.watchdog` then ends every other rank), so that a peer
 that loses contact with it raises a :class:`PipelineError` quoting the cause (:func:`peer_error`) instead of a
 bare timeout or "connection closed".
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from lightning_varuna.fault.watchdog import SETTLE_S, current_watchdog
+from lightning_varuna.failstop.watchdog import SETTLE_S, current_watchdog
 
 if TYPE_CHECKING:  # torch.distributed re-exports Store only when it is built with distributed support
     from torch._C._distributed_c10d import Store

@@ -1,6 +1,6 @@
 """The watchdog ring's TCP sockets: options (keep-alive probes that find a lost machine), this process's address.
 
-Used by :class:`~lightning_varuna.fault.watchdog.Watchdog`.
+Used by :class:`~lightning_varuna.failstop.watchdog.Watchdog`.
 """
 
 from __future__ import annotations
