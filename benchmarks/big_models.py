@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_end(self, trainer, pl_module) -> None:
             strategy = trainer.strategy
-            info = strategy.engine.plan.stages[strategy.topology.stage]
+            info = strategy.engine.partition.stages[strategy.topology.stage]
             record["stage"] = strategy.topology.stage
             # an upper bound: every micro-batch's saved activations held at once (recompute holds fewer)
             record["activation_bytes"] = info.saved_bytes * pipeline

@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning_varuna
-    from lightning_varuna.pipeline import setup_phase
+    from lightning_varuna.pipeline import stage_setup
 
     torch.set_num_threads(1)
     largest_name, largest_bytes = largest_module(args.family, args.width, args.layers)
@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
                     "largest_module_bytes": largest_bytes}
 
     # the dry run of a model on meta, measured where the engine calls it
-    traced = setup_phase.trace_unmaterialized
+    traced = stage_setup.trace_unmaterialized
 
     def measured(*a, **k):
         trace, cuts = traced(*a, **k)
@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
         record["dry_run_s"] = time.perf_counter() - started
         return trace, cuts
 
-    setup_phase.trace_unmaterialized = measured
+    stage_setup.trace_unmaterialized = measured
     mask = args.step == "mask"
 
     class HFModule(pl.LightningModule):

@@ -126,9 +126,9 @@ class Config:
     def __init__(self, compute: str, P: int, args, zero_stage: int = 0) -> None:
         import torch.distributed as dist
 
+        from lightning_varuna.pipeline.comm.events import StageCounters
         from lightning_varuna.pipeline.config import EngineConfig
         from lightning_varuna.pipeline.engine import PipelineEngine
-        from lightning_varuna.pipeline.comm.events import StageCounters
 
         world = dist.get_world_size()
         self.compute, self.P, self.D = compute, P, world // P

@@ -298,7 +298,7 @@ class BareEngine:
                                                        recompute=name.endswith("-rc"), partition="params"))
         self.it = iter(make_loader(steps + 3))
         plan = self.engine.setup(next(self.it), self.loss)
-        self.plan = [[st.segments[0], st.segments[-1]] for st in plan.stages]
+        self.partition = [[st.segments[0], st.segments[-1]] for st in plan.stages]
         conf = gpt.configure_optimizers()  # after setup: this stage's parameters only
         self.optimizer, self.scheduler = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
         self.timers = Timers()
@@ -351,7 +351,7 @@ def run_pair(ours: str, peer: str, steps: int, warmup: int, breakdown: bool, pro
     class Interleave(pl.Callback):
         def on_train_start(self, trainer, module):
             strategy = trainer.strategy
-            info["plan"] = [[st.segments[0], st.segments[-1]] for st in strategy.engine.plan.stages]
+            info["plan"] = [[st.segments[0], st.segments[-1]] for st in strategy.engine.partition.stages]
             if ours.endswith("-lean"):
                 lean_patches(strategy, trainer)
             if breakdown:
@@ -420,8 +420,8 @@ def run_pair(ours: str, peer: str, steps: int, warmup: int, breakdown: bool, pro
         Path(profile).mkdir(parents=True, exist_ok=True)
         for kind, prof in profiles.items():
             prof.dump_stats(str(Path(profile) / f"{ours}_{kind}_rank{dist.get_rank()}.prof"))
-    if bare is not None and bare.plan != info["plan"]:
-        raise RuntimeError(f"PipelineEngine chose split {bare.plan}, VarunaStrategy {info['plan']}")
+    if bare is not None and bare.partition != info["plan"]:
+        raise RuntimeError(f"PipelineEngine chose split {bare.partition}, VarunaStrategy {info['plan']}")
     return {"stamps": stamps, "plan": info["plan"], "ours_breakdown": timers.means(warmup),
             "peer_breakdown": raw.timers.means(warmup),
             "engine_breakdown": bare.timers.means(warmup) if bare is not None else {}}

@@ -207,7 +207,7 @@ def run_ours(name: str, rt: SplitRuntime, args, rank: int, P: int, m: int):
     sample = emu.make_batch(torch.randn(m * args.mbs, args.seq, args.hidden), m, step=999)
     engine.setup(sample, step_fn)
     L = args.layers
-    segments = [len(stage.segments) for stage in engine.plan.stages]
+    segments = [len(stage.segments) for stage in engine.partition.stages]
     if segments != [L] * S:  # the emulation's gates and counts assume a stage is one chunk
         raise RuntimeError(f"{name}: the engine split the {S * L} segments as {segments}, not {L} per stage")
     if args.jitter_mode == "deadline":

@@ -75,7 +75,7 @@ def test_the_pipeline_engine_imports_nothing_of_lightning_or_of_the_layers_above
 # and the timeline it is handed (engine_inputs), the config, a stage's runtime, communication, the model's
 # splitting, and the pure schedules at the bottom
 _PIPELINE_LEVELS = {
-    "__init__": 10, "engine": 9, "setup_phase": 8, "timelines": 8, "planning": 7, "engine_inputs": 6, "config": 5,
+    "__init__": 10, "engine": 9, "stage_setup": 8, "timelines": 8, "planning": 7, "engine_inputs": 6, "config": 5,
     "runtime": 4, "batches": 4, "comm": 3, "model": 2, "scheduling": 1, "topology": 1, "varuna_warning": 1,
 }
 

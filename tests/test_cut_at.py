@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from lightning_varuna import EngineConfig
 from lightning_varuna.pipeline.model.cut import CutPointError, check_cut_at_order, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import trace_step
-from lightning_varuna.pipeline.model.partition import make_plan
+from lightning_varuna.pipeline.model.partition import make_partition
 
 WIDTH = 4
 STACKS = ["enc", "dec"]
@@ -65,7 +65,7 @@ def test_several_block_lists_are_cut_after_each_block_but_the_last_one_in_execut
         assert [c.name for c in trace.cuts] == ["enc.0:output", "enc.1:output", "enc.2:output", "dec.0:output"]
         # the encoder's output, read by both decoder blocks, travels as a side value: every P up to 5 splits it
         assert trace.crossings == {} and {v.producer.module for v in trace.side_values} == {"norm"}
-        assert len(make_plan(trace, 5).stages) == 5
+        assert len(make_partition(trace, 5).stages) == 5
     finally:
         for hook in hooks:
             hook.remove()

@@ -1,6 +1,6 @@
 """Bad input gets a clear error that says what to change, raised before any process waits on another.
 
-Everything here runs in one process: the dry run (``trace_step``), planning (``make_plan``, ``balance``),
+Everything here runs in one process: the dry run (``trace_step``), planning (``make_partition``, ``balance``),
 ``cut_at``, micro-batch sizes and argument validation need no process group, and ``PipelineEngine.setup`` is
 given a ``Topology`` by hand, so that a check made after a collective would fail here with "Default process
 group has not been initialized" instead of the expected message.
@@ -30,7 +30,7 @@ from lightning_varuna import (
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.model.cut import install_cut_at
 from lightning_varuna.pipeline.model.dry_run import TIMED_RUNS, trace_step
-from lightning_varuna.pipeline.model.partition import balance, check_pipeline_size, make_plan
+from lightning_varuna.pipeline.model.partition import balance, check_pipeline_size, make_partition
 
 CPU = torch.device("cpu")
 
@@ -134,8 +134,8 @@ def test_pipeline_larger_than_number_of_segments() -> None:
     result, _ = trace(Chain(2))  # one cut point, two segments
     message = r"pipeline_parallel_size=3 but the model has 2 segment\(s\) \(1 cut point\(s\)\)\. Use"
     with pytest.raises(PartitionError, match=message + r" pipeline_parallel_size <= 2"):
-        make_plan(result, 3)
-    assert len(make_plan(result, 2).stages) == 2
+        make_partition(result, 3)
+    assert len(make_partition(result, 2).stages) == 2
 
 
 def test_pipeline_larger_than_number_of_segments_raised_before_any_collective() -> None:
@@ -346,8 +346,8 @@ def test_dry_run_of_a_step_that_skips_the_first_batch_says_what_to_change() -> N
     trace_of_skip, _ = trace_step(model, lambda n: None)
     with pytest.raises(PartitionError, match=r"The dry run's step returned None before reaching any cut point.*"
                        r"skip other batches than that one, or return None after the loss"):
-        make_plan(trace_of_skip, 2)
-    make_plan(trace_of_skip, 1)  # one stage: nothing to cut
+        make_partition(trace_of_skip, 2)
+    make_partition(trace_of_skip, 1)  # one stage: nothing to cut
 
 
 def test_stochastic_weight_averaging_is_refused_at_setup() -> None:
@@ -456,13 +456,13 @@ def test_skip_connection_across_stages() -> None:
         r" be zeros\. The model can be split into at most 2 stage\(s\), not pipeline_parallel_size=3\."
     )
     with pytest.raises(PartitionError, match=message):
-        make_plan(result, 3)
+        make_partition(result, 3)
     with pytest.raises(PartitionError, match=message):
         check_pipeline_size(result, 3)  # before any rank waits: it needs only the dry run
     # P=2: segments 0 and 1 share a stage, even where balancing the costs alone would separate them
     result.segment_seconds = [1.0, 1.0, 1.0]
     assert balance(result.segment_seconds, 2) == [range(0, 1), range(1, 3)]
-    plan = make_plan(result, 2)
+    plan = make_partition(result, 2)
     assert [list(s.segments) for s in plan.stages] == [[0, 1], [2]]
 
 
@@ -475,7 +475,7 @@ def test_input_reused_after_a_cut_is_not_a_crossing() -> None:
 
     result, _ = trace(ReusesInput(2))
     assert result.crossings == {}
-    make_plan(result, 2)
+    make_partition(result, 2)
 
 
 def test_balance_and_plan_arguments() -> None:
@@ -485,7 +485,7 @@ def test_balance_and_plan_arguments() -> None:
         balance([1.0, 2.0], 0)
     result, _ = trace(Chain(2))
     with pytest.raises(PartitionError, match="partition='flops': use 'time' or 'params'"):
-        make_plan(result, 2, by="flops")
+        make_partition(result, 2, by="flops")
 
 
 def test_one_slow_timed_run_does_not_skew_the_plan() -> None:
@@ -510,7 +510,7 @@ def test_one_slow_timed_run_does_not_skew_the_plan() -> None:
     result, _ = trace_step(model, lambda n: model(batch[:n]), lambda: model(batch))
     assert model.layers[3][1].calls == 2 + TIMED_RUNS
     assert max(result.segment_seconds) < 0.25, result.segment_seconds
-    assert [len(s.segments) for s in make_plan(result, 2).stages] == [2, 2]
+    assert [len(s.segments) for s in make_partition(result, 2).stages] == [2, 2]
 
 
 def test_global_batch_size_must_be_a_positive_int() -> None:

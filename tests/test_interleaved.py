@@ -1,4 +1,4 @@
-"""Several model chunks per rank: the interleaved schedule's properties, its p2p plan, the plan's rank view."""
+"""Several model chunks per rank: the interleaved schedule's properties, its message order, the plan's rank view."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from lightning_varuna.pipeline.model.dry_run import Trace
-from lightning_varuna.pipeline.model.partition import Plan, StageInfo
+from lightning_varuna.pipeline.model.partition import Partition, StageInfo
 from lightning_varuna.pipeline.scheduling.interleaved import interleaved_memory_bound, interleaved_warmup
 from lightning_varuna.pipeline.scheduling.lowering import MessageKind, link_messages
 from lightning_varuna.pipeline.scheduling.nccl_replay import plan_trace, replay
@@ -169,14 +169,14 @@ def test_a_forward_that_builds_a_graph_never_moves() -> None:
     assert next_task(pending, lambda task: task.kind is Kind.F, stash) == 2
 
 
-def _plan(v: int) -> Plan:
+def _plan(v: int) -> Partition:
     names = ["wte.weight", "b0.weight", "b1.weight", "b2.weight", "head.weight"]
     trace = Trace.__new__(Trace)
     trace.param_numel = dict.fromkeys(names, 4)
     stage_params = [("wte.weight", "b0.weight"), ("b1.weight",), ("b2.weight",), ("head.weight", "wte.weight")]
     stages = tuple(StageInfo(segments=range(s, s + 1), params=p, param_numel=4 * len(p), seconds=0.0)
                    for s, p in enumerate(stage_params))
-    return Plan(stages=stages, tied=(("wte.weight", (0, 3)),), trace=trace, stages_per_rank=v)
+    return Partition(stages=stages, tied=(("wte.weight", (0, 3)),), trace=trace, stages_per_rank=v)
 
 
 def test_the_plan_knows_the_rank_of_each_stage() -> None:
@@ -192,5 +192,5 @@ def test_the_plan_knows_the_rank_of_each_stage() -> None:
 
 def test_a_parameter_shared_by_two_stages_of_one_rank_needs_no_synchronization() -> None:
     plan = _plan(2)
-    shared = Plan(stages=plan.stages, tied=(("wte.weight", (0, 2)),), trace=plan.trace, stages_per_rank=2)
+    shared = Partition(stages=plan.stages, tied=(("wte.weight", (0, 2)),), trace=plan.trace, stages_per_rank=2)
     assert shared.rank_tied == ()

@@ -1,4 +1,4 @@
-"""Zero-bubble over several model chunks per rank: properties of the generator, its speed, its p2p plan."""
+"""Zero-bubble over several model chunks per rank: properties of the generator, its speed, its message order."""
 
 from __future__ import annotations
 

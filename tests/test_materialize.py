@@ -31,7 +31,7 @@ from lightning_varuna.pipeline.model.meta_init import (
     to_meta,
     trace_unmaterialized,
 )
-from lightning_varuna.pipeline.model.partition import make_plan
+from lightning_varuna.pipeline.model.partition import make_partition
 from lightning_varuna.pipeline.model.segment_costs import CostCounter, DeviceRates, Linear, estimated_seconds
 
 CPU = torch.device("cpu")
@@ -254,14 +254,14 @@ def test_estimated_costs_balance_stages_without_timing() -> None:
     x = torch.randn(4, 64)
     with on_meta(model):
         trace = trace_step(model, lambda n: model(first_samples(to_meta(x), n)))[0]
-    plan = make_plan(trace, 2, microbatch=64)
+    plan = make_partition(trace, 2, microbatch=64)
     assert plan.balanced_by == "estimated"
     assert [len(s.segments) for s in plan.stages] in ([4, 3], [5, 2])
     assert "balanced by estimated" in plan.table()
     cost = trace.costs[0]
     rates = DeviceRates(flops_per_second=1.0, bytes_per_second=1e30)
     assert estimated_seconds(cost, 64, rates) == pytest.approx(3 * 2 * 64 * 64 * 64)
-    assert make_plan(trace, 2, by="params").balanced_by == "params"
+    assert make_partition(trace, 2, by="params").balanced_by == "params"
 
 
 def test_the_dry_run_on_real_tensors_frees_its_activations_and_counting_keeps_gradients_exact() -> None:
@@ -317,7 +317,7 @@ def test_a_step_that_cannot_run_on_meta_is_dry_run_with_placeholder_weights() ->
     assert trace.costs[0].forward_flops.at(1) > 0
     assert all(p.is_meta for p in model.parameters()), "the model is given back on meta"
     assert strides[-1] == (0, 0), "a placeholder costs one element whatever its shape"
-    assert "dry run on placeholders (on meta: RuntimeError" in make_plan(trace, 2).table()
+    assert "dry run on placeholders (on meta: RuntimeError" in make_partition(trace, 2).table()
 
 
 def _peak_growth_mib(run) -> float:

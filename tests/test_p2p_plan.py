@@ -1,4 +1,4 @@
-"""The p2p plan (schedules lowered to the messages of each link) and the NCCL-rules checker that replays posted ops.
+"""The message order (schedules lowered to each link's messages) and the NCCL-rules checker that replays posted ops.
 
 The checker must fail on the order the engine posted before links existed (recorded, ``data/p2p_old_order.json``),
 on wrong plans (a receive posted ahead of a send on a shared stream, mismatched sizes or messages, a host wait
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_messages
 from lightning_varuna.pipeline.scheduling.nccl_replay import (
     Op,
     P2POrderError,
@@ -146,7 +146,7 @@ def test_the_engines_plan_for_p2_m2_is_one_direction_per_link_in_micro_batch_ord
         (0, 1): ["header@0", "act 0@0", "act 1@0"],
         (1, 0): ["grad 0@1", "grad 1@1", "summary@1"],
     }
-    plan = rank_plan(links, 1)
+    plan = rank_messages(links, 1)
     assert plan.inbound == {0: links[(0, 1)]} and plan.outbound == {0: links[(1, 0)]}
 
 

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from lightning_varuna import CutPoint, EngineConfig, PartitionError, PipelineEngine
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.model.dry_run import trace_step
-from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_plan
-from lightning_varuna.pipeline.model.stand_ins import apply_plan, remove_stand_ins
+from lightning_varuna.pipeline.model.partition import check_pipeline_size, make_partition
+from lightning_varuna.pipeline.model.stand_ins import apply_partition, remove_stand_ins
 from lightning_varuna.pipeline.planning.prediction import recomputed_segments
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 from lightning_varuna.pipeline.runtime.side_values import side_values_kept
@@ -120,11 +120,11 @@ def test_a_parameter_free_deterministic_side_module_is_recomputed_on_every_stage
     result = trace(model)
     assert result.crossings == {}
     assert result.recomputed == {"side"}
-    plan = make_plan(result, 3)
+    plan = make_partition(result, 3)
     assert "side inputs recomputed on every stage by: side" in plan.table()
     for stage in (1, 2):
         copy = copy_module(model)
-        stand_ins = apply_plan(copy, plan, stage, lambda: 0, torch.device("cpu"))
+        stand_ins = apply_partition(copy, plan, stage, lambda: 0, torch.device("cpu"))
         try:
             assert {id(s.module) for s in stand_ins} == {id(copy.embed), *(id(b) for b in list(copy.blocks)[:stage])}
         finally:
@@ -134,7 +134,7 @@ def test_a_parameter_free_deterministic_side_module_is_recomputed_on_every_stage
 def test_reading_only_the_shape_of_a_side_value_is_no_crossing() -> None:
     result = trace(Model(Noise(), block=ShapeOnly))
     assert result.crossings == {} and result.recomputed == set()
-    make_plan(result, 3)
+    make_partition(result, 3)
 
 
 @pytest.mark.parametrize("side", [Noise(), Counting(), FromValues(), Learned()],
@@ -149,7 +149,7 @@ def test_a_side_value_that_cannot_be_recomputed_is_transported_from_its_producer
         assert [(c.module, c.segment, c.leaf) for c in value.consumers] == [
             ("blocks.1", 1, value.producer.leaf + 1), ("blocks.2", 2, value.producer.leaf + 1)]
         assert value.shape == (WIDTH,) and value.batch_dim is None
-    plan = make_plan(result, 3)
+    plan = make_partition(result, 3)
     assert len(plan.stages) == 3
     assert "side values carried with the activations: side (stage 0) to stage 2; side (stage 0) to stage 2" in \
         plan.table()
@@ -203,8 +203,8 @@ def test_a_side_value_that_cannot_be_transported_is_refused_with_its_producer_an
     with pytest.raises(PartitionError, match=message):
         check_pipeline_size(result, 2)
     with pytest.raises(PartitionError, match=message):
-        make_plan(result, 2)
-    assert len(make_plan(result, 1).stages) == 1
+        make_partition(result, 2)
+    assert len(make_partition(result, 1).stages) == 1
 
 
 def test_the_engine_refuses_it_before_any_rank_waits() -> None:

@@ -7,8 +7,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_varuna.failstop.failures import PipelineError
-from lightning_varuna.pipeline.comm.transfers import Link, decode_header, encode_skip_header
-from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
 from lightning_varuna.pipeline.comm.events import (
     Event,
     EventHooks,
@@ -18,6 +16,8 @@ from lightning_varuna.pipeline.comm.events import (
     PostedOp,
     StageCounters,
 )
+from lightning_varuna.pipeline.comm.transfers import Link, decode_header, encode_skip_header
+from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE, StageExecutor
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages
 from lightning_varuna.pipeline.scheduling.nccl_replay import check_trace_dir

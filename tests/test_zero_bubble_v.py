@@ -1,4 +1,4 @@
-"""The V schedule over the V-shaped placement: its generator's properties, its speed against others, its p2p plan."""
+"""The V schedule over the V-shaped placement: its generator's properties, its speed, its message order."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.dry_run import Trace
-from lightning_varuna.pipeline.model.partition import Plan, StageInfo
+from lightning_varuna.pipeline.model.partition import Partition, StageInfo
 from lightning_varuna.pipeline.runtime.links import LocalLink
 from lightning_varuna.pipeline.scheduling.looped_zero_bubble import greedy_chunk_schedule
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, summary_path
@@ -222,14 +222,14 @@ def test_every_plan_passes_the_nccl_rules(recompute: bool) -> None:
         assert replay(plan_trace(evaluation, placement)) == (2 * ranks - 2) * 7
 
 
-def _plan() -> Plan:
+def _plan() -> Partition:
     names = ["wte.weight", "b0.weight", "b1.weight", "b2.weight", "head.weight"]
     trace = Trace.__new__(Trace)
     trace.param_numel = dict.fromkeys(names, 4)
     stage_params = [("wte.weight", "b0.weight"), ("b1.weight",), ("b2.weight",), ("head.weight", "wte.weight")]
     stages = tuple(StageInfo(segments=range(s, s + 1), params=p, param_numel=4 * len(p), seconds=0.0)
                    for s, p in enumerate(stage_params))
-    return Plan(stages=stages, tied=(("wte.weight", (0, 3)),), trace=trace, stages_per_rank=2, placement="v")
+    return Partition(stages=stages, tied=(("wte.weight", (0, 3)),), trace=trace, stages_per_rank=2, placement="v")
 
 
 def test_the_plan_places_v_shaped_and_a_tied_embedding_needs_no_synchronization() -> None:

@@ -44,12 +44,12 @@ from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine_inputs import Choice, Planner, StepRecorder
 from lightning_varuna.pipeline.model.cut import CutPoint
-from lightning_varuna.pipeline.model.partition import Plan
+from lightning_varuna.pipeline.model.partition import Partition
 from lightning_varuna.pipeline.model.stand_ins import remove_stand_ins
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import remove_grad_accumulation
 from lightning_varuna.pipeline.scheduling.schedules import Schedule, make_schedule
-from lightning_varuna.pipeline.setup_phase import SetupPhase
+from lightning_varuna.pipeline.stage_setup import StageSetup
 from lightning_varuna.pipeline.topology import Topology
 
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
@@ -72,7 +72,7 @@ class StepResult:
     """The last stage's step summary, on every stage (when one was asked for)."""
 
 
-class PipelineEngine(SetupPhase):
+class PipelineEngine(StageSetup):
     """Splits a model into pipeline stages and runs schedules over them.
 
     Args:
@@ -118,7 +118,7 @@ class PipelineEngine(SetupPhase):
         self.module = module
         self.device = device or torch.device("cpu")
         self.topology: Topology | None = None
-        self.plan: Plan | None = None
+        self.partition: Partition | None = None
         self.executor: StageExecutor | None = None
         self.grad_sync: GradientSync | None = None
         self.events = EventHooks()
@@ -355,13 +355,13 @@ class PipelineEngine(SetupPhase):
     @property
     def param_names(self) -> list[str]:
         """The full model's parameter names, in ``named_parameters()`` order (known after :meth:`setup`)."""
-        return list(self.plan.trace.param_numel) if self.plan is not None else []
+        return list(self.partition.trace.param_numel) if self.partition is not None else []
 
     @property
     def stage_param_names(self) -> tuple[str, ...]:
         """The names of the parameters this rank holds (a tied parameter on every rank that uses it)."""
-        assert self.plan is not None and self.topology is not None
-        return self.plan.rank_params(self.topology.stage)
+        assert self.partition is not None and self.topology is not None
+        return self.partition.rank_params(self.topology.stage)
 
     @property
     def microbatch(self) -> int:

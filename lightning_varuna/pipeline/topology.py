@@ -7,7 +7,7 @@ once per step, sit on different nodes.
 
 Each direction of each pipeline edge is a *link* with a two-rank process group of its own: activations go down
 one, gradients and the step summary come up the other. On NCCL each process group has its own stream per pair of
-ranks, so a link's stream carries one direction, in the order of the p2p plan, and a receive posted early on it can
+ranks, so a link's stream carries one direction, in the order of the message order, and a receive posted early on it can
 never hold up a send (:mod:`~lightning_varuna.pipeline.scheduling.lowering`). Data-parallel all-reduces run on the data
 groups, the pipeline's collectives (log sharing) on the pipeline groups: never on a link.
 """

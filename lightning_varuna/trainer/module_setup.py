@@ -127,7 +127,7 @@ def build_pipeline(strategy: ProcessGroupStrategy, trainer: Trainer, engine: Pip
     profiles = config.searches and config.profile is None and strategy.global_rank == 0
     optimizer = optimizer_spec(module) if profiles else None
     batch = strategy.batch_to_device(sample_batch(trainer, patches), strategy.root_device)
-    plan = engine.setup(batch, dry_step, optimizer=optimizer)
+    partition = engine.setup(batch, dry_step, optimizer=optimizer)
     gradients = BatchGradients(list(module.parameters()))
     topology = engine.topology
     assert topology is not None
@@ -138,8 +138,9 @@ def build_pipeline(strategy: ProcessGroupStrategy, trainer: Trainer, engine: Pip
     if isinstance(engine.autoconfig, AutoConfig):  # the choice of `choose`, the planner given above
         report_choice(trainer, engine.autoconfig)
     rank_zero_info(
-        f"VarunaStrategy: {_shape(topology.pipeline_size, plan.stages_per_rank)} x {topology.data_size} replica(s),"
-        f" schedule {engine.config.schedule!r}, recompute={engine.config.recompute}\n{plan.table()}"
+        f"VarunaStrategy: {_shape(topology.pipeline_size, partition.stages_per_rank)} x {topology.data_size}"
+        " replica(s),"
+        f" schedule {engine.config.schedule!r}, recompute={engine.config.recompute}\n{partition.table()}"
     )
     timeline = None
     if timeline_dir is not None and trainer.state.fn == TrainerFn.FITTING:

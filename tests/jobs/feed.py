@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_varuna import CutPoint
+from lightning_varuna.pipeline.comm.events import StageCounters
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.comm.events import StageCounters
 
 F_S = 0.03
 

@@ -125,9 +125,9 @@ def strategy_facts(trainer: pl.Trainer, model: pl.LightningModule, full_numel: i
         "stats": counters.memory(),
         "num_microbatches": engine.config.num_microbatches,
         "local_numel": sum(p.numel() for p in model.parameters()),
-        "plan_numel": engine.plan.stages[stage].param_numel,
-        "plan_numels": [s.param_numel for s in engine.plan.stages],
-        "plan_segments": [[s.segments.start, s.segments.stop] for s in engine.plan.stages],
+        "plan_numel": engine.partition.stages[stage].param_numel,
+        "plan_numels": [s.param_numel for s in engine.partition.stages],
+        "plan_segments": [[s.segments.start, s.segments.stop] for s in engine.partition.stages],
         "full_numel": full_numel,
     }
 

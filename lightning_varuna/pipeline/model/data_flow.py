@@ -22,7 +22,7 @@ where it is made and put where it is used: it is an element of the output of a m
 segment that takes it as an argument (its *consumers*, the outermost such calls). The stage holding the producer
 captures it there with a forward hook; a stage holding consumers puts the received value in place of the argument
 with a forward pre-hook (:mod:`~lightning_varuna.pipeline.runtime.side_values`). Any other crossing is an error when
-it spans two stages (:func:`~lightning_varuna.pipeline.model.partition.make_plan`), never a silently different
+it spans two stages (:func:`~lightning_varuna.pipeline.model.partition.make_partition`), never a silently different
 computation.
 
 Reading a tensor's shape, dtype or device is not a use of its values: stand-ins have the right shapes.

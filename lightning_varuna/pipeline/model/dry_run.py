@@ -248,7 +248,7 @@ def _side_values(one: DataFlow, two: DataFlow) -> list[SideValue]:
 def time_segments(timed_step: Callable[[], object]) -> list[float]:
     """Each segment's forward time in seconds: the fastest of :data:`TIMED_RUNS` runs of ``timed_step``.
 
-    The plan is only as good as these times, and one run on a busy machine can be preempted inside any segment:
+    The partition is only as good as these times, and one run on a busy machine can be preempted inside any segment:
     each segment's fastest run counts (the first also pays one-off warm-up costs).
 
     Args:

@@ -1,6 +1,6 @@
 """Partitioning: the dry run's segments (:mod:`~lightning_varuna.pipeline.model.dry_run`) grouped into stages.
 
-:func:`make_plan` balances the segments' costs (measured times, estimates from counted FLOPs and bytes, or
+:func:`make_partition` balances the segments' costs (measured times, estimates from counted FLOPs and bytes, or
 parameter counts) over P contiguous stages, keeps segments that a value crosses outside a cut point on one stage,
 and finds the parameters shared across stages (tied weights).
 """
@@ -15,7 +15,7 @@ from lightning_varuna.pipeline.model.segment_costs import DeviceRates, estimated
 from lightning_varuna.pipeline.scheduling.placement import Placement, placement_ranks, rank_stages
 
 __all__ = [
-    "BALANCED_BY", "Plan", "StageInfo", "balance", "check_pipeline_size", "forbidden_boundaries", "make_plan",
+    "BALANCED_BY", "Partition", "StageInfo", "balance", "check_pipeline_size", "forbidden_boundaries", "make_partition",
     "segment_costs",
 ]
 
@@ -73,13 +73,13 @@ def balance(costs: list[float], num_stages: int, together: Iterable[tuple[int, i
 
 @dataclass(frozen=True)
 class StageInfo:
-    """One stage of a plan."""
+    """One stage of a partition."""
 
     segments: range
     params: tuple[str, ...]
     param_numel: int
     seconds: float
-    """The stage's cost in the plan's unit: measured forward seconds, or estimated training seconds, per
+    """The stage's cost in the partition's unit: measured forward seconds, or estimated training seconds, per
     micro-batch (0 when balanced by parameters)."""
     param_bytes: int = 0
     forward_flops: float = 0.0
@@ -99,7 +99,7 @@ DRY_RUNS = {"real": "the model's weights", "meta": "meta tensors"}
 
 
 @dataclass(frozen=True)
-class Plan:
+class Partition:
     """How the model is split: stages, the parameters of each, and the parameters shared across stages."""
 
     stages: tuple[StageInfo, ...]
@@ -226,7 +226,7 @@ def _others(crossings: dict[tuple[int, int], str]) -> str:
 def segment_costs(
     trace: Trace, by: str = "time", microbatch: int = 1, num_microbatches: int = 1, rates: DeviceRates | None = None,
 ) -> tuple[str, list[float]]:
-    """What :func:`make_plan` balances: ``(kind, cost per segment)``, the kind a key of :data:`BALANCED_BY`.
+    """What :func:`make_partition` balances: ``(kind, cost per segment)``, the kind a key of :data:`BALANCED_BY`.
 
     ``by="time"`` uses measured forward times when the dry run took them, else the estimate of
     :func:`~lightning_varuna.pipeline.model.segment_costs.estimated_seconds` (FLOPs and bytes, at ``rates``), else
@@ -249,10 +249,10 @@ def segment_costs(
     return "params", param_cost
 
 
-def make_plan(
+def make_partition(
     trace: Trace, num_stages: int, by: str = "time", microbatch: int = 1, num_microbatches: int = 1,
     rates: DeviceRates | None = None, stages_per_rank: int = 1, placement: Placement = "looped",
-) -> Plan:
+) -> Partition:
     """Groups the traced segments into ``num_stages`` stages.
 
     Args:
@@ -267,7 +267,7 @@ def make_plan(
         placement: ``"v"``: stage ``s`` runs on rank ``s`` or ``2 P - 1 - s`` instead (two stages per rank).
 
     Returns:
-        The plan. Raises :class:`PartitionError` if it cannot be made.
+        The partition. Raises :class:`PartitionError` if it cannot be made.
     """
     n = trace.num_segments
     check_pipeline_size(trace, num_stages, stages_per_rank)
@@ -304,6 +304,6 @@ def make_plan(
         )
         for s, r in enumerate(ranges)
     )
-    return Plan(stages=stage_infos, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch,
+    return Partition(stages=stage_infos, tied=tuple(tied), trace=trace, balanced_by=kind, microbatch=microbatch,
                 stages_per_rank=stages_per_rank, placement=placement)
 

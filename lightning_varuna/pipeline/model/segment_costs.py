@@ -7,7 +7,7 @@ The two runs give each count as a line in the micro-batch size, ``fixed + per_sa
 (:class:`Linear`), which :class:`SegmentCost` keeps together with the bytes of the parameters the segment uses.
 
 :func:`estimated_seconds` turns a segment's cost into time on a device with given rates
-(:class:`DeviceRates`); the plan balances those estimates when no measured time exists (a model on the meta
+(:class:`DeviceRates`); the partition balances those estimates when no measured time exists (a model on the meta
 device). Everything here is a pure function of the trace, so other planners (a profiler choosing P, D and the
 micro-batch size) can evaluate other layouts from the same trace.
 

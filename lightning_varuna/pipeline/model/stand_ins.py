@@ -26,9 +26,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_varuna.pipeline.model.cut import never_compiled, zero_like_shape
 from lightning_varuna.pipeline.model.dry_run import Trace
-from lightning_varuna.pipeline.model.partition import Plan
+from lightning_varuna.pipeline.model.partition import Partition
 
-__all__ = ["StandIn", "apply_plan", "free_parameter", "install_stand_in", "remove_stand_ins", "stand_in_candidates"]
+__all__ = [
+    "StandIn", "apply_partition", "free_parameter", "install_stand_in", "remove_stand_ins", "stand_in_candidates",
+]
 
 
 def free_parameter(root: nn.Module, name: str, device: torch.device | None = None) -> None:
@@ -142,8 +144,8 @@ def _outermost(names: set[str]) -> list[str]:
     return [n for n in sorted(names) if not any(n.startswith(other + ".") for other in names if other != n)]
 
 
-def apply_plan(
-    root: nn.Module, plan: Plan, rank: int, segment: Callable[[], int], device: torch.device
+def apply_partition(
+    root: nn.Module, partition: Partition, rank: int, segment: Callable[[], int], device: torch.device
 ) -> list[StandIn]:
     """Makes ``root`` hold only pipeline rank ``rank``'s parameters and stand-ins for other stages' modules.
 
@@ -153,7 +155,7 @@ def apply_plan(
 
     Args:
         root: The full model (the LightningModule).
-        plan: The partition plan (identical on every rank).
+        partition: The partition partition (identical on every rank).
         rank: This rank's position in the pipeline (its stage with one stage per rank).
         segment: Returns the segment the running forward runs for real in (-1: none).
         device: Device of the stand-ins' outputs.
@@ -161,13 +163,13 @@ def apply_plan(
     Returns:
         The stand-ins installed.
     """
-    stages = plan.rank_stages(rank)
-    owned = frozenset(seg for s in stages for seg in plan.stages[s].segments)
-    keep = set(plan.rank_params(rank))
+    stages = partition.rank_stages(rank)
+    owned = frozenset(seg for s in stages for seg in partition.stages[s].segments)
+    keep = set(partition.rank_params(rank))
     for name, _ in list(root.named_parameters()):
         if name not in keep:
             free_parameter(root, name, device)
-    candidates = stand_in_candidates(plan.trace, plan.stages[stages[-1]].segments.start)
+    candidates = stand_in_candidates(partition.trace, partition.stages[stages[-1]].segments.start)
     stand_ins = []
     for name in _outermost(candidates):
         module = root.get_submodule(name)

@@ -1,11 +1,11 @@
-"""The runtime executor: runs one stage's part of a schedule, step after step, over the p2p plan's links.
+"""The runtime executor: runs one stage's part of a schedule, step after step, over the message order's links.
 
-:class:`StageExecutor` keeps what lasts across steps (the cut points of its stage, receive buffers, the lowered p2p
-plan of each schedule, the event hook); each step is a :class:`~lightning_varuna.pipeline.runtime.stage_step.StageStep`.
+:class:`StageExecutor` keeps what lasts across steps (the cut points of its stage, receive buffers, the
+message order of each schedule, the event hook); each step is a :class:`~.stage_step.StageStep`.
 A recompute or backward whose gradient is late, or that would leave the next stage without work, lets the next
 forward go first if its input is there (Varuna's opportunistic rule and ours,
 :func:`~lightning_varuna.pipeline.scheduling.run_time_rules.next_task`): forwards keep their order, as do recomputes and
-backwards, so every link's messages keep the plan's order.
+backwards, so every link's messages keep the message order.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class StageExecutor:
         return buffer
 
     def links(self, schedule: Schedule, summary: bool) -> StageLinks | RankLinks:
-        """This rank's part of the p2p plan of ``schedule`` (lowered once per schedule)."""
+        """This rank's part of the message order of ``schedule`` (lowered once per schedule)."""
         key = (id(schedule), summary)
         cached = self._links.get(key)
         if cached is None or cached[0] is not schedule:
@@ -135,7 +135,7 @@ class StageExecutor:
         last gradient: every stage finds them in :attr:`summary` when ``run`` returns, with no collective.
 
         Args:
-            schedule: The step's schedule, every stage's task list (the p2p plan is derived from all of them).
+            schedule: The step's schedule, every stage's task list (the message order is derived from all of them).
             step: Runs the user's step on micro-batch ``k``.
             sizes: The batch size of each micro-batch (the same on every stage).
             batch_dims: Which dimension of the received and of the sent activation scales with the batch.

@@ -1,6 +1,6 @@
-"""One step's transfers on the links of one stage, in the order of the step's p2p plan.
+"""One step's transfers on the links of one stage, in the order of the step's message order.
 
-:class:`StageLinks` is a stage's part of the plan (its neighbours and each link's messages in order). On each
+:class:`StageLinks` is a stage's part of the message order (its neighbours and each link's messages in order). On each
 inbound link an :class:`Inbox` posts receives strictly in the link's order, as soon as each message's shape is
 known, so that the run-time rules can ask whether a message is there; on each outbound link an :class:`Outbox`
 posts sends in the link's order and refuses anything else. A skipped batch drops its activations and gradients
@@ -21,7 +21,7 @@ from lightning_varuna.pipeline.comm.events import EventHooks
 from lightning_varuna.pipeline.comm.transfers import P2P, Transfer
 from lightning_varuna.pipeline.model.cut import CutPoint, StageForward
 from lightning_varuna.pipeline.model.data_flow import SideValue
-from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_messages
 from lightning_varuna.pipeline.scheduling.schedules import Schedule
 from lightning_varuna.pipeline.topology import Topology
 
@@ -65,7 +65,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class StageLinks:
-    """One stage's part of a step's p2p plan: its neighbours (global ranks) and each link's messages in order."""
+    """One stage's part of a step's message order: its neighbours (global ranks) and each link's messages in order."""
 
     prev: int | None
     next: int | None
@@ -85,22 +85,22 @@ class StageLinks:
                 if task.stage is not None:
                     raise PipelineError(f"{task!r} names a stage: schedules of several stages per rank use RankLinks")
         stage = topology.stage
-        plan = rank_plan(link_messages(schedule, summary=summary), stage)
+        order = rank_messages(link_messages(schedule, summary=summary), stage)
         prev = stage - 1 if stage > 0 else None
         after = stage + 1 if stage < topology.pipeline_size - 1 else None
         return cls(
             prev=topology.rank_of(prev) if prev is not None else None,
             next=topology.rank_of(after) if after is not None else None,
-            from_prev=plan.inbound.get(prev, ()) if prev is not None else (),
-            from_next=plan.inbound.get(after, ()) if after is not None else (),
-            to_prev=plan.outbound.get(prev, ()) if prev is not None else (),
-            to_next=plan.outbound.get(after, ()) if after is not None else (),
+            from_prev=order.inbound.get(prev, ()) if prev is not None else (),
+            from_next=order.inbound.get(after, ()) if after is not None else (),
+            to_prev=order.outbound.get(prev, ()) if prev is not None else (),
+            to_next=order.outbound.get(after, ()) if after is not None else (),
         )
 
 
 @dataclass(frozen=True)
 class RankLinks:
-    """One rank's part of a step's p2p plan when it runs several stages: each link's messages, by peer (global rank).
+    """One rank's part of a step's message order when it runs several stages: each link's messages, by peer.
 
     A link between two ranks carries the messages of every stage pair across it, in the sender's order.
     """
@@ -111,10 +111,10 @@ class RankLinks:
     @classmethod
     def build(cls, schedule: Schedule, topology: Topology, summary: bool, stage_ranks: tuple[int, ...]) -> RankLinks:
         """Lowers ``schedule`` (per pipeline rank, tasks naming their stages) and keeps this rank's links."""
-        plan = rank_plan(link_messages(schedule, stage_ranks, summary=summary), topology.stage)
+        order = rank_messages(link_messages(schedule, stage_ranks, summary=summary), topology.stage)
         return cls(
-            inbound={topology.rank_of(peer): messages for peer, messages in plan.inbound.items()},
-            outbound={topology.rank_of(peer): messages for peer, messages in plan.outbound.items()},
+            inbound={topology.rank_of(peer): messages for peer, messages in order.inbound.items()},
+            outbound={topology.rank_of(peer): messages for peer, messages in order.outbound.items()},
         )
 
 
@@ -134,7 +134,7 @@ class Boxes:
     def of_stage(cls, p2p: P2P, rank: int, links: StageLinks, watch: bool,
                  spec: Callable[[Message], Spec | None], buffer: Callable[[Message, torch.Size, torch.dtype], Tensor]
                  ) -> Boxes:
-        """The boxes of a rank that runs one stage: one per link of its part of the plan."""
+        """The boxes of a rank that runs one stage: one per link of its part of the message order."""
         sends: list[Transfer] = []
         prev, after = links.prev, links.next
         return cls(
@@ -203,7 +203,7 @@ class Inbox:
         return transfer.tensor
 
     def drop_unposted(self, kinds: tuple[MessageKind, ...]) -> None:
-        """Removes the messages of ``kinds`` from the link's plan (a skipped batch); none may be posted yet."""
+        """Removes the messages of ``kinds`` from the link's messages (a skipped batch); none may be posted yet."""
         if any(m.kind in kinds for m in self.messages[: self.posted]):
             raise PipelineError(f"A message of a skipped batch from rank {self.link.src} was already posted.")
         kept = [i for i, m in enumerate(self.messages) if m.kind not in kinds]
@@ -275,14 +275,14 @@ class Outbox:
         expected = self.messages[self.sent] if self.sent < len(self.messages) else None
         if message != expected:
             raise PipelineError(
-                f"Stage {stage} would send {message!r} to rank {self.link.dst}, but the step's p2p plan has"
-                f" {expected!r} next on that link (messages must keep the plan's order on every link)."
+                f"Stage {stage} would send {message!r} to rank {self.link.dst}, but the step's message order has"
+                f" {expected!r} next on that link (messages must keep the message order on every link)."
             )
         self.sends.append(self.p2p.isend(tensor, self.link, message, watch=True))
         self.sent += 1
 
     def drop_unsent(self, kinds: tuple[MessageKind, ...]) -> None:
-        """Removes the messages of ``kinds`` not sent yet from the link's plan (a skipped batch)."""
+        """Removes the messages of ``kinds`` not sent yet from the link's messages (a skipped batch)."""
         self.messages = self.messages[: self.sent] + tuple(m for m in self.messages[self.sent:] if m.kind not in kinds)
 
     def check_complete(self, stage: int) -> None:

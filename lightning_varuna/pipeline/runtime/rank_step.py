@@ -40,7 +40,7 @@ class RankStep:
 
     Args:
         executor: The rank's executor (its chunks, cut points, buffers, the event hook).
-        links: The rank's part of the step's p2p plan.
+        links: The rank's part of the step's message order.
         tasks: The rank's task list (each task names its stage).
         step: Runs the user's step on micro-batch ``k``.
         sizes: The batch size of each micro-batch.
@@ -200,7 +200,7 @@ class RankStep:
         self.executor.summary = buffer
 
     def finish(self) -> None:
-        """Waits for this step's sends; checks that every message of the plan went and came."""
+        """Waits for this step's sends; checks that every message of the message order went and came."""
         for transfer in self.sends:
             self.p2p.wait(transfer, f"sending {transfer.message!r}")
         self.sends.clear()

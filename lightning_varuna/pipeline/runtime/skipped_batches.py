@@ -1,7 +1,7 @@
 """A batch skipped before the model's forward: the user's step returned None before reaching a cut point.
 
 It is skipped on every stage alike, for every micro-batch: the stage sends a skip header in place of the first
-activation's header, and the activations and gradients of the step are dropped from every link's plan on both
+activation's header, and the activations and gradients of the step are dropped from every link's messages on both
 sides; only the summary still travels. A batch skipped for some micro-batches or on some stages only is an error.
 """
 

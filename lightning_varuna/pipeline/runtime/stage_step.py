@@ -1,10 +1,11 @@
-"""One step of one stage: its tasks (forward, recompute, backward) and its transfers, posted in plan order.
+"""One step of one stage: its tasks (forward, recompute, backward) and its transfers, posted in message order.
 
 :class:`StageStep` holds everything a step of a stage owns (received inputs, outputs kept for backward, RNG
-states for recompute, held-back weight gradients, the transfers in flight) and has one method per action of the plan:
-computation (forward, recompute, backward or its input and weight parts) and communication (inputs, gradients, summary).
+states for recompute, held-back weight gradients, the transfers in flight) and has one method per
+action: computation (forward, recompute, backward or its input and weight parts) and communication (inputs,
+gradients, summary).
 
-Transfers follow the step's p2p plan (:mod:`~lightning_varuna.pipeline.scheduling.lowering`), posted by the step's
+Transfers follow the step's message order (:mod:`~lightning_varuna.pipeline.scheduling.lowering`), posted by the step's
 inboxes and outboxes (:mod:`~lightning_varuna.pipeline.runtime.links`): receives strictly in each link's order as soon
 as each message's shape is known (the header at the step's start; every activation once the header has arrived; a
 gradient once the activation it answers has been sent; the summary behind the last gradient), so that the run-time rules
@@ -14,7 +15,7 @@ with the first one) before it is posted.
 
 A step whose batch is skipped before the model's forward (the user's step returned None before reaching a cut
 point, for every micro-batch and on every stage alike) sends a skip header in place of the first activation's
-header; the activations and gradients of the step are then dropped from every link's plan on both sides, and only
+header; the activations and gradients of the step are then dropped from every link's messages on both sides, and only
 the summary still travels.
 """
 
@@ -61,7 +62,7 @@ class StageStep:
 
     Args:
         executor: The stage's executor (cut points, buffers, dtypes, the event hook).
-        links: This stage's part of the step's p2p plan (None with ``boxes``).
+        links: This stage's part of the step's message order (None with ``boxes``).
         tasks: This stage's task list.
         step: Runs the user's step on micro-batch ``k``.
         sizes: The batch size of each micro-batch.
@@ -216,7 +217,7 @@ class StageStep:
         return self.from_next is None or self.from_next.arrived(Message(MessageKind.GRADIENT, self.stage + 1, k))
 
     def finish(self) -> None:
-        """Waits for this step's sends; checks that every message of the plan went and came."""
+        """Waits for this step's sends; checks that every message of the message order went and came."""
         for transfer in self.sends:
             self.p2p.wait(transfer, f"sending {transfer.message!r}")
         self.sends.clear()

@@ -1,4 +1,4 @@
-"""The p2p plan of a step: which messages each link carries, in which order, derived from the schedule alone.
+"""The message order of a step: which messages each link carries, in which order, derived from the schedule alone.
 
 A *link* is one direction of one pipeline edge between two ranks: a process group of its own, on which one rank
 only sends and the other only receives (:meth:`~lightning_varuna.pipeline.topology.Topology.link_group`). Under
@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 from lightning_varuna.pipeline.scheduling.schedules import Kind, ScheduleError, Task
 
-__all__ = ["Link", "Message", "MessageKind", "RankPlan", "link_messages", "rank_plan", "stage_of", "summary_path"]
+__all__ = [
+    "Link", "Message", "MessageKind", "RankMessages", "link_messages", "rank_messages", "stage_of", "summary_path",
+]
 
 Link = tuple[int, int]
 """A link as ``(sending rank, receiving rank)``, ranks counted inside one pipeline."""
@@ -68,7 +70,7 @@ class Message:
 
 
 @dataclass(frozen=True)
-class RankPlan:
+class RankMessages:
     """The messages one rank receives and sends in a step, per peer rank, in link order."""
 
     rank: int
@@ -134,9 +136,9 @@ def link_messages(
     return {link: tuple(messages) for link, messages in links.items()}
 
 
-def rank_plan(links: dict[Link, tuple[Message, ...]], rank: int) -> RankPlan:
+def rank_messages(links: dict[Link, tuple[Message, ...]], rank: int) -> RankMessages:
     """The part of :func:`link_messages`'s result that ``rank`` takes part in."""
-    return RankPlan(
+    return RankMessages(
         rank=rank,
         inbound={src: messages for (src, dst), messages in links.items() if dst == rank},
         outbound={dst: messages for (src, dst), messages in links.items() if src == rank},

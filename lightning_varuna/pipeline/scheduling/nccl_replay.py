@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_plan, stage_of
+from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, rank_messages, stage_of
 from lightning_varuna.pipeline.scheduling.schedules import Kind, Task
 
 __all__ = [
@@ -239,18 +239,18 @@ def plan_trace(
         summary: Whether the step passes the summary from the last rank to the first.
         nbytes: The size of a message.
         receive_order: Replaces the order in which a rank posts a link's receives (``(src, dst, messages)``
-            to the order): for tests that show what a wrong plan does.
+            to the order): for tests that show what a wrong order does.
     """
     links = link_messages(schedule, stage_ranks, summary)
     ranks = tuple(range(len(schedule))) if stage_ranks is None else tuple(stage_ranks)
     traces: dict[int, list[Event]] = {}
     for rank, tasks in enumerate(schedule):
-        plan = rank_plan(links, rank)
+        order = rank_messages(links, rank)
         inbound = {
             src: receive_order(src, rank, messages) if receive_order else messages
-            for src, messages in plan.inbound.items()
+            for src, messages in order.inbound.items()
         }
-        traces[rank] = _RankModel(rank, ranks, inbound, nbytes).run(tasks, plan.outbound)
+        traces[rank] = _RankModel(rank, ranks, inbound, nbytes).run(tasks, order.outbound)
     return traces
 
 

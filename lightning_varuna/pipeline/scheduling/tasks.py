@@ -14,7 +14,7 @@ class Kind(str, enum.Enum):
     ``F`` forward, ``R`` recompute (the forward again, with autograd), ``B`` backward. A split backward (zero-bubble
     schedules) has ``I``, the input-gradient part that sends the gradient to the previous stage, and ``W``, the
     weight-gradient part that communicates nothing; the executor runs ``F``, ``R`` and ``B`` today, and the p2p
-    plan (:mod:`~lightning_varuna.pipeline.scheduling.lowering`) already lowers ``I`` and ``W``.
+    message order (:mod:`~lightning_varuna.pipeline.scheduling.lowering`) already lowers ``I`` and ``W``.
     """
 
     F = "F"

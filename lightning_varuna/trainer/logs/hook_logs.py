@@ -117,7 +117,7 @@ class HookLogMerger:
         self._mine: HookMeta | None = None
         self._metas: list[HookMeta] = []
         self._capacity = 0
-        self._plan: list[tuple[str, dict[str, Any], str, Any]] = []
+        self._recipe: list[tuple[str, dict[str, Any], str, Any]] = []
 
     def replay(self, module: LightningModule, records: Sequence[tuple[int, str, Any, dict[str, Any]]]) -> None:
         """Merges ``records`` (from a :class:`~lightning_varuna.trainer.logs.log_sync.LogCapture`) and logs the result.
@@ -138,8 +138,8 @@ class HookLogMerger:
                   for v, _ in latest.values()]
         if self.replicas_group is not None:
             values = self._over_replicas(list(latest), values)
-        flat = self._exchange(meta, values)  # may renew the plan
-        merged = merge(self._plan, flat)
+        flat = self._exchange(meta, values)  # may renew the recipe
+        merged = merge(self._recipe, flat)
         previous = module._current_fx_name
         module._current_fx_name = HOOK
         try:
@@ -165,14 +165,14 @@ class HookLogMerger:
         return values
 
     def _exchange(self, meta: HookMeta, values: list[Tensor]) -> Tensor:
-        """All stages' values, concatenated in stage order; the keys (and the merge plan) follow a change."""
+        """All stages' values, concatenated in stage order; the keys (and the merge recipe) follow a change."""
         out = self._gather(meta != self._mine, values)
         heads = headers(out)
         if any(changed or not fits for changed, _, fits in heads):
             metas: list[Any] = [None] * self.size
             dist.all_gather_object(metas, meta, group=self.group)
             self._mine, self._metas = meta, metas
-            self._plan = _plan(metas, self.device)
+            self._recipe = _recipe(metas, self.device)
             if not all(fits for _, _, fits in heads):
                 self._capacity = max(len(m) for m in metas)
                 out = self._gather(False, values)
@@ -185,10 +185,10 @@ class HookLogMerger:
         return out
 
 
-def merge(plan: list[tuple[str, dict[str, Any], Any, Any]], flat: Tensor) -> list[tuple[str, Tensor, dict[str, Any]]]:
+def merge(recipe: list[tuple[str, dict[str, Any], Any, Any]], flat: Tensor) -> list[tuple[str, Tensor, dict[str, Any]]]:
     """``(name, value, log kwargs)`` per merged key, from the stages' values concatenated in stage order."""
     merged = []
-    for name, kwargs, kind, source in plan:
+    for name, kwargs, kind, source in recipe:
         if kind == "value":
             value = flat[source]
         elif kind == "max":
@@ -199,7 +199,7 @@ def merge(plan: list[tuple[str, dict[str, Any], Any, Any]], flat: Tensor) -> lis
     return merged
 
 
-def _plan(metas: list[HookMeta], device: torch.device) -> list[tuple[str, dict[str, Any], Any, Any]]:
+def _recipe(metas: list[HookMeta], device: torch.device) -> list[tuple[str, dict[str, Any], Any, Any]]:
     """``(name, log kwargs, kind, source)`` per merged key, in stage order.
 
     kind ``"value"``: source is an index into the concatenated values; ``"max"`` or a float p: source indexes
@@ -213,18 +213,18 @@ def _plan(metas: list[HookMeta], device: torch.device) -> list[tuple[str, dict[s
             first.setdefault(name, (index, frozen))
             where.setdefault(name, []).append(index)
             index += 1
-    plan: list[tuple[str, dict[str, Any], Any, Any]] = []
+    recipe: list[tuple[str, dict[str, Any], Any, Any]] = []
     for name, (i, frozen) in first.items():
         match = _TOTAL.match(name)
         if match is None:
-            plan.append((name, dict(frozen), "value", i))
+            recipe.append((name, dict(frozen), "value", i))
             continue
         p = float(match.group(1))
         prefix = f"grad_{match.group(1)}_norm"
         parts = [j for other, (j, _) in first.items() if other != name and other.startswith(prefix)]
         source = torch.tensor(parts or where[name], dtype=torch.long, device=device)
-        plan.append((name, dict(frozen), "max" if math.isinf(p) else p, source))
-    return plan
+        recipe.append((name, dict(frozen), "max" if math.isinf(p) else p, source))
+    return recipe
 
 
 def _scalar(value: Any) -> bool:

@@ -1,6 +1,6 @@
-"""The pipeline engine's setup: the dry run, P (or the planner's choice), the process grid, the plan, this rank's stage.
+"""The pipeline engine's setup: the dry run, P (or the planner's choice), the process grid, the partition, the stage.
 
-:class:`SetupPhase` holds :meth:`~lightning_varuna.pipeline.engine.PipelineEngine.setup` and its parts;
+:class:`StageSetup` holds :meth:`~lightning_varuna.pipeline.engine.PipelineEngine.setup` and its parts;
 :class:`~lightning_varuna.pipeline.engine.PipelineEngine` inherits them (its ``__init__`` sets the attributes used
 here).
 """
@@ -38,9 +38,9 @@ from lightning_varuna.pipeline.model.meta_init import (
     trace_unmaterialized,
 )
 from lightning_varuna.pipeline.model.no_trace import no_trace
-from lightning_varuna.pipeline.model.partition import Plan, check_pipeline_size, make_plan
+from lightning_varuna.pipeline.model.partition import Partition, check_pipeline_size, make_partition
 from lightning_varuna.pipeline.model.segment_costs import DeviceRates
-from lightning_varuna.pipeline.model.stand_ins import apply_plan
+from lightning_varuna.pipeline.model.stand_ins import apply_partition
 from lightning_varuna.pipeline.runtime.executor import StageExecutor
 from lightning_varuna.pipeline.runtime.fused_linear_grad import MIN_FUSED_NUMEL, install_grad_accumulation
 from lightning_varuna.pipeline.runtime.links import Chunk
@@ -52,10 +52,10 @@ from lightning_varuna.pipeline.scheduling.schedules import SPLIT_BACKWARD, stage
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
-__all__ = ["SetupPhase"]
+__all__ = ["StageSetup"]
 
 
-class SetupPhase:
+class StageSetup:
     """:meth:`setup` of :class:`~lightning_varuna.pipeline.engine.PipelineEngine`, with its parts."""
 
     # set by PipelineEngine.__init__ (the parts of a stage are None until setup makes them)
@@ -63,7 +63,7 @@ class SetupPhase:
     planner: Planner | None
     autoconfig: Choice | None
     topology: Topology | None
-    plan: Plan | None
+    partition: Partition | None
     executor: StageExecutor | None
     grad_sync: GradientSync | None
     _pipeline_size: int | None
@@ -89,7 +89,7 @@ class SetupPhase:
 
     # -- setup --------------------------------------------------------------------------------------------
     def setup(self, sample_batch: Any, step: Callable[[Any], Any], topology: Topology | None = None,
-              optimizer: OptimizerSpec | None = None) -> Plan:
+              optimizer: OptimizerSpec | None = None) -> Partition:
         """Dry-runs ``step`` on a slice of ``sample_batch``, partitions, and keeps only this rank's stage.
 
         Every replica's copy of the stage then takes replica 0's parameters and buffers, and every copy of a
@@ -107,7 +107,7 @@ class SetupPhase:
             optimizer: The optimizer's class and keyword arguments, for the planner's costs (default: AdamW).
 
         Returns:
-            The plan (identical on every rank).
+            The partition (identical on every rank).
         """
         config = self.config
         # everything that can be wrong with the model is checked before the first collective call
@@ -132,34 +132,35 @@ class SetupPhase:
         seed = config.init_seed if config.init_seed is not None else torch.initial_seed()
         run = uuid.uuid4().hex[:12]
         if topo.world_size > 1:
-            # measured times differ between ranks: everyone uses rank 0's, so the plan is the same everywhere
+            # measured times differ between ranks: everyone uses rank 0's, so the partition is the same everywhere
             shared: list[Any] = [trace.segment_seconds, seed, run]
             dist.broadcast_object_list(shared, src=0)
             trace.segment_seconds, seed, run = shared
         size = batch_size_of(sample_batch)
         m = self.microbatches_for(size)
         v = self._stages_per_rank()
-        self.plan = make_plan(trace, topo.pipeline_size * v, by=self.config.partition,
+        self.partition = make_partition(trace, topo.pipeline_size * v, by=self.config.partition,
                               microbatch=max(1, size // m), num_microbatches=m, rates=DeviceRates.nominal(self.device),
                               stages_per_rank=v, placement=placement)
         if self.config.recompute_segments is not None:  # every rank checks every stage: each raises the error
-            for s, stage in enumerate(self.plan.stages[:-1]):
+            for s, stage in enumerate(self.partition.stages[:-1]):
                 grad_from_cut(stage.segments.start - 1 if s else None, stage.segments.stop - 1,
                               self.config.recompute_segments, trace.crossings)
         if self.built_on_meta:
-            self._materialize(self.plan.rank_params(topo.stage), seed)
+            self._materialize(self.partition.rank_params(topo.stage), seed)
         chunks = self._chunks(trace)
         self._trace_p2p(run)
         self.executor = StageExecutor(topo, self._p2p(), cut_modules, None, None, self.events, chunks=chunks,
                                       stage_ranks=stage_ranks(topo.pipeline_size, v, config.schedule))
         self.executor.boundary_dtype = self.config.boundary_dtype
         self.executor.recompute_policy = self.config.recompute_policy
-        self._stand_ins = apply_plan(self.module, self.plan, topo.stage, self.executor.segment, self.device)
+        self._stand_ins = apply_partition(self.module, self.partition, topo.stage, self.executor.segment, self.device)
         if any(c.sides_in or c.sides_out for c in chunks):
             self._hooks = [*self._hooks, SideValueHooks(self.module, chunks)]
         held = dict(self.module.named_parameters())
         self.executor.chunks = [
-            replace(c, params=tuple(held[n] for n in self.plan.stages[c.stage].params if n in held)) for c in chunks
+            replace(c, params=tuple(held[n] for n in self.partition.stages[c.stage].params if n in held))
+            for c in chunks
         ]
         if self.config.fuse_grad_accumulation:
             # a held-back weight gradient (zero-bubble's W) needs the in-place path whatever the weight's size
@@ -167,20 +168,20 @@ class SetupPhase:
             self._accumulating = install_grad_accumulation(self.module, min_numel)
         self._batch_dims = chunks[0].batch_dims
         # whatever the user's seeding, every replica of a stage (and every copy of a tied parameter) starts equal
-        broadcast_initial_state(topo, self.module, self.plan.rank_tied)
+        broadcast_initial_state(topo, self.module, self.partition.rank_tied)
         sync_class = ShardedGradientSync if self.config.zero_stage == 1 and topo.data_size > 1 else GradientSync
-        self.grad_sync = sync_class(topo, dict(self.module.named_parameters()), self.plan.rank_tied,
+        self.grad_sync = sync_class(topo, dict(self.module.named_parameters()), self.partition.rank_tied,
                                     bucket_bytes=self.config.grad_bucket_bytes, overlap=self.config.overlap_grad_sync)
-        return self.plan
+        return self.partition
 
     def _chunks(self, trace: Trace) -> list[Chunk]:
         """The stages this rank runs: where each one's forward starts and ends, and its boundaries' dtypes."""
-        assert self.plan is not None and self.topology is not None
-        last_stage = len(self.plan.stages) - 1
-        sides_out = side_values_sent(trace.side_values, [stage.segments for stage in self.plan.stages])
+        assert self.partition is not None and self.topology is not None
+        last_stage = len(self.partition.stages) - 1
+        sides_out = side_values_sent(trace.side_values, [stage.segments for stage in self.partition.stages])
         chunks = []
-        for s in self.plan.rank_stages(self.topology.stage):
-            segments = self.plan.stages[s].segments
+        for s in self.partition.rank_stages(self.topology.stage):
+            segments = self.partition.stages[s].segments
             first = segments.start - 1 if s > 0 else None
             last = segments.stop - 1 if s < last_stage else None
             grad_from = grad_from_cut(first, last, self.config.recompute_segments, trace.crossings)
