@@ -69,10 +69,11 @@ def real_profile(config: dict, largest: int, devices: int):
     """Profiles the real GPT in this process; returns (profile, seconds to profile, seconds to search 4 devices)."""
     import torch
 
+    from lightning_varuna.pipeline.config import EngineConfig
     from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
     from lightning_varuna.pipeline.model.dry_run import trace_step
     from lightning_varuna.pipeline.planning.profiler import profile_model, profile_sizes
-    from lightning_varuna.pipeline.planning.search import Choices, Cluster, search
+    from lightning_varuna.pipeline.planning.search import Cluster, search
 
     torch.manual_seed(0)
     model = gpt_class()(**config)
@@ -84,7 +85,8 @@ def real_profile(config: dict, largest: int, devices: int):
     profile = profile_model(model, lambda n: model._loss(samples(batch, n)), default_loss, trace,
                             profile_sizes(largest), torch.device("cpu"))
     profiled = time.perf_counter()
-    search(profile, Cluster(devices, devices), Choices(), 2**40, largest)
+    searched = EngineConfig(microbatch_size="auto", schedule="auto", recompute="auto", global_batch_size=largest)
+    search(profile, Cluster(devices, devices), searched, 2**40)
     return profile, profiled - start, time.perf_counter() - profiled
 
 
@@ -180,7 +182,7 @@ def worker(args) -> int:
     from lightning_varuna.pipeline.planning.choice import choose
     from lightning_varuna.pipeline.planning.memory_model import planning_budget
     from lightning_varuna.pipeline.planning.profile_data import Profile
-    from lightning_varuna.pipeline.planning.search import Choices, search
+    from lightning_varuna.pipeline.planning.search import search
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -207,7 +209,7 @@ def worker(args) -> int:
         auto.profile.save(args.emulated_profile)
     peaks = sorted(max(c.peak_bytes) for c in auto.ranking)
     limit = args.memory_limit or peaks[int(0.6 * (len(peaks) - 1))]
-    ranking = search(auto.profile, auto.cluster, Choices(), planning_budget(limit), G)  # as the engine plans
+    ranking = search(auto.profile, auto.cluster, plan_config, planning_budget(limit))  # as the engine plans
     dist.barrier(group=group)
     model = None  # free it before the configurations are built
 

@@ -19,13 +19,13 @@ import pytest
 import torch
 from helpers.launch import ROOT, _env, python, torchrun
 from helpers.models import RandomTokens, TinyGPT
-from helpers.profiles import synthetic_profile
+from helpers.profiles import search_space, synthetic_profile
 from test_planner import _decode_png
 from torch.utils.data import DataLoader
 
 from lightning_varuna.pipeline.planning.memory_model import parse_bytes, planning_budget
 from lightning_varuna.pipeline.planning.profile_data import Link, Profile
-from lightning_varuna.pipeline.planning.search import Candidate, Choices, Cluster, search
+from lightning_varuna.pipeline.planning.search import Candidate, Cluster, search
 
 GLOBAL_BATCH = 16
 MEMORY = "1GiB"
@@ -43,8 +43,8 @@ def _tiny_gpt_profile() -> Profile:
 
 
 def _expected(profile: Profile, world: int) -> Candidate:
-    return search(profile, Cluster(world, world), Choices(stages_per_rank=None), planning_budget(parse_bytes(MEMORY)),
-                  GLOBAL_BATCH)[0]
+    space = search_space(stages_per_rank="auto", global_batch_size=GLOBAL_BATCH)
+    return search(profile, Cluster(world, world), space, planning_budget(parse_bytes(MEMORY)))[0]
 
 
 # under pytest-xdist one worker runs all of this module's tests, so its module-scoped jobs run once
@@ -153,7 +153,7 @@ def test_the_planner_cli_on_the_example(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     plan = json.loads(result.stdout[result.stdout.index("{"):])
     budget = planning_budget(parse_bytes(memory))  # the limit less the planner's reserve
-    ranking = search(profile, Cluster(4, 4), Choices(), budget, GLOBAL_BATCH)
+    ranking = search(profile, Cluster(4, 4), search_space(global_batch_size=GLOBAL_BATCH), budget)
     best = ranking[0]
     assert plan["chosen"]["pipeline_parallel_size"] == best.pipeline_size > 1
     assert (plan["chosen"]["microbatch_size"], plan["chosen"]["schedule"], plan["chosen"]["recompute"]) == (

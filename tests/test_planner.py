@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.profiles import synthetic_profile
+from helpers.profiles import search_space, synthetic_profile
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import default_loss, first_samples, samples
 from lightning_varuna.pipeline.model.dry_run import trace_step
-from lightning_varuna.pipeline.planning.choice import AutoConfig, choose, plan
+from lightning_varuna.pipeline.planning.choice import PlannerChoice, choose, plan
 from lightning_varuna.pipeline.planning.memory_model import (
     MEMORY_RESERVE,
     graphs_in_flight,
@@ -34,7 +34,7 @@ from lightning_varuna.pipeline.planning.profile_data import (
     load_cached,
     store_cached,
 )
-from lightning_varuna.pipeline.planning.search import Choices, Cluster, PlanError, format_table, predict, search
+from lightning_varuna.pipeline.planning.search import Cluster, PlanError, format_table, predict, search
 from lightning_varuna.pipeline.scheduling.schedules import make_schedule
 from lightning_varuna.pipeline.timelines.picture import render_png
 from lightning_varuna.pipeline.timelines.timeline import (
@@ -127,12 +127,12 @@ def test_predicted_steps_hand_computed() -> None:
 def test_search_takes_the_fastest_and_excludes_what_does_not_fit() -> None:
     profile = two_segments(param_bytes=1000)
     two_procs = Cluster(2, 2)
-    ranked = search(profile, two_procs, Choices(), memory_limit=2**40, global_batch_size=4)
+    ranked = search(profile, two_procs, search_space(global_batch_size=4), memory_limit=2**40)
     best = ranked[0]
     assert (best.pipeline_size, best.data_size, best.step_s) == (1, 2, pytest.approx(12.0))
     assert best.num_microbatches == 2  # as fast as m=1, with half the activations
     # P=1 holds 2000 weight bytes, gradients and their flat copy (4000) and Adam's 4000: more than 8000 bytes
-    ranked = search(profile, two_procs, Choices(), memory_limit=8000, global_batch_size=4)
+    ranked = search(profile, two_procs, search_space(global_batch_size=4), memory_limit=8000)
     best = ranked[0]
     # zero-bubble (its list in 1F1B's order, each W right after its I): 3 m + 2 (P - 1) unit ticks = 14 s, where
     # 1F1B's 3 m + 3 (P - 1) = 15 s, at the same memory
@@ -149,19 +149,19 @@ def test_a_slow_all_reduce_makes_the_pipeline_win() -> None:
     profile = two_segments(param_bytes=1000, allreduce=Link(0.0, 500.0))
     one_stage = predict(profile, Cluster(2, 2), 1, 1, 2, "varuna", False).candidate
     assert one_stage.step_s == pytest.approx(12.0 + 4.0)
-    best = search(profile, Cluster(2, 2), Choices(), memory_limit=2**40, global_batch_size=4)[0]
+    best = search(profile, Cluster(2, 2), search_space(global_batch_size=4), memory_limit=2**40)[0]
     assert (best.pipeline_size, best.schedule, best.step_s) == (2, "zero-bubble", pytest.approx(14.0))
 
 
 def test_fixed_choices_are_kept_and_p_needs_a_global_batch() -> None:
     profile = two_segments()
-    fixed = Choices(pipeline_size=2, microbatch_size=None, schedule="gpipe", recompute=True)
+    fixed = search_space(pipeline_parallel_size=2, microbatch_size=None, schedule="gpipe", recompute=True)
     ranked = search(profile, Cluster(2, 2), fixed, memory_limit=2**40, replica_batch_size=6)
     assert [(c.pipeline_size, c.num_microbatches, c.schedule, c.recompute) for c in ranked] == [(2, 4, "gpipe", True)]
     with pytest.raises(PlanError, match="needs global_batch_size"):
-        search(profile, Cluster(2, 2), Choices(), memory_limit=2**40, replica_batch_size=6)
+        search(profile, Cluster(2, 2), search_space(), memory_limit=2**40, replica_batch_size=6)
     with pytest.raises(PlanError, match="does not split"):
-        search(profile, Cluster(2, 2), Choices(pipeline_size=1), memory_limit=2**40, global_batch_size=3)
+        search(profile, Cluster(2, 2), search_space(pipeline_parallel_size=1, global_batch_size=3), memory_limit=2**40)
 
 
 def test_cluster_knows_which_traffic_crosses_nodes() -> None:
@@ -257,7 +257,7 @@ def test_the_planner_keeps_a_reserve_below_the_memory_limit(tmp_path: Path) -> N
     synthetic_profile(model, batch, step, 4).save(tmp_path / "profile.json")
     trace = trace_step(model, lambda n: step(first_samples(batch, n)))[0]
 
-    def chosen(memory_limit: int) -> AutoConfig:
+    def chosen(memory_limit: int) -> PlannerChoice:
         config = EngineConfig(pipeline_parallel_size=1, microbatch_size="auto", schedule="auto", recompute="auto",
                               memory_limit=memory_limit, profile=str(tmp_path / "profile.json"))
         return plan(config, model, trace, lambda n: step(samples(batch, n)), default_loss, 4, torch.device("cpu"),

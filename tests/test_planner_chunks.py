@@ -7,12 +7,13 @@ End to end (a chosen ``stages_per_rank=2`` training like the plain run, resumed 
 from __future__ import annotations
 
 import pytest
+from helpers.profiles import search_space
 from test_planner import network, segment
 
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.planning.memory_model import activation_peak
 from lightning_varuna.pipeline.planning.profile_data import CutProfile, ParamProfile, Profile
-from lightning_varuna.pipeline.planning.search import Choices, Cluster, PlanError, predict, search
+from lightning_varuna.pipeline.planning.search import Cluster, PlanError, predict, search
 from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, Kind, Task
 
 UNLIMITED = 2**40
@@ -47,7 +48,8 @@ def test_recompute_by_degree_holds_the_kept_part_of_each_forward_and_one_recompu
 
 def test_two_chunks_per_rank_are_searched_with_the_schedules_that_run_them() -> None:
     profile = uniform(8)
-    ranked = search(profile, Cluster(4, 4), Choices(pipeline_size=4, num_microbatches=8, stages_per_rank=None),
+    ranked = search(profile, Cluster(4, 4),
+                    search_space(pipeline_parallel_size=4, num_microbatches=8, stages_per_rank="auto"),
                     UNLIMITED, replica_batch_size=8)
     chunks = {c.stages_per_rank for c in ranked}
     assert chunks == {1, 2}
@@ -62,7 +64,7 @@ def test_two_chunks_per_rank_are_searched_with_the_schedules_that_run_them() -> 
 
 def test_a_memory_limit_below_two_chunks_peak_chooses_one_chunk() -> None:
     profile = uniform(8, saved_per_sample=1000)  # activations decide the peak
-    choices = Choices(pipeline_size=4, num_microbatches=8, stages_per_rank=None, recompute=False)
+    choices = search_space(pipeline_parallel_size=4, num_microbatches=8, stages_per_rank="auto", recompute=False)
     ranked = search(profile, Cluster(4, 4), choices, UNLIMITED, replica_batch_size=8)
     fastest_two = next(c for c in ranked if c.stages_per_rank == 2)
     lighter_one = min((c for c in ranked if c.stages_per_rank == 1), key=lambda c: max(c.peak_bytes))
@@ -102,10 +104,12 @@ def test_the_v_schedule_is_predicted_over_its_own_placement() -> None:
 
 def test_a_model_with_too_few_segments_for_two_chunks_says_so() -> None:
     with pytest.raises(PlanError, match="2 chunks per rank"):
-        search(uniform(3), Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, stages_per_rank=2),
+        search(uniform(3), Cluster(2, 2),
+               search_space(pipeline_parallel_size=2, num_microbatches=4, stages_per_rank=2),
                UNLIMITED, replica_batch_size=4)
     # searched: one chunk per rank remains
-    ranked = search(uniform(3), Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, stages_per_rank=None),
+    ranked = search(uniform(3), Cluster(2, 2),
+                    search_space(pipeline_parallel_size=2, num_microbatches=4, stages_per_rank="auto"),
                     UNLIMITED, replica_batch_size=4)
     assert {c.stages_per_rank for c in ranked} == {1}
 
@@ -122,7 +126,8 @@ def test_the_configuration_takes_auto_chunks_and_auto_values_with_two_chunks() -
 # -- recompute by degree ------------------------------------------------------------------------------------------
 def test_degrees_lie_between_no_recompute_and_whole_stages_in_memory_and_time() -> None:
     profile = uniform(8)  # P=2: stages of 4 segments
-    ranked = search(profile, Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, schedule="1f1b"), UNLIMITED,
+    ranked = search(profile, Cluster(2, 2),
+                    search_space(pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b"), UNLIMITED,
                     replica_batch_size=4)
     by_recompute = {repr(c.recompute): c for c in ranked}
     assert set(by_recompute) == {"True", "False", "1", "2", "3"}
@@ -140,7 +145,7 @@ def test_degrees_lie_between_no_recompute_and_whole_stages_in_memory_and_time() 
 
 def test_under_a_memory_limit_the_fastest_degree_that_fits_is_chosen() -> None:
     profile = uniform(8, saved_per_sample=1000)
-    choices = Choices(pipeline_size=2, num_microbatches=4, schedule="1f1b")
+    choices = search_space(pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b")
     ranked = search(profile, Cluster(2, 2), choices, UNLIMITED, replica_batch_size=4)
     two = next(c for c in ranked if c.recompute == 2 and c.recompute is not True)
     chosen = search(profile, Cluster(2, 2), choices, max(two.peak_bytes), replica_batch_size=4)[0]
@@ -150,6 +155,7 @@ def test_under_a_memory_limit_the_fastest_degree_that_fits_is_chosen() -> None:
 def test_a_degree_a_value_would_cross_is_not_searched() -> None:
     profile = uniform(8)
     crossed = Profile(**{**profile.__dict__, "crossings": ((0, 1),)})
-    ranked = search(crossed, Cluster(2, 2), Choices(pipeline_size=2, num_microbatches=4, schedule="1f1b"), UNLIMITED,
+    ranked = search(crossed, Cluster(2, 2),
+                    search_space(pipeline_parallel_size=2, num_microbatches=4, schedule="1f1b"), UNLIMITED,
                     replica_batch_size=4)
     assert {repr(c.recompute) for c in ranked} == {"True", "False", "2", "3"}

@@ -7,6 +7,7 @@ only a sharded configuration meets, and the time model's reduce-scatter plus all
 from __future__ import annotations
 
 import pytest
+from helpers.profiles import search_space
 
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE, stage_memory
 from lightning_varuna.pipeline.planning.profile_data import (
@@ -17,7 +18,7 @@ from lightning_varuna.pipeline.planning.profile_data import (
     Profile,
     SegmentProfile,
 )
-from lightning_varuna.pipeline.planning.search import Choices, Cluster, format_table, predict, search
+from lightning_varuna.pipeline.planning.search import Cluster, format_table, predict, search
 
 SIZES = (1, 2, 4)
 FREE = Link(0.0, 1e30)
@@ -57,14 +58,14 @@ def test_a_configuration_that_fits_only_sharded_is_chosen_under_a_limit_that_exc
     profile = weighty()
     cluster = Cluster(4, 4)
     # P=1 x D=4 is the fastest shape (no pipeline fill and drain); its peak sits between the two limits
-    sharded_p1 = predict(profile, cluster, 1, 1, 1, "1f1b", False, Choices(zero_stage=1)).candidate
-    whole_p1 = predict(profile, cluster, 1, 1, 1, "1f1b", False, Choices(zero_stage=0)).candidate
+    sharded_p1 = predict(profile, cluster, 1, 1, 1, "1f1b", False, search_space(zero_stage=1)).candidate
+    whole_p1 = predict(profile, cluster, 1, 1, 1, "1f1b", False, search_space(zero_stage=0)).candidate
     assert max(m.optimizer for m in sharded_p1.memory) * 4 == max(m.optimizer for m in whole_p1.memory)
     budget = (max(sharded_p1.peak_bytes) + max(whole_p1.peak_bytes)) // 2
     memory_limit = int(budget / (1 - MEMORY_RESERVE))
 
-    with_sharding = search(profile, cluster, Choices(zero_stage=1), memory_limit=memory_limit, global_batch_size=4)
-    without = search(profile, cluster, Choices(zero_stage=0), memory_limit=memory_limit, global_batch_size=4)
+    with_sharding = search(profile, cluster, search_space(zero_stage=1, global_batch_size=4), memory_limit=memory_limit)
+    without = search(profile, cluster, search_space(zero_stage=0, global_batch_size=4), memory_limit=memory_limit)
     chosen = with_sharding[0]
     assert chosen.fits and (chosen.pipeline_size, chosen.data_size) == (1, 4)
     assert not any(c.fits for c in without if c.pipeline_size == 1)
@@ -81,9 +82,9 @@ def test_reduce_scatter_and_all_gather_take_the_all_reduces_time(latency_s: floa
     # one bucket per rank, sync after the schedule: all-reduce = reduce-scatter + all-gather, same bytes and steps
     profile = weighty(param_bytes=1000, allreduce=Link(latency_s, 1000.0))
     cluster = Cluster(2, 2)
-    choices = dict(overlap=False, bucket_bytes=10**6)
-    whole = predict(profile, cluster, 1, 2, 1, "1f1b", False, Choices(zero_stage=0, **choices))
-    sharded = predict(profile, cluster, 1, 2, 1, "1f1b", False, Choices(zero_stage=1, **choices))
+    choices = dict(overlap_grad_sync=False, grad_bucket_bytes=10**6)
+    whole = predict(profile, cluster, 1, 2, 1, "1f1b", False, search_space(zero_stage=0, **choices))
+    sharded = predict(profile, cluster, 1, 2, 1, "1f1b", False, search_space(zero_stage=1, **choices))
     # F=2 s + B=4 s per sample, 2 samples: 12 s; 2000 bytes over 2 ranks at 1000 B/s: 2 s (+ 2 latencies)
     assert whole.candidate.step_s == pytest.approx(12.0 + 2.0 + 2 * latency_s)
     assert sharded.candidate.step_s == pytest.approx(whole.candidate.step_s)

@@ -42,7 +42,7 @@ from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep, check_elementwise
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.config import EngineConfig
-from lightning_varuna.pipeline.engine_inputs import Choice, Planner, StepRecorder
+from lightning_varuna.pipeline.engine_inputs import Chosen, Planner, StepRecorder
 from lightning_varuna.pipeline.model.cut import CutPoint
 from lightning_varuna.pipeline.model.partition import Partition
 from lightning_varuna.pipeline.model.stand_ins import remove_stand_ins
@@ -123,9 +123,9 @@ class PipelineEngine(StageSetup):
         self.grad_sync: GradientSync | None = None
         self.events = EventHooks()
         """The executor's event hook: add recorders (:mod:`~.comm.events`) before or after setup."""
-        self.autoconfig: Choice | None = None
+        self.autoconfig: Chosen | None = None
         """The planner's choice, when it chose (with :func:`~lightning_varuna.pipeline.planning.choice.choose`: an
-        :class:`~lightning_varuna.pipeline.planning.choice.AutoConfig`, which holds the ranking too)."""
+        :class:`~lightning_varuna.pipeline.planning.choice.PlannerChoice`, which holds the ranking too)."""
         self.recorder: StepRecorder | None = None
         """What each training step did when (see :meth:`record_timeline`); None when not recording."""
         size = config.pipeline_parallel_size

@@ -20,17 +20,18 @@ from lightning_varuna.pipeline.config import EngineConfig
 if TYPE_CHECKING:
     from lightning_varuna.pipeline.model.dry_run import Trace
 
-__all__ = ["Choice", "OptimizerSpec", "Planner", "StepRecorder"]
+__all__ = ["Chosen", "OptimizerSpec", "Planner", "StepRecorder"]
 
 OptimizerSpec = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 """The optimizer the profiler times: its class and keyword arguments."""
 
 
-class Choice(Protocol):
-    """What the engine uses of a planner's choice (the planner's own result holds more: the ranking, ...)."""
+class Chosen(Protocol):
+    """What the engine uses of a planner's answer (the planner's own answer holds more: the ranking, ...)."""
 
-    def resolved(self, config: EngineConfig) -> EngineConfig:
-        """``config`` with every ``"auto"`` value replaced by the chosen one."""
+    @property
+    def config(self) -> EngineConfig:
+        """The config the engine was given, with every ``"auto"`` value replaced by the chosen one."""
         ...
 
     def segment_costs(self) -> list[float]:
@@ -46,7 +47,7 @@ class Planner(Protocol):
 
     def __call__(self, config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callable[[int], Any],
                  loss_of: Callable[[Any], Tensor], replica_batch_size: int, device: torch.device,
-                 optimizer: OptimizerSpec | None = None) -> Choice:
+                 optimizer: OptimizerSpec | None = None) -> Chosen:
         """The choice for ``module``, whose dry run gave ``trace``; ``step_on(n)`` runs the step on ``n`` samples."""
         ...
 

@@ -28,7 +28,7 @@ from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
 from lightning_varuna.pipeline.comm.sharded_sync import ShardedGradientSync
 from lightning_varuna.pipeline.comm.transfers import P2P, HostStaging
 from lightning_varuna.pipeline.config import EngineConfig
-from lightning_varuna.pipeline.engine_inputs import Choice, OptimizerSpec, Planner
+from lightning_varuna.pipeline.engine_inputs import Chosen, OptimizerSpec, Planner
 from lightning_varuna.pipeline.model.cut import CutPoint, check_cut_at_order, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import Trace, time_segments, trace_step
 from lightning_varuna.pipeline.model.meta_init import (
@@ -61,7 +61,7 @@ class StageSetup:
     # set by PipelineEngine.__init__ (the parts of a stage are None until setup makes them)
     config: EngineConfig
     planner: Planner | None
-    autoconfig: Choice | None
+    autoconfig: Chosen | None
     topology: Topology | None
     partition: Partition | None
     executor: StageExecutor | None
@@ -268,7 +268,7 @@ class StageSetup:
             self.config, self.module, trace, lambda n: step(samples(sample_batch, n)), default_loss,
             batch_size_of(sample_batch), self.device, optimizer,
         )
-        self.config = self.autoconfig.resolved(self.config)
+        self.config = self.autoconfig.config
         self._pipeline_size = cast(int, self.config.pipeline_parallel_size)  # the planner's choice
 
 

@@ -25,7 +25,7 @@ from lightning_varuna.pipeline.batches import is_meta_batch
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import PipelineEngine
 from lightning_varuna.pipeline.model.meta_init import has_meta_tensors
-from lightning_varuna.pipeline.planning.choice import AutoConfig, choose
+from lightning_varuna.pipeline.planning.choice import PlannerChoice, choose
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.trainer.batch_gradients import BatchGradients
 from lightning_varuna.trainer.data import sample_batch
@@ -135,7 +135,7 @@ def build_pipeline(strategy: ProcessGroupStrategy, trainer: Trainer, engine: Pip
         module.to(strategy.root_device)  # every tensor is real now: updates the module's `device`
     if initial_weights is not None:
         _load_initial_weights(strategy, trainer, initial_weights, layout)
-    if isinstance(engine.autoconfig, AutoConfig):  # the choice of `choose`, the planner given above
+    if isinstance(engine.autoconfig, PlannerChoice):  # the choice of `choose`, the planner given above
         report_choice(trainer, engine.autoconfig)
     rank_zero_info(
         f"VarunaStrategy: {_shape(topology.pipeline_size, partition.stages_per_rank)} x {topology.data_size}"

@@ -51,7 +51,7 @@ from lightning_varuna.pipeline.model.meta_init import (
     to_meta,
     trace_unmaterialized,
 )
-from lightning_varuna.pipeline.planning.choice import AutoConfig, plan
+from lightning_varuna.pipeline.planning.choice import PlannerChoice, plan
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE, format_bytes, parse_bytes
 from lightning_varuna.pipeline.planning.profile_data import Network, Profile, ProfileError, default_network
 from lightning_varuna.pipeline.planning.search import Candidate, Cluster, PlanError, format_table
@@ -146,7 +146,7 @@ def _mentions_data(configs: list[str]) -> bool:
     return any(re.search(r"^data:", Path(c).read_text(), re.MULTILINE) for c in configs)
 
 
-def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: Trainer) -> AutoConfig:
+def _plan(args: argparse.Namespace, model: LightningModule, data: Any, trainer: Trainer) -> PlannerChoice:
     strategy = trainer.strategy
     if not isinstance(strategy, VarunaStrategy):
         raise ValueError(f"the config's strategy is {type(strategy).__name__}; plan needs VarunaStrategy")
@@ -265,7 +265,7 @@ def _candidate_json(candidate: Candidate) -> dict[str, Any]:
     }
 
 
-def _as_json(autoconfig: AutoConfig, args: argparse.Namespace) -> dict[str, Any]:
+def _as_json(autoconfig: PlannerChoice, args: argparse.Namespace) -> dict[str, Any]:
     ranking = autoconfig.ranking if args.top == 0 else autoconfig.ranking[: args.top]
     return {
         "devices": autoconfig.cluster.world_size, "devices_per_node": autoconfig.cluster.devices_per_node,
@@ -276,7 +276,7 @@ def _as_json(autoconfig: AutoConfig, args: argparse.Namespace) -> dict[str, Any]
     }
 
 
-def _print(autoconfig: AutoConfig, args: argparse.Namespace) -> None:
+def _print(autoconfig: PlannerChoice, args: argparse.Namespace) -> None:
     c = autoconfig.chosen
     print(f"{args.devices} device(s) of this machine ({autoconfig.profile.machine}); profile: {autoconfig.source};"
           f" {autoconfig.seconds:.2f} s to profile and search; memory limit {format_bytes(autoconfig.memory_limit)}")
@@ -285,7 +285,7 @@ def _print(autoconfig: AutoConfig, args: argparse.Namespace) -> None:
                        reserve=MEMORY_RESERVE))
 
 
-def _timeline(autoconfig: AutoConfig, path: Path) -> None:
+def _timeline(autoconfig: PlannerChoice, path: Path) -> None:
     panels = [(f"predicted: {c.describe()}", predicted_events(replace(autoconfig, chosen=c).prediction()))
               for c in autoconfig.ranking[:2]]
     path.parent.mkdir(parents=True, exist_ok=True)

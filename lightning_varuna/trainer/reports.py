@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_varuna.failstop.failures import waiting_on_peers
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.planning.choice import AutoConfig, OptimizerSpec
+from lightning_varuna.pipeline.planning.choice import OptimizerSpec, PlannerChoice
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE
 from lightning_varuna.pipeline.planning.search import format_table
 from lightning_varuna.pipeline.timelines.picture import has_matplotlib, render_png
@@ -66,7 +66,7 @@ def _first_optimizer(value: Any) -> torch.optim.Optimizer | None:
     return None
 
 
-def choice_hparams(autoconfig: AutoConfig) -> dict[str, Any]:
+def choice_hparams(autoconfig: PlannerChoice) -> dict[str, Any]:
     """The chosen configuration as hyper-parameters."""
     c = autoconfig.chosen
     return {
@@ -79,7 +79,7 @@ def choice_hparams(autoconfig: AutoConfig) -> dict[str, Any]:
     }
 
 
-def report_choice(trainer: Trainer, autoconfig: AutoConfig, rows: int = 6) -> None:
+def report_choice(trainer: Trainer, autoconfig: PlannerChoice, rows: int = 6) -> None:
     """Prints the choice and the runners-up on rank 0 and logs the choice to every logger's hyper-parameters."""
     c = autoconfig.chosen
     rank_zero_info(
@@ -151,7 +151,7 @@ class TimelineOutput:
         last = max((e.step for e in executed), default=0)
         panels = [(f"executed: step {last}", [e for e in executed if e.step == last])]
         autoconfig = self.engine.autoconfig
-        if isinstance(autoconfig, AutoConfig):
+        if isinstance(autoconfig, PlannerChoice):
             predicted = predicted_events(autoconfig.prediction())
             write_chrome_trace(self.directory / "timeline_predicted.json", predicted, "predicted")
             panels.insert(0, (f"predicted: {autoconfig.chosen.describe()}", predicted))

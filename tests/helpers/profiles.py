@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.engine import first_samples
 from lightning_varuna.pipeline.planning.profile_data import (
     CutProfile,
@@ -20,6 +21,15 @@ from lightning_varuna.pipeline.planning.profile_data import (
 from lightning_varuna.pipeline.planning.profiler import profile_sizes
 
 FAST = Link(1e-5, 1e9)
+
+
+def search_space(**options: Any) -> EngineConfig:
+    """An :class:`EngineConfig` that leaves the planner every value not given: P, the micro-batch size (unless a
+    count is given), schedule and recompute are ``"auto"``."""
+    searched: dict[str, Any] = {"schedule": "auto", "recompute": "auto"}
+    if "num_microbatches" not in options:
+        searched["microbatch_size"] = "auto"
+    return EngineConfig(**{**searched, **options})
 
 
 def synthetic_profile(module: nn.Module, batch: Any, step: Callable[[Any], Any], largest: int,

@@ -1,4 +1,8 @@
-"""What auto-configuration plans for and what it predicts: the cluster, the choices, each candidate's figures."""
+"""What auto-configuration plans for and what it predicts: the cluster, each candidate's figures.
+
+What is fixed and what is searched is the user's own :class:`~lightning_varuna.pipeline.config.EngineConfig`: a value
+``"auto"`` is searched, any other is kept.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from dataclasses import dataclass, field
 from lightning_varuna.pipeline.planning.memory_model import StageMemory
 from lightning_varuna.pipeline.scheduling.simulator import SimResult, StageCosts
 
-__all__ = ["Candidate", "Choices", "Cluster", "PlanError", "Prediction"]
+__all__ = ["Candidate", "Cluster", "PlanError", "Prediction"]
 
 
 class PlanError(ValueError):
@@ -51,39 +55,6 @@ class Cluster:
     def sharing(self, pipeline_size: int) -> int:
         """How many stages' all-reduces leave one node at once: the node's distinct stages."""
         return min(pipeline_size, self.devices_per_node)
-
-
-@dataclass(frozen=True)
-class Choices:
-    """What is fixed and what is searched.
-
-    Attributes:
-        pipeline_size: P, or None to search every P that divides the world size.
-        microbatch_size: A size, ``"auto"`` to search every size that divides the replica's batch, or None for
-            the engine's default (``2 * P`` micro-batches, fewer if the batch is smaller).
-        num_microbatches: A fixed count (instead of ``microbatch_size``).
-        schedule: A schedule, or None to search all.
-        recompute: True, False or a number of segments (recompute by degree), or None to search them.
-        partition: How the engine balances stages: ``"time"`` or ``"params"``.
-        bucket_bytes: The gradient sync's bucket size (None: its default).
-        overlap: Whether the data-parallel all-reduce starts during the last backward.
-        wire_bytes_per_element: Bytes on the wire per byte of an activation (0.5 for bfloat16 over float32).
-        zero_stage: 1: the optimizer state sharded over the replicas (memory /D; the sync reduce-scatters, the
-            step is followed by an all-gather: the same bytes as the all-reduce).
-        stages_per_rank: Model chunks per rank ``v``, or None to search 1 and 2.
-    """
-
-    pipeline_size: int | None = None
-    microbatch_size: int | str | None = "auto"
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    recompute: bool | int | None = None
-    partition: str = "time"
-    bucket_bytes: int | None = None
-    overlap: bool = True
-    wire_bytes_per_element: float = 1.0
-    zero_stage: int = 0
-    stages_per_rank: int | None = 1
 
 
 @dataclass(frozen=True)

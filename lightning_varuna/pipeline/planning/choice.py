@@ -43,7 +43,6 @@ from lightning_varuna.pipeline.planning.profile_data import (
 from lightning_varuna.pipeline.planning.profiler import measure_network, profile_model, profile_sizes
 from lightning_varuna.pipeline.planning.search import (
     Candidate,
-    Choices,
     Cluster,
     PlanError,
     Prediction,
@@ -51,37 +50,44 @@ from lightning_varuna.pipeline.planning.search import (
     search,
 )
 
-__all__ = ["AutoConfig", "OptimizerSpec", "choose", "model_key", "plan"]
+__all__ = ["OptimizerSpec", "PlannerChoice", "choose", "model_key", "plan"]
 
 
 
 @dataclass(frozen=True)
-class AutoConfig:
-    """What the planner chose, and from what.
+class PlannerChoice:
+    """The planner's answer: the user's config with every ``"auto"`` filled in, and what it was chosen from.
 
     Attributes:
-        chosen: The configuration the engine runs.
+        config: The configuration the engine runs: the :class:`EngineConfig` it was given, with the chosen values in
+            place of ``"auto"`` (and P, chunks per rank and schedule as the chosen candidate has them).
+        chosen: The chosen configuration's predicted figures.
         ranking: Every valid configuration, best first (``ranking[0] is chosen``).
         profile: The profile planned from (with the network measured for this job).
         cluster: The processes planned for.
         memory_limit: Bytes a stage may use; the search kept predicted peaks within
             :func:`~lightning_varuna.pipeline.planning.memory_model.planning_budget` of it.
-        global_batch_size: The global batch planned for (None: the replica's batch was fixed).
         source: Where the profile came from: ``"file"``, ``"cache"`` or ``"measured"``.
         seconds: Time to profile (or load) and search, on rank 0.
+        replica_batch_size: The replica's batch, when no global batch was given.
+        wire_bytes_per_element: Bytes on the wire per byte of an activation (``boundary_dtype``).
     """
 
+    config: EngineConfig
     chosen: Candidate
     ranking: tuple[Candidate, ...]
     profile: Profile
     cluster: Cluster
     memory_limit: int
-    global_batch_size: int | None
     source: str
     seconds: float
-    choices: Choices = Choices()
-
     replica_batch_size: int = 0
+    wire_bytes_per_element: float = 1.0
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """The global batch planned for (None: the replica's batch was fixed)."""
+        return self.config.global_batch_size
 
     @property
     def mean_microbatch_size(self) -> float:
@@ -98,16 +104,16 @@ class AutoConfig:
         """The chosen configuration's predicted step, for its timeline."""
         c = self.chosen
         return predict(self.profile, self.cluster, c.pipeline_size, self.mean_microbatch_size, c.num_microbatches,
-                       c.schedule, c.recompute, self.choices, c.stages_per_rank)
+                       c.schedule, c.recompute, self.config, c.stages_per_rank, self.wire_bytes_per_element)
 
-    def resolved(self, config: EngineConfig) -> EngineConfig:
-        """``config`` with the chosen values in place of ``"auto"``."""
-        c = self.chosen
-        micro = c.microbatch_size if config.microbatch_size == AUTO else config.microbatch_size
-        recompute = c.recompute if config.recompute == AUTO else config.recompute
-        schedule = cast(ScheduleName, c.schedule)  # a candidate's schedule is one of the names
-        return replace(config, pipeline_parallel_size=c.pipeline_size, microbatch_size=micro, schedule=schedule,
-                       recompute=recompute, stages_per_rank=c.stages_per_rank)
+
+def _filled(config: EngineConfig, chosen: Candidate) -> EngineConfig:
+    """``config`` with the chosen values in place of ``"auto"``."""
+    micro = chosen.microbatch_size if config.microbatch_size == AUTO else config.microbatch_size
+    recompute = chosen.recompute if config.recompute == AUTO else config.recompute
+    schedule = cast(ScheduleName, chosen.schedule)  # a candidate's schedule is one of the names
+    return replace(config, pipeline_parallel_size=chosen.pipeline_size, microbatch_size=micro, schedule=schedule,
+                   recompute=recompute, stages_per_rank=chosen.stages_per_rank)
 
 
 def choose(
@@ -119,7 +125,7 @@ def choose(
     replica_batch_size: int,
     device: torch.device,
     optimizer: OptimizerSpec | None = None,
-) -> AutoConfig:
+) -> PlannerChoice:
     """Chooses the configuration (collective when a process group is initialised; see the module's docstring).
 
     The arguments are :func:`plan`'s; the cluster is the process group's (``config.devices_per_node`` per node)
@@ -133,7 +139,7 @@ def choose(
     cluster = Cluster(world, config.devices_per_node or world)
     # a given profile brings its network; otherwise every rank takes part in measuring this job's
     network = measure_network(device, cluster.devices_per_node) if config.profile is None else None
-    outcome: AutoConfig | BaseException | None = None
+    outcome: PlannerChoice | BaseException | None = None
     if _rank() == 0:
         try:
             outcome = plan(config, module, trace, step_on, loss_of, replica_batch_size, device, optimizer, cluster,
@@ -149,7 +155,7 @@ def choose(
         outcome = box[0]
     if isinstance(outcome, BaseException):
         raise outcome
-    return cast(AutoConfig, outcome)  # rank 0 planned one or raised, and every rank got its outcome
+    return cast(PlannerChoice, outcome)  # rank 0 planned one or raised, and every rank got its outcome
 
 
 def _rank() -> int:
@@ -158,7 +164,7 @@ def _rank() -> int:
 
 def plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callable[[int], Any],
          loss_of: Callable[[Any], Tensor], replica_batch_size: int, device: torch.device,
-         optimizer: OptimizerSpec | None, cluster: Cluster, network: Network | None) -> AutoConfig:
+         optimizer: OptimizerSpec | None, cluster: Cluster, network: Network | None) -> PlannerChoice:
     """Takes the profile (the given file, the cache, or measured here) and searches; one process, no collective.
 
     Args:
@@ -178,7 +184,7 @@ def plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callabl
         ProfileError: If the given profile does not fit the model.
     """
     start = time.perf_counter()
-    choices = _choices(config, trace, cluster)
+    searched, wire = _searched(config, trace, cluster)
     if config.profile is not None:
         profile, source = Profile.load(config.profile), "file"
         _check_fits(profile, trace, config.profile)
@@ -199,7 +205,7 @@ def plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callabl
     limit = parse_bytes(config.memory_limit) if config.memory_limit is not None else default_memory_limit(
         device, cluster.devices_per_node)
     budget = planning_budget(limit)
-    ranking = search(profile, cluster, choices, budget, config.global_batch_size, replica_batch_size)
+    ranking = search(profile, cluster, searched, budget, replica_batch_size, wire)
     if not ranking[0].fits:
         smallest = min(ranking, key=lambda c: max(c.peak_bytes))
         raise PlanError(
@@ -208,30 +214,22 @@ def plan(config: EngineConfig, module: nn.Module, trace: Trace, step_on: Callabl
             f"{MEMORY_RESERVE:.0%} of the limit in reserve (a peak may reach {budget} bytes). Raise memory_limit,"
             " use more devices, allow recompute, or add cut points."
         )
-    return AutoConfig(ranking[0], tuple(ranking), profile, cluster, limit, config.global_batch_size, source,
-                      time.perf_counter() - start, choices, replica_batch_size)
+    return PlannerChoice(_filled(config, ranking[0]), ranking[0], tuple(ranking), profile, cluster, limit, source,
+                         time.perf_counter() - start, replica_batch_size, wire)
 
 
-def _choices(config: EngineConfig, trace: Trace, cluster: Cluster) -> Choices:
-    size = config.pipeline_parallel_size
-    if size == AUTO and config.global_batch_size is None:
+def _searched(config: EngineConfig, trace: Trace, cluster: Cluster) -> tuple[EngineConfig, float]:
+    """``config`` as the search takes it, and the bytes on the wire per byte of an activation.
+
+    With P "auto" and no global batch to choose it by, P is the engine's own default.
+    """
+    if config.pipeline_parallel_size == AUTO and config.global_batch_size is None:
         size = config.pipeline_size_for(cluster.world_size, trace.num_segments)
+        config = replace(config, pipeline_parallel_size=size)
     wire = 1.0
     if config.boundary_dtype is not None and trace.cuts:
         wire = _element_size(config.boundary_dtype) / _element_size(trace.cuts[0].dtype)
-    return Choices(
-        pipeline_size=None if size == AUTO else int(size),
-        microbatch_size=config.microbatch_size,
-        num_microbatches=config.num_microbatches,
-        schedule=None if config.schedule == AUTO else config.schedule,
-        recompute=None if config.recompute == AUTO else cast("int | None", config.recompute),
-        partition=config.partition,
-        bucket_bytes=config.grad_bucket_bytes,
-        overlap=config.overlap_grad_sync,
-        wire_bytes_per_element=wire,
-        zero_stage=config.zero_stage,
-        stages_per_rank=None if config.stages_per_rank == AUTO else int(config.stages_per_rank),
-    )
+    return config, wire
 
 
 def _element_size(dtype: torch.dtype) -> int:

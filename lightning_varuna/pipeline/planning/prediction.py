@@ -30,9 +30,10 @@ import math
 from collections.abc import Sequence
 
 from lightning_varuna.pipeline.comm.grad_sync import default_bucket_bytes
+from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.model.dry_run import PartitionError
 from lightning_varuna.pipeline.model.partition import balance
-from lightning_varuna.pipeline.planning.candidates import Candidate, Choices, Cluster, Prediction
+from lightning_varuna.pipeline.planning.candidates import Candidate, Cluster, Prediction
 from lightning_varuna.pipeline.planning.memory_model import (
     StageMemory,
     activation_peak,
@@ -87,8 +88,8 @@ def recomputed_segments(ranges: Sequence[range], recompute: bool | int, crossing
 
 def predict(
     profile: Profile, cluster: Cluster, pipeline_size: int, microbatch_size: float, num_microbatches: int,
-    schedule: str, recompute: bool | int, choices: Choices = Choices(),  # noqa: B008 - frozen, never mutated
-    stages_per_rank: int = 1,
+    schedule: str, recompute: bool | int, config: EngineConfig | None = None, stages_per_rank: int = 1,
+    wire_bytes_per_element: float = 1.0,
 ) -> Prediction:
     """The predicted step of one configuration (see the module's docstring).
 
@@ -100,18 +101,22 @@ def predict(
         num_microbatches: m.
         schedule: The schedule's name.
         recompute: Whether non-last stages recompute; a number ``n``: their first ``n`` segments (by degree).
-        choices: The bucket size, overlap, partition and wire dtype used (the searched fields are ignored).
+        config: The options read here: ``partition``, ``zero_stage``, ``grad_bucket_bytes``, ``overlap_grad_sync``
+            (default: ``EngineConfig()``'s); the shape is given by the other arguments.
         stages_per_rank: Model chunks per rank ``v``: ``P v`` stages, stage ``s`` on rank ``s % P`` (looped), or
             on rank ``s`` or ``2 P - 1 - s`` for ``"zero-bubble-v"`` (V-shaped).
+        wire_bytes_per_element: Bytes on the wire per byte of an activation (0.5 for ``boundary_dtype`` bfloat16
+            over float32).
 
     Raises:
         PartitionError: If the model cannot be split into ``P v`` stages, or recomputed by that degree.
         ScheduleError: If the schedule cannot run this shape.
     """
+    config = config or EngineConfig()
     P, v = pipeline_size, stages_per_rank
     num_stages = P * v
     D = cluster.world_size // P
-    ranges = stage_ranges(profile, num_stages, microbatch_size, choices.partition)
+    ranges = stage_ranges(profile, num_stages, microbatch_size, config.partition)
     placed = stage_ranks(P, v, schedule)  # looped, or V-shaped for "zero-bubble-v"
     rank_of = list(placed) if placed is not None else list(range(num_stages))
     stages_of = [[s for s in range(num_stages) if rank_of[s] == r] for r in range(P)]
@@ -119,7 +124,7 @@ def predict(
     costs = tuple(_stage_costs(profile, r, part, microbatch_size) for r, part in zip(ranges, recomputed, strict=True))
     # a forward adds no autograd graph where the whole stage recomputes: the run-time rules may move it
     stashes = [len(part) == len(r) for r, part in zip(ranges, recomputed, strict=True)]
-    boundary_bytes = [profile.cuts[r.stop - 1].nbytes(microbatch_size) * choices.wire_bytes_per_element
+    boundary_bytes = [profile.cuts[r.stop - 1].nbytes(microbatch_size) * wire_bytes_per_element
                       for r in ranges[:-1]]
     links = [profile.network.p2p(cluster.ranks_cross(P, rank_of[b], rank_of[b + 1])) for b in range(num_stages - 1)]
     sim = simulate(
@@ -133,15 +138,15 @@ def predict(
     sync, optimizer = [], []
     for r in range(P):
         start, end, last_backward, backward_s = _schedule_span(sim, costs, r)
-        synced, gather_s = _sync_end(profile, cluster, held, r, end, last_backward, backward_s, choices)
+        synced, gather_s = _sync_end(profile, cluster, held, r, end, last_backward, backward_s, config)
         sync.append((end, synced))
         trainable = sum(p.nbytes for p in profile.params if p.trainable and any(i in held[r] for i in p.segments))
         # sharded (zero_stage=1): each replica steps 1/D of it, then the updated rows are all-gathered
-        shards = D if choices.zero_stage == 1 else 1
+        shards = D if config.zero_stage == 1 else 1
         optimizer.append((synced, synced + profile.optimizer_s_per_byte * trainable / shards + gather_s))
     step = max(end for _, end in optimizer)
-    memory = tuple(_rank_memory(profile, sim, ranges, recomputed, r, D, microbatch_size, num_microbatches, choices,
-                                stages_of[r]) for r in range(P))
+    memory = tuple(_rank_memory(profile, sim, ranges, recomputed, r, D, microbatch_size, num_microbatches, config,
+                                stages_of[r], wire_bytes_per_element) for r in range(P))
     candidate = Candidate(
         pipeline_size=P, data_size=D, microbatch_size=math.ceil(microbatch_size), num_microbatches=num_microbatches,
         schedule=schedule, recompute=recompute, step_s=step, bubble=sim.bubble,
@@ -151,8 +156,8 @@ def predict(
 
 
 def _rank_memory(profile: Profile, sim: SimResult, ranges: Sequence[range], recomputed: Sequence[range], rank: int,
-                 data_size: int, microbatch_size: float, num_microbatches: int, choices: Choices,
-                 stages: Sequence[int]) -> StageMemory:
+                 data_size: int, microbatch_size: float, num_microbatches: int, config: EngineConfig,
+                 stages: Sequence[int], wire_bytes_per_element: float) -> StageMemory:
     """A rank's peak: its stages' weights, state and buffers added, and the graphs of its chunks as they overlap.
 
     Each graph counts what its own chunk saves (chunks of a rank may differ in size), a forward what its kept
@@ -162,7 +167,7 @@ def _rank_memory(profile: Profile, sim: SimResult, ranges: Sequence[range], reco
     mbs = math.ceil(microbatch_size)
     per_stage = [
         stage_memory(profile, ranges[s], s, num_stages, data_size, mbs, num_microbatches, 0,
-                     choices.wire_bytes_per_element, choices.zero_stage)
+                     wire_bytes_per_element, config.zero_stage)
         for s in stages
     ]
     again = [sum(profile.saved_bytes(i, mbs) for i in part) for part in recomputed]
@@ -170,7 +175,7 @@ def _rank_memory(profile: Profile, sim: SimResult, ranges: Sequence[range], reco
     activations = activation_peak(sim.order[rank], kept, again, rank)
     # a parameter that two chunks of the rank use is one tensor, with one gradient and one optimizer state
     shared, shared_trainable = _shared_bytes(profile, [ranges[s] for s in stages])
-    shards = data_size if choices.zero_stage == 1 else 1
+    shards = data_size if config.zero_stage == 1 else 1
     return StageMemory(
         weights=sum(m.weights for m in per_stage) - shared,
         gradients=sum(m.gradients for m in per_stage) - shared_trainable,
@@ -219,7 +224,7 @@ def _schedule_span(sim: SimResult, costs: Sequence[StageCosts], rank: int) -> tu
 
 
 def _sync_end(profile: Profile, cluster: Cluster, held_segments: Sequence[Sequence[int]], rank: int, end: float,
-              last_backward: float, backward_s: float, choices: Choices) -> tuple[float, float]:
+              last_backward: float, backward_s: float, config: EngineConfig) -> tuple[float, float]:
     """When the rank's gradient sync ends, and how long the all-gather after a sharded step takes.
 
     The sync: data-parallel buckets, then the sum of tied copies. The all-gather: ``zero_stage=1`` only (0
@@ -235,15 +240,15 @@ def _sync_end(profile: Profile, cluster: Cluster, held_segments: Sequence[Sequen
     if D > 1 and plain:
         crosses = cluster.replicas_cross(P, [rank])
         total = sum(p.nbytes for p in plain)
-        bucket_bytes = choices.bucket_bytes or default_bucket_bytes(total)
+        bucket_bytes = config.grad_bucket_bytes or default_bucket_bytes(total)
         # sharded: a reduce-scatter per bucket now, an all-gather per bucket after the step (same bytes in all)
-        reduce = network.reduce_scatter if choices.zero_stage == 1 else network.allreduce
+        reduce = network.reduce_scatter if config.zero_stage == 1 else network.allreduce
         clock, filled = 0.0, 0
         for size in _bucket_sizes([p.nbytes for p in plain], bucket_bytes):
             filled += size
-            ready = last_backward + backward_s * filled / total if choices.overlap else end
+            ready = last_backward + backward_s * filled / total if config.overlap_grad_sync else end
             clock = max(clock, ready) + reduce(size, D, crosses, cluster.sharing(P))
-            if choices.zero_stage == 1:
+            if config.zero_stage == 1:
                 gather_s += network.all_gather(size, D, crosses, cluster.sharing(P))
         done = max(done, clock)
     if tied:

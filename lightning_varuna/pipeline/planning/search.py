@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lightning_varuna.pipeline.config import AUTO, EngineConfig
 from lightning_varuna.pipeline.model.dry_run import PartitionError
-from lightning_varuna.pipeline.planning.candidates import Candidate, Choices, Cluster, PlanError, Prediction
+from lightning_varuna.pipeline.planning.candidates import Candidate, Cluster, PlanError, Prediction
 from lightning_varuna.pipeline.planning.memory_model import format_bytes
 from lightning_varuna.pipeline.planning.prediction import predict, recomputed_segments, stage_ranges
 from lightning_varuna.pipeline.planning.profile_data import Profile
@@ -25,7 +26,7 @@ from lightning_varuna.pipeline.scheduling.schedules import (
     make_schedule,
 )
 
-__all__ = ["Candidate", "Choices", "Cluster", "PlanError", "Prediction", "format_table", "predict", "search",
+__all__ = ["Candidate", "Cluster", "PlanError", "Prediction", "format_table", "predict", "search",
            "stage_ranges"]
 
 MAX_MICROBATCHES = 256
@@ -36,40 +37,42 @@ MAX_MICROBATCHES = 256
 def search(
     profile: Profile,
     cluster: Cluster,
-    choices: Choices,
+    config: EngineConfig,
     memory_limit: int,
-    global_batch_size: int | None = None,
     replica_batch_size: int | None = None,
+    wire_bytes_per_element: float = 1.0,
 ) -> list[Candidate]:
     """Every valid configuration, ranked: those that fit in memory by predicted step time, then the others.
 
     Args:
         profile: The model's profile.
         cluster: Where the job runs.
-        choices: What is fixed and what is searched.
+        config: What is searched (``"auto"``: P, micro-batches, schedule, recompute, chunks per rank) and what is
+            fixed (any other value); ``global_batch_size`` (each replica gets ``global / D``) is needed when P is
+            searched.
         memory_limit: Bytes a stage may use.
-        global_batch_size: Samples per step over all replicas (each replica gets ``global / D``). Needed when P
-            is searched.
         replica_batch_size: Samples per step and replica, when no global batch is given (P fixed).
+        wire_bytes_per_element: Bytes on the wire per byte of an activation (``boundary_dtype``).
 
     Raises:
         PlanError: If no configuration is valid (the message says why).
     """
-    if choices.pipeline_size is None and global_batch_size is None:
+    global_batch_size = config.global_batch_size
+    if config.pipeline_parallel_size == AUTO and global_batch_size is None:
         raise PlanError("choosing pipeline_parallel_size needs global_batch_size: D = world size / P sets each"
                         " replica's batch. Give global_batch_size, or a fixed pipeline_parallel_size.")
     candidates, reasons = [], []
-    for P in _pipeline_sizes(profile, cluster, choices):
+    for P in _pipeline_sizes(profile, cluster, config):
         D = cluster.world_size // P
         batch = global_batch_size // D if global_batch_size is not None else replica_batch_size
         if global_batch_size is not None and global_batch_size % D:
             reasons.append(f"P={P}: global_batch_size={global_batch_size} does not split over D={D} replicas")
             continue
         assert batch is not None
-        for v in _chunk_counts(P, choices):
-            for m in _microbatch_counts(batch, P, choices):
+        for v in _chunk_counts(P, config):
+            for m in _microbatch_counts(batch, P, config):
                 try:
-                    found = _candidates(profile, cluster, choices, P, v, batch, m, memory_limit)
+                    found = _candidates(profile, cluster, config, P, v, batch, m, memory_limit, wire_bytes_per_element)
                 except PartitionError as err:
                     reasons.append(f"P={P}" + (f" x {v} chunks per rank" if v > 1 else "") + f": {err}")
                     break
@@ -85,12 +88,12 @@ def search(
                                              order[c.schedule], not c.recompute))
 
 
-def _candidates(profile: Profile, cluster: Cluster, choices: Choices, P: int, v: int, batch: int, m: int,
-                memory_limit: int) -> list[Candidate]:
+def _candidates(profile: Profile, cluster: Cluster, config: EngineConfig, P: int, v: int, batch: int, m: int,
+                memory_limit: int, wire_bytes_per_element: float) -> list[Candidate]:
     """The predicted candidates of one shape (P, v, m): one per schedule and recompute that can run it."""
     found, seen = [], set()
-    degrees = _degrees(profile, P, v, batch / m, choices)
-    for schedule, recompute in _schedules(P, v, choices, degrees):
+    degrees = _degrees(profile, P, v, batch / m, config)
+    for schedule, recompute in _schedules(P, v, config, degrees):
         try:
             check_schedule_shape(schedule, P, v, m)
         except ScheduleError:
@@ -102,7 +105,8 @@ def _candidates(profile: Profile, cluster: Cluster, choices: Choices, P: int, v:
         if same in seen:  # e.g. gpipe with one micro-batch runs what varuna runs
             continue
         seen.add(same)
-        candidate = predict(profile, cluster, P, batch / m, m, schedule, recompute, choices, v).candidate
+        candidate = predict(profile, cluster, P, batch / m, m, schedule, recompute, config, v,
+                            wire_bytes_per_element).candidate
         found.append(_with_fit(candidate, max(candidate.peak_bytes) <= memory_limit))
     return found
 
@@ -111,15 +115,15 @@ MAX_DEGREES = 4
 """With ``recompute="auto"`` at most this many degrees (recompute by degree) are searched per shape."""
 
 
-def _degrees(profile: Profile, P: int, v: int, microbatch_size: float, choices: Choices) -> list[int]:
+def _degrees(profile: Profile, P: int, v: int, microbatch_size: float, config: EngineConfig) -> list[int]:
     """The degrees searched with ``recompute="auto"`` (recompute by degree).
 
     Numbers of segments below the longest non-last stage's, spread over that range, less those whose recomputed part
     a parameter-derived value would cross.
     """
-    if choices.recompute is not None or P == 1:
+    if config.recompute != AUTO or P == 1:
         return []
-    ranges = stage_ranges(profile, P * v, microbatch_size, choices.partition)
+    ranges = stage_ranges(profile, P * v, microbatch_size, config.partition)
     longest = max(len(r) for r in ranges[:-1])
     spread = sorted({max(1, round(i * (longest - 1) / MAX_DEGREES)) for i in range(1, MAX_DEGREES + 1)})
     valid = []
@@ -136,17 +140,17 @@ def _with_fit(candidate: Candidate, fits: bool) -> Candidate:
     return candidate if fits else Candidate(**{**candidate.__dict__, "fits": False})
 
 
-def _pipeline_sizes(profile: Profile, cluster: Cluster, choices: Choices) -> list[int]:
-    if choices.pipeline_size is not None:
-        return [choices.pipeline_size]
+def _pipeline_sizes(profile: Profile, cluster: Cluster, config: EngineConfig) -> list[int]:
+    if isinstance(config.pipeline_parallel_size, int):
+        return [config.pipeline_parallel_size]
     limit = min(cluster.world_size, profile.num_segments)
     return [p for p in range(1, limit + 1) if cluster.world_size % p == 0]
 
 
-def _microbatch_counts(batch: int, P: int, choices: Choices) -> list[int]:
-    if choices.num_microbatches is not None:
-        return [choices.num_microbatches] if choices.num_microbatches <= batch else []
-    size = choices.microbatch_size
+def _microbatch_counts(batch: int, P: int, config: EngineConfig) -> list[int]:
+    if config.num_microbatches is not None:
+        return [config.num_microbatches] if config.num_microbatches <= batch else []
+    size = config.microbatch_size
     if isinstance(size, int):
         return [max(1, math.ceil(batch / size))]
     if size is None:
@@ -154,22 +158,23 @@ def _microbatch_counts(batch: int, P: int, choices: Choices) -> list[int]:
     return [m for m in range(1, min(batch, MAX_MICROBATCHES) + 1) if batch % m == 0]
 
 
-def _chunk_counts(P: int, choices: Choices) -> list[int]:
-    if choices.stages_per_rank is not None:
-        return [choices.stages_per_rank] if P > 1 or choices.stages_per_rank == 1 else []
+def _chunk_counts(P: int, config: EngineConfig) -> list[int]:
+    v = config.stages_per_rank
+    if isinstance(v, int):
+        return [v] if P > 1 or v == 1 else []
     return [1, 2] if P > 1 else [1]
 
 
-def _schedules(P: int, v: int, choices: Choices, degrees: Sequence[int] = ()) -> list[tuple[str, bool | int]]:
+def _schedules(P: int, v: int, config: EngineConfig, degrees: Sequence[int] = ()) -> list[tuple[str, bool | int]]:
     if v > 1:
         fitting = [s for s in SCHEDULES if s in MULTI_CHUNK]
     else:
         fitting = [s for s in SCHEDULES if s not in CHUNKS_REQUIRED]
-    schedules = [choices.schedule] if choices.schedule is not None else fitting
-    if P == 1 and choices.schedule is None:
+    schedules = [config.schedule] if config.schedule != AUTO else fitting
+    if P == 1 and config.schedule == AUTO:
         schedules = ["varuna", "gpipe"]  # one stage: 1f1b runs the same order as varuna
     recomputes: list[bool | int] = (
-        [choices.recompute] if choices.recompute is not None else [False] if P == 1 else [True, False, *degrees])
+        [config.recompute] if not isinstance(config.recompute, str) else [False] if P == 1 else [True, False, *degrees])
     return [(s, r) for s in schedules for r in recomputes]
 
 
