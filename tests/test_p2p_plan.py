@@ -23,9 +23,9 @@ from lightning_varuna.pipeline.scheduling.nccl_replay import (
     plan_trace,
     replay,
 )
-from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, Kind, Task, make_schedule
+from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, Kind, Task, make_schedule, schedule_spec
 
-ONE_CHUNK = [name for name in SCHEDULES if name not in CHUNKS_REQUIRED]
+ONE_CHUNK = [name for name in SCHEDULES if not schedule_spec(name).needs_several_chunks]
 
 
 OLD_ORDER = Path(__file__).parent / "data" / "p2p_old_order.json"

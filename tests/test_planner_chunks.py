@@ -14,7 +14,7 @@ from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.planning.memory_model import activation_peak
 from lightning_varuna.pipeline.planning.profile_data import CutProfile, ParamProfile, Profile
 from lightning_varuna.pipeline.planning.search import Cluster, PlanError, predict, search
-from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, Kind, Task
+from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, Kind, Task, schedule_spec
 
 UNLIMITED = 2**40
 
@@ -53,7 +53,8 @@ def test_two_chunks_per_rank_are_searched_with_the_schedules_that_run_them() -> 
                     UNLIMITED, replica_batch_size=8)
     chunks = {c.stages_per_rank for c in ranked}
     assert chunks == {1, 2}
-    assert {c.schedule for c in ranked if c.stages_per_rank == 2} == set(MULTI_CHUNK)
+    several = {s for s in SCHEDULES if schedule_spec(s).runs_several_chunks}
+    assert {c.schedule for c in ranked if c.stages_per_rank == 2} == several
     assert "interleaved" not in {c.schedule for c in ranked if c.stages_per_rank == 1}
     # halving the chunks halves the fill and drain: the fastest runs two chunks per rank
     best = ranked[0]

@@ -13,21 +13,20 @@ from helpers.launch import torchrun
 
 from lightning_varuna.pipeline.planning.memory_model import graphs_in_flight
 from lightning_varuna.pipeline.scheduling.schedules import (
-    CHUNKS_REQUIRED,
     SCHEDULES,
-    SPLIT_BACKWARD,
     Kind,
     Schedule,
     ScheduleError,
     Task,
     make_schedule,
     next_task,
+    schedule_spec,
     validate_schedule,
 )
 from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
 from lightning_varuna.pipeline.scheduling.zero_bubble import _ordered_stage, _packed_schedule, memory_bound
 
-ONE_CHUNK = [name for name in SCHEDULES if name not in CHUNKS_REQUIRED]
+ONE_CHUNK = [name for name in SCHEDULES if not schedule_spec(name).needs_several_chunks]
 
 
 
@@ -275,7 +274,7 @@ def test_every_size_validates(name: str) -> None:
 @pytest.mark.parametrize("name", ONE_CHUNK)
 def test_fewer_microbatches_than_stages(name: str) -> None:
     schedule = make_schedule(name, 6, 2, recompute=True)
-    split = name in SPLIT_BACKWARD
+    split = schedule_spec(name).split_backward
     validate_schedule(schedule, 2, recompute=True, split_backward=split)
     assert all(len(stage) == (8 if split else 6) for stage in schedule[:-1])
     assert len(schedule[-1]) == (6 if split else 4)
@@ -432,3 +431,13 @@ def test_a_stage_sends_a_forward_early_when_its_next_stage_runs_out_of_work(tmp_
 
 def _task(text: str) -> Task:
     return Task(Kind(text[0]), int(text[1:]))
+
+
+def test_the_schedule_registry_names_every_schedule_the_config_type_accepts() -> None:
+    from typing import get_args
+
+    from lightning_varuna.pipeline.config import ScheduleName
+
+    assert set(get_args(ScheduleName)) == {*SCHEDULES, "auto"}
+    with pytest.raises(ScheduleError, match="unknown schedule 'nope'; expected one of varuna, 1f1b"):
+        schedule_spec("nope")

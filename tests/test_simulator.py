@@ -7,13 +7,12 @@ import pytest
 from helpers.launch import ROOT
 
 from lightning_varuna.pipeline.scheduling.schedules import (
-    CHUNKS_REQUIRED,
     SCHEDULES,
-    SPLIT_BACKWARD,
     Kind,
     ScheduleError,
     Task,
     make_schedule,
+    schedule_spec,
     stage_ranks,
     validate_schedule,
 )
@@ -22,7 +21,7 @@ from lightning_varuna.pipeline.scheduling.simulator import Jitter, SimResult, St
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from simulator_speed import simulate_asking_every_rank  # noqa: E402 - the loop simulate replaced, kept beside its timing
 
-ONE_CHUNK = [name for name in SCHEDULES if name not in CHUNKS_REQUIRED]
+ONE_CHUNK = [name for name in SCHEDULES if not schedule_spec(name).needs_several_chunks]
 
 
 UNIT = StageCosts(forward=1.0, backward=2.0)
@@ -75,7 +74,7 @@ def test_bubble_without_recompute_is_ideal_for_all_sizes(name: str) -> None:
             schedule = make_schedule(name, num_stages, num_microbatches, recompute=False)
             result = simulate(schedule, unit_costs(num_stages))
             ideal = ideal_bubble(num_stages, num_microbatches)
-            if name in SPLIT_BACKWARD and num_stages > 1:  # weight gradients fill part of the bubble
+            if schedule_spec(name).split_backward and num_stages > 1:  # weight gradients fill part of the bubble
                 assert result.bubble < ideal - 0.01
             else:
                 assert result.bubble == pytest.approx(ideal)

@@ -12,7 +12,7 @@ from typing_extensions import TypeIs
 
 from lightning_varuna.pipeline.batches import LOSS_WEIGHTINGS, TokenCounter
 from lightning_varuna.pipeline.runtime.selective_recompute import selective_contexts
-from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHEDULES, check_schedule_shape
+from lightning_varuna.pipeline.scheduling.schedules import SCHEDULES, check_schedule_shape, schedule_spec
 from lightning_varuna.pipeline.scheduling.tasks import ScheduleError
 
 __all__ = [
@@ -274,7 +274,7 @@ def _check_chunks_of(config: EngineConfig) -> None:
     size = config.pipeline_parallel_size
     if size == 1 and v > 1:
         raise ValueError(f"stages_per_rank={v} needs a pipeline (pipeline_parallel_size >= 2); use stages_per_rank=1.")
-    if config.schedule == AUTO or (v == 1 and config.schedule not in CHUNKS_REQUIRED):
+    if config.schedule == AUTO or (v == 1 and not schedule_spec(config.schedule).needs_several_chunks):
         return  # with "auto" the planner searches the schedules that run v chunks per rank
     try:
         check_schedule_shape(config.schedule, 1, v, None)

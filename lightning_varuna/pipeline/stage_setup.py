@@ -47,8 +47,8 @@ from lightning_varuna.pipeline.runtime.links import Chunk
 from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 from lightning_varuna.pipeline.runtime.side_value_hooks import SideValueHooks
 from lightning_varuna.pipeline.runtime.side_values import side_values_kept, side_values_sent
-from lightning_varuna.pipeline.scheduling.placement import LOOPED, V_SHAPED, placement_of
-from lightning_varuna.pipeline.scheduling.schedules import SPLIT_BACKWARD, stage_ranks
+from lightning_varuna.pipeline.scheduling.placement import LOOPED, V_SHAPED
+from lightning_varuna.pipeline.scheduling.schedules import placement_of, schedule_spec, stage_ranks
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
@@ -164,7 +164,7 @@ class StageSetup:
         ]
         if self.config.fuse_grad_accumulation:
             # a held-back weight gradient (zero-bubble's W) needs the in-place path whatever the weight's size
-            min_numel = 0 if config.schedule in SPLIT_BACKWARD else MIN_FUSED_NUMEL
+            min_numel = 0 if schedule_spec(config.schedule).split_backward else MIN_FUSED_NUMEL
             self._accumulating = install_grad_accumulation(self.module, min_numel)
         self._batch_dims = chunks[0].batch_dims
         # whatever the user's seeding, every replica of a stage (and every copy of a tied parameter) starts equal

@@ -18,12 +18,11 @@ from lightning_varuna.pipeline.planning.memory_model import format_bytes
 from lightning_varuna.pipeline.planning.prediction import predict, recomputed_segments, stage_ranges
 from lightning_varuna.pipeline.planning.profile_data import Profile
 from lightning_varuna.pipeline.scheduling.schedules import (
-    CHUNKS_REQUIRED,
-    MULTI_CHUNK,
     SCHEDULES,
     ScheduleError,
     check_schedule_shape,
     make_schedule,
+    schedule_spec,
 )
 
 __all__ = ["Candidate", "Cluster", "PlanError", "Prediction", "format_table", "predict", "search",
@@ -167,9 +166,9 @@ def _chunk_counts(P: int, config: EngineConfig) -> list[int]:
 
 def _schedules(P: int, v: int, config: EngineConfig, degrees: Sequence[int] = ()) -> list[tuple[str, bool | int]]:
     if v > 1:
-        fitting = [s for s in SCHEDULES if s in MULTI_CHUNK]
+        fitting = [s for s in SCHEDULES if schedule_spec(s).runs_several_chunks]
     else:
-        fitting = [s for s in SCHEDULES if s not in CHUNKS_REQUIRED]
+        fitting = [s for s in SCHEDULES if not schedule_spec(s).needs_several_chunks]
     schedules = [config.schedule] if config.schedule != AUTO else fitting
     if P == 1 and config.schedule == AUTO:
         schedules = ["varuna", "gpipe"]  # one stage: 1f1b runs the same order as varuna

@@ -9,28 +9,19 @@ up, so every edge joins neighbouring ranks, and the edge between stages ``P - 1`
 first and the last of the remaining chunks, which evens out the memory a schedule holds per rank (the V schedule,
 :mod:`~lightning_varuna.pipeline.scheduling.zero_bubble_v`, relies on it).
 
-The placement follows from the schedule (:func:`placement_of`): only ``"zero-bubble-v"`` runs V-shaped.
+Which placement a schedule runs over is said by its entry in the schedule registry (:mod:`~.schedules`).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["LOOPED", "PLACEMENTS", "V_SHAPED", "Placement", "placement_of", "placement_ranks", "rank_stages"]
+__all__ = ["LOOPED", "PLACEMENTS", "V_SHAPED", "Placement", "placement_ranks", "rank_stages"]
 
 Placement = Literal["looped", "v"]
 LOOPED: Placement = "looped"
 V_SHAPED: Placement = "v"
 PLACEMENTS: tuple[Placement, ...] = (LOOPED, V_SHAPED)
-
-_V_SCHEDULES = frozenset({"zero-bubble-v"})
-"""The schedules that run over the V-shaped placement."""
-
-
-def placement_of(schedule: str) -> Placement:
-    """The placement a schedule runs over: V-shaped for ``"zero-bubble-v"``, looped for every other."""
-    return V_SHAPED if schedule in _V_SCHEDULES else LOOPED
-
 
 def placement_ranks(num_ranks: int, stages_per_rank: int, placement: Placement = LOOPED) -> tuple[int, ...]:
     """The rank of each of the ``P v`` stages (see the module docstring).

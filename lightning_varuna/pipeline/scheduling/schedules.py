@@ -10,6 +10,7 @@ so every message between two stages keeps its order.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_varuna.pipeline.scheduling.interleaved import (
@@ -18,7 +19,7 @@ from lightning_varuna.pipeline.scheduling.interleaved import (
     interleaved_schedule,
 )
 from lightning_varuna.pipeline.scheduling.looped_zero_bubble import looped_zero_bubble_schedule
-from lightning_varuna.pipeline.scheduling.placement import LOOPED, placement_of, placement_ranks
+from lightning_varuna.pipeline.scheduling.placement import LOOPED, V_SHAPED, Placement, placement_ranks
 from lightning_varuna.pipeline.scheduling.run_time_rules import next_task
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Schedule, ScheduleError, Task
 from lightning_varuna.pipeline.scheduling.validation import check_sizes, validate_schedule
@@ -30,6 +31,7 @@ __all__ = [
     "Task",
     "Schedule",
     "SCHEDULES",
+    "ScheduleSpec",
     "make_schedule",
     "next_task",
     "validate_schedule",
@@ -40,28 +42,71 @@ __all__ = [
     "varuna_schedule",
     "zero_bubble_schedule",
     "interleaved_schedule",
-    "SPLIT_BACKWARD",
-    "MULTI_CHUNK",
-    "CHUNKS_REQUIRED",
     "check_schedule_shape",
+    "placement_of",
+    "schedule_spec",
     "stage_ranks",
 ]
 
 
-SCHEDULES: tuple[str, ...] = ("varuna", "1f1b", "gpipe", "zero-bubble", "interleaved", "zero-bubble-v")
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A schedule by name: its generators and what it needs.
 
-MULTI_CHUNK: frozenset[str] = frozenset({"interleaved", "zero-bubble", "zero-bubble-v"})
-"""Schedules that run several model chunks per rank (``stages_per_rank >= 2``; placed V-shaped for
-``"zero-bubble-v"``, looped for the others: :mod:`~lightning_varuna.pipeline.scheduling.placement`)."""
+    Attributes:
+        name: The name users give (``schedule=...``).
+        one_chunk: The generator for one model chunk per rank, ``(P, m, recompute) -> Schedule``; None if the
+            schedule runs only with several.
+        chunked: The generator for ``v`` chunks per rank, ``(P, v, m, recompute) -> Schedule``; None if the schedule
+            runs one chunk per rank only.
+        split_backward: Whether its backward runs as an input-gradient task ``I`` and a weight-gradient task ``W``.
+        chunk_counts: The chunks per rank it runs, ``(least, most)`` (``most`` None: no bound).
+        placement: Where the stages of several chunks per rank live (:mod:`~.placement`).
+        chunk_advice: What to use instead when ``stages_per_rank`` is outside ``chunk_counts``.
+    """
 
-CHUNKS_REQUIRED: frozenset[str] = frozenset({"interleaved", "zero-bubble-v"})
-"""Schedules that run only with several model chunks per rank."""
+    name: str
+    one_chunk: Callable[[int, int, bool], Schedule] | None
+    chunked: Callable[[int, int, int, bool], Schedule] | None = None
+    split_backward: bool = False
+    chunk_counts: tuple[int, int | None] = (1, 1)
+    placement: Placement = LOOPED
+    chunk_advice: str = ""
 
-SPLIT_BACKWARD: frozenset[str] = frozenset({"zero-bubble", "zero-bubble-v"})
-"""Schedules whose backward runs as an input-gradient task ``I`` and a weight-gradient task ``W``."""
+    @property
+    def runs_several_chunks(self) -> bool:
+        """Whether it runs several model chunks per rank."""
+        return self.chunked is not None
+
+    @property
+    def needs_several_chunks(self) -> bool:
+        """Whether it runs only with several model chunks per rank."""
+        return self.one_chunk is None
+
+
+def _zero_bubble_v(num_ranks: int, stages_per_rank: int, num_microbatches: int, recompute: bool) -> Schedule:
+    return zero_bubble_v_schedule(num_ranks, num_microbatches, recompute)  # two chunks per rank, always
+
 
 # Unit costs of Varuna's generating simulation (time ticks).
 _UNIT_COST: dict[Kind, int] = {Kind.F: 1, Kind.R: 1, Kind.B: 2}
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registered schedule ``name``.
+
+    Raises:
+        ScheduleError: For an unknown name, listing the known ones.
+    """
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
+    return spec
+
+
+def placement_of(schedule: str) -> Placement:
+    """The placement ``schedule`` runs its stages over when a rank holds several."""
+    return schedule_spec(schedule).placement
 
 
 def stage_ranks(num_ranks: int, stages_per_rank: int, schedule: str = "") -> tuple[int, ...] | None:
@@ -78,22 +123,16 @@ def check_schedule_shape(name: str, num_ranks: int, stages_per_rank: int, num_mi
     """
     if stages_per_rank < 1:
         raise ScheduleError(f"stages_per_rank must be at least 1, got {stages_per_rank}")
-    if stages_per_rank > 1 and name not in MULTI_CHUNK:
+    spec = schedule_spec(name)
+    least, most = spec.chunk_counts
+    if stages_per_rank > 1 and not spec.runs_several_chunks:
+        several = sorted(n for n, s in _SPECS.items() if s.runs_several_chunks)
         raise ScheduleError(
             f"schedule={name!r} runs one model chunk per rank, but stages_per_rank={stages_per_rank}; use"
-            f" one of {sorted(MULTI_CHUNK)} for several chunks per rank, or stages_per_rank=1."
+            f" one of {several} for several chunks per rank, or stages_per_rank=1."
         )
-    if name == "zero-bubble" and stages_per_rank > 2:
-        raise ScheduleError(
-            f"schedule='zero-bubble' runs one or two model chunks per rank, but stages_per_rank={stages_per_rank}"
-            " (its memory bound is stated for those); use stages_per_rank=2, or schedule='interleaved'."
-        )
-    if name == "zero-bubble-v" and stages_per_rank != 2:
-        raise ScheduleError(
-            f"schedule='zero-bubble-v' runs two model chunks per rank (the V-shaped placement), but"
-            f" stages_per_rank={stages_per_rank}; use stages_per_rank=2, or schedule='zero-bubble' for"
-            f" {'one chunk' if stages_per_rank == 1 else 'the looped placement'}."
-        )
+    if stages_per_rank < least or (most is not None and stages_per_rank > most):
+        raise ScheduleError(f"schedule={name!r} {spec.chunk_advice.format(v=stages_per_rank)}")
     if name == "interleaved":
         check_interleaved_sizes(num_ranks, stages_per_rank, num_microbatches or num_ranks)
 
@@ -110,8 +149,9 @@ def make_schedule(
     last stage never recomputes. With ``train=False`` every stage runs ``F0 .. F(m-1)`` only.
 
     Args:
-        name: One of :data:`SCHEDULES`: ``"varuna"`` (see :func:`varuna_schedule`), ``"1f1b"`` (see
-            :func:`one_f_one_b_schedule`), ``"gpipe"`` (see :func:`gpipe_schedule`), ``"zero-bubble"`` (see
+        name: One of :data:`SCHEDULES` (the registry at the end of this module says which generator each
+            runs): ``"varuna"`` (see :func:`varuna_schedule`), ``"1f1b"`` (see :func:`one_f_one_b_schedule`),
+            ``"gpipe"`` (see :func:`gpipe_schedule`), ``"zero-bubble"`` (see
             :func:`~lightning_varuna.pipeline.scheduling.zero_bubble.zero_bubble_schedule`), or one of the
             schedules of several chunks per rank (``stages_per_rank`` below).
         num_stages: Number of pipeline stages ``P`` (at least 1).
@@ -137,40 +177,30 @@ def make_schedule(
             nearest valid choices).
     """
     check_sizes(num_stages, num_microbatches)
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
-    if name == "zero-bubble-v":  # before its placement is asked for v chunks per rank
+    spec = schedule_spec(name)
+    if spec.placement != LOOPED:  # before its placement is asked for v chunks per rank
         check_schedule_shape(name, num_stages, stages_per_rank, num_microbatches)
     ranks = stage_ranks(num_stages, stages_per_rank, name)
-    split = train and name in SPLIT_BACKWARD
+    split = train and spec.split_backward
     if recompute and train and forwards_keep_graphs:
         without = make_schedule(name, num_stages, num_microbatches, False, stages_per_rank=stages_per_rank)
         schedule = recompute_before_backward(without, num_stages * stages_per_rank)
         validate_schedule(schedule, num_microbatches, True, split_backward=split, stage_ranks=ranks)
         return schedule
-    if ranks is not None or name in CHUNKS_REQUIRED:
+    if ranks is not None or spec.one_chunk is None:
         if not train:
             schedule = forward_only_looped(num_stages, stages_per_rank, num_microbatches, ranks)
         else:
             check_schedule_shape(name, num_stages, stages_per_rank, num_microbatches)
-            if name == "zero-bubble-v":
-                schedule = zero_bubble_v_schedule(num_stages, num_microbatches, recompute)
-            else:
-                generate = looped_zero_bubble_schedule if name == "zero-bubble" else interleaved_schedule
-                schedule = generate(num_stages, stages_per_rank, num_microbatches, recompute)
+            assert spec.chunked is not None  # checked above: it runs several chunks per rank
+            schedule = spec.chunked(num_stages, stages_per_rank, num_microbatches, recompute)
         validate_schedule(schedule, num_microbatches, recompute, train=train, split_backward=split,
                           stage_ranks=ranks)
         return schedule
     if not train:
         schedule = forward_only_schedule(num_stages, num_microbatches)
-    elif name == "varuna":
-        schedule = varuna_schedule(num_stages, num_microbatches, recompute)
-    elif name == "1f1b":
-        schedule = one_f_one_b_schedule(num_stages, num_microbatches, recompute)
-    elif name == "zero-bubble":
-        schedule = zero_bubble_schedule(num_stages, num_microbatches, recompute)
     else:
-        schedule = gpipe_schedule(num_stages, num_microbatches, recompute)
+        schedule = spec.one_chunk(num_stages, num_microbatches, recompute)
     validate_schedule(schedule, num_microbatches, recompute, train=train, split_backward=split)
     return schedule
 
@@ -383,3 +413,22 @@ def _varuna_start(stages: list[_VarunaStage], stage: int, tick: int, recompute: 
     state.running = task
     state.busy_until = tick + _UNIT_COST[task.kind]
     state.order.append(task)
+
+
+_SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec("varuna", varuna_schedule),
+    ScheduleSpec("1f1b", one_f_one_b_schedule),
+    ScheduleSpec("gpipe", gpipe_schedule),
+    ScheduleSpec("zero-bubble", zero_bubble_schedule, looped_zero_bubble_schedule, split_backward=True,
+                 chunk_counts=(1, 2), chunk_advice="runs one or two model chunks per rank, but stages_per_rank={v} (its"
+                 " memory bound is stated for those); use stages_per_rank=2, or schedule='interleaved'."),
+    # interleaved's own check names the sizes it runs (check_interleaved_sizes)
+    ScheduleSpec("interleaved", None, interleaved_schedule, chunk_counts=(1, None)),
+    ScheduleSpec("zero-bubble-v", None, _zero_bubble_v, split_backward=True, chunk_counts=(2, 2), placement=V_SHAPED,
+                 chunk_advice="runs two model chunks per rank (the V-shaped placement), but stages_per_rank={v}; use"
+                 " stages_per_rank=2, or schedule='zero-bubble' for one chunk or the looped placement."),
+)}
+"""The schedule registry: each name, its generators and what it needs."""
+
+SCHEDULES: tuple[str, ...] = tuple(_SPECS)
+"""Every schedule's name, in the order the planner prefers among equals."""
