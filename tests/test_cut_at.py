@@ -24,9 +24,10 @@ STACKS = ["enc", "dec"]
 class EncoderDecoder(nn.Module):
     """Three encoder blocks, a norm, two decoder blocks that also read the encoder's output (cross-attention)."""
 
-    def __init__(self, run: tuple[str, ...] = ("enc", "dec")) -> None:
+    def __init__(self, run: tuple[str, ...] = ("enc", "dec"), norm: bool = True) -> None:
         super().__init__()
         self.run = run
+        self.with_norm = norm
         self.enc = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
         self.norm = nn.LayerNorm(WIDTH)
         self.dec = nn.ModuleList(CrossBlock() for _ in range(2))
@@ -37,7 +38,7 @@ class EncoderDecoder(nn.Module):
             if stack == "enc":
                 for block in self.enc:
                     memory = block(memory)
-                memory = y = self.norm(memory)
+                memory = y = self.norm(memory) if self.with_norm else memory
             else:
                 for block in self.dec:
                     y = block(y, memory)
@@ -51,6 +52,24 @@ class CrossBlock(nn.Module):
 
     def forward(self, y: Tensor, memory: Tensor) -> Tensor:
         return self.linear(y) + memory
+
+
+def test_an_encoder_output_read_past_the_next_segment_travels_from_the_last_encoder_block() -> None:
+    # no norm after the encoder (BART): the decoder blocks read the last encoder block's cut output itself; later
+    # segments than the first decoder block's take it as a side value made by that block, not as an unsplittable
+    # value of the step
+    model = EncoderDecoder(norm=False)
+    cuts, hooks = install_cut_at(model, STACKS)
+    try:
+        batch = torch.randn(4, WIDTH)
+        trace, _ = trace_step(model, lambda n: model(batch[:n]), cut_names={id(c): c._varuna_name for c in cuts})
+        assert trace.crossings == {}
+        assert {(v.producer.module, v.producer.segment) for v in trace.side_values} == {("enc.2", 2)}
+        assert {c.segment for v in trace.side_values for c in v.consumers} == {4}
+        assert len(make_partition(trace, 5).stages) == 5
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def test_several_block_lists_are_cut_after_each_block_but_the_last_one_in_execution_order() -> None:

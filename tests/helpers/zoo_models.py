@@ -79,6 +79,13 @@ _T5 = _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=WI
           pad_token_id=0, eos_token_id=1)
 
 
+_BART = _hf("BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=WIDTH, encoder_layers=2,
+            decoder_layers=LAYERS, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
+            decoder_ffn_dim=FFN, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+            forced_eos_token_id=None)
+
+
 def _litgpt(**config) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         from litgpt import Config
@@ -135,6 +142,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     # the decoder's position biases travel as side values)
     Family("t5", _T5, "model.encoder.block", "seq2seq", ties=True, notes="cut_at: encoder blocks only"),
     Family("t5_stacks", _T5, ("model.encoder.block", "model.decoder.block"), "seq2seq", ties=True,
+           notes="cut_at: encoder and decoder blocks"),
+    # BART's encoder has no norm after its last block: its output reaches the decoder's blocks as the last encoder
+    # cut's output itself (P=6: one decoder block per stage)
+    Family("bart_stacks", _BART, ("model.model.encoder.layers", "model.model.decoder.layers"), "seq2seq", ties=True,
            notes="cut_at: encoder and decoder blocks"),
     Family("vit", _hf("ViTConfig", "ViTForImageClassification", image_size=IMAGE, patch_size=4, num_channels=3,
                       hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,

@@ -17,6 +17,7 @@ from pathlib import Path
 CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "p2": (2, "ref", 5e-4, 1e-5),
     "p4": (4, "ref", 5e-4, 1e-5),
+    "p6": (6, "ref", 5e-4, 1e-5),
     "p2d2": (4, "ref", 5e-4, 1e-5),
     "meta-p2": (2, "ref", 5e-4, 1e-5),
     "bf16-p2": (2, "ref-bf16", 2e-2, None),
@@ -34,7 +35,8 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
 }
 COMPILED_MATRIX = ("compiled-p4", "compiled-p2d2", "compiled-meta-p2", "compiled-bf16-p2")
 """The rest of the matrix with each block compiled (``aot_eager``), for GPT-2, Llama and litgpt."""
-ONLY = {"compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt", "litgpt_llama"),
+ONLY = {"p6": ("t5_stacks", "bart_stacks"),
+        "compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt", "litgpt_llama"),
         "inductor-p2": ("gpt2", "llama", "t5_stacks", "litgpt", "litgpt_llama"),
         **{config: ("gpt2", "llama", "litgpt") for config in COMPILED_MATRIX},
         "lora-p2": ("gpt2", "llama"), "checkpointing-p2": ("gpt2", "llama"),
@@ -49,6 +51,7 @@ module (a stand-in runs as Python, uncompiled, by design)."""
 DESCRIPTIONS = {
     "p2": "P=2, built in `__init__`",
     "p4": "P=4, built in `__init__`",
+    "p6": "P=6, built in `__init__` (encoder-decoders: one block per stage)",
     "p2d2": "P=2 x D=2, built in `__init__`",
     "meta-p2": "P=2, built on meta in `configure_model`, `initial_weights`",
     "bf16-p2": "P=2, bf16-mixed",

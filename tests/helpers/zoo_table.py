@@ -27,6 +27,7 @@ TITLES = {
     "bloom": "BLOOM (`BloomForCausalLM`)", "falcon": "Falcon (`FalconForCausalLM`)",
     "bert": "BERT (`BertForMaskedLM`)", "t5": "T5 (`T5ForConditionalGeneration`)",
     "t5_stacks": "T5, both stacks cut (`T5ForConditionalGeneration`)",
+    "bart_stacks": "BART, both stacks cut (`BartForConditionalGeneration`)",
     "vit": "ViT (`ViTForImageClassification`)", "litgpt": "litgpt `GPT` (GPT-NeoX style)",
     "litgpt_llama": "litgpt `GPT` (Llama style)",
 }

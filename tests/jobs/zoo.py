@@ -44,6 +44,7 @@ import lightning_varuna  # noqa: E402
 CONFIGS = {
     "p2": (2, 4, BATCH, "32-true", "init", None),
     "p4": (4, 4, BATCH, "32-true", "init", None),
+    "p6": (6, 4, BATCH, "32-true", "init", None),
     "p2d2": (2, 2, BATCH // 2, "32-true", "init", None),
     "meta-p2": (2, 4, BATCH, "32-true", "configure_model", None),
     "bf16-p2": (2, 4, BATCH, "bf16-mixed", "init", None),

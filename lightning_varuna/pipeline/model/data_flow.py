@@ -252,9 +252,17 @@ class DataFlow:
             modules = seen[1] if seen is not None and seen[0] == segment else frozenset()
             self._modules_of[leaf] = (segment, modules | {name})
 
-    def cut_output(self, value: Tensor) -> None:
-        """A cut point handed ``value`` to the next segment (which is now running)."""
+    def cut_output(self, value: Tensor, given: Tensor) -> None:
+        """A cut point handed ``value`` (a view of ``given``) to the next segment (which is now running).
+
+        Segments after the next one may read ``value`` again (cross-attention over an encoder's output that
+        passed the last encoder block's cut): it is then a side value made where ``given`` was made, a module
+        call's output on the stage before the cut.
+        """
         self._segment_of[value] = self.segment()
+        producer = self._produced.get(given)
+        if producer is not None:
+            self._produced[value] = producer
 
     # torch functions ----------------------------------------------------------------------------------------
 

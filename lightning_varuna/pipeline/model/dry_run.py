@@ -124,7 +124,7 @@ class _Tracer:
         finally:
             self.paused = False
         self.segment += 1
-        self.flow.cut_output(out)
+        self.flow.cut_output(out, x)
         return out
 
     def _name(self, cut: CutPoint) -> str:

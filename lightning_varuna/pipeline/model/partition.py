@@ -211,7 +211,8 @@ def check_pipeline_size(trace: Trace, num_stages: int, stages_per_rank: int = 1)
         raise PartitionError(
             f"{what} is used in segment {dst} without passing through a CutPoint, so segments {src} to {dst} must"
             f" stay on one stage: on a later stage it would be zeros. The model can be split into at most {most}"
-            f" stage(s), not {asked}. Route the value through a cut point, or use"
+            f" stage(s), not {asked}. Make the value the output of a module call and pass it to the modules that"
+            " read it as an argument (it then travels to their stages with the activation), or use"
             f" {fewer(most)}." + _others(trace.crossings)
         )
 
