@@ -121,3 +121,23 @@ def test_a_batch_element_that_cannot_follow_its_samples_is_refused_at_setup(elem
 @pytest.mark.parametrize("name", ["weights-m4", "weights-m8"])
 def test_per_sample_weight_list_trains_as_the_plain_run(results: Path, name: str) -> None:
     _assert_matches_plain_run(results, name, "reference-weights")
+
+
+# -- a branch the dry run did not take ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_module_called_where_the_dry_run_did_not_see_it_fails_every_rank(tmp_path: Path) -> None:
+    # `extra` runs only when the batch's flag says so: not in the dry run's batch, so its parameters went to
+    # stage 0, and stage 1 would run it on placeholders in the first training step
+    result = torchrun("ordinary_code.py", str(tmp_path), f"branch:kind=branch,{P2},num_microbatches=4", nproc=2,
+                      timeout=240, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, "the job trained on placeholders without an error"
+    assert not list(tmp_path.glob("branch.rank*.json")), "no rank finished the fit"
+    message = ("UnseenCallError: Stage 1 called extra (Linear) in segment 3, a call the dry run did not see: it called"
+               " it never (its batch did not take the branch that calls it), so its parameters (extra.weight,"
+               " extra.bias) are held by stage 0")
+    assert f"[rank1]: lightning_varuna.pipeline.model.stand_ins.{message}" in output, output[-4000:]
+    assert "h = torch.where(flag, self.extra(h), h)" in output  # what to do
+    # the other rank ends with the cause, not a timeout
+    assert f"[rank 0] lightning_varuna: rank 1 failed: lightning_varuna.pipeline.model.stand_ins.{message}" in output
