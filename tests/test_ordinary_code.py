@@ -141,3 +141,21 @@ def test_module_called_where_the_dry_run_did_not_see_it_fails_every_rank(tmp_pat
     assert "h = torch.where(flag, self.extra(h), h)" in output  # what to do
     # the other rank ends with the cause, not a timeout
     assert f"[rank 0] lightning_varuna: rank 1 failed: lightning_varuna.pipeline.model.stand_ins.{message}" in output
+
+
+# -- a memory limit with nothing to choose ------------------------------------------------------------------
+
+def test_memory_limit_is_checked_against_a_fixed_configuration() -> None:
+    from lightning_varuna.pipeline.planning.choice import PlanError, choose
+
+    config = EngineConfig(1, num_microbatches=2, schedule="gpipe", recompute=False, memory_limit="1KiB")
+    assert config.searches, "a memory limit is a reason to run the planner"
+    with pytest.raises(ValueError, match=r"a memory_limit to check\): give the engine one"):
+        PipelineEngine(_Chain(), config)
+    model = _Chain()
+    engine = PipelineEngine(model, config, planner=choose)
+    # the planner's own wording, for the one configuration the user fixed
+    match = (r"No configuration fits in memory_limit=1024 bytes per stage: the smallest predicted peak is \d+ bytes"
+             r" \(P=1 x D=1, micro-batch 2 x 2, gpipe, no recompute\)")
+    with pytest.raises(PlanError, match=match):  # raised before the process grid's first collective
+        engine.setup(torch.randn(4, 4), model)

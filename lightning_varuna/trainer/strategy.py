@@ -113,8 +113,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             notice, ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
             ``last.ckpt`` in the ``ModelCheckpoint``'s directory and exits with status 143.
         memory_limit: Bytes, or a string such as ``"80GiB"``, that a stage may use: the planner chooses only a
-            configuration predicted within 90% of it (10% kept in reserve). Default: the device's memory (CUDA),
-            or the machine's memory shared by the processes of a node (CPU).
+            configuration predicted within 90% of it (10% kept in reserve), and checks a fixed one against it.
+            Default: the device's memory (CUDA), or the machine's memory shared by the processes of a node (CPU).
         profile: A profile file (``python -m lightning_varuna.trainer.preview --save-profile``) to plan from instead of
             measuring; the same file always gives the same choice.
         timeline_dir: If set, every training step is recorded: the loggers get the bubble fraction and each

@@ -115,8 +115,8 @@ def flag_collate(samples: list) -> tuple[Tensor, Tensor, Tensor]:
 
 flag_collate.calls = 0  # type: ignore[attr-defined]
 
-MODELS = {"weights": (WeightedGPT, weighted_collate), "inplace": (InPlaceGPT, None), "branch": (BranchGPT, flag_collate),
-          "plain": (TinyGPT, None)}
+MODELS = {"weights": (WeightedGPT, weighted_collate), "inplace": (InPlaceGPT, None),
+          "branch": (BranchGPT, flag_collate), "plain": (TinyGPT, None)}
 
 
 def run(name: str, options: dict, reference: bool) -> dict:
