@@ -159,3 +159,31 @@ def test_memory_limit_is_checked_against_a_fixed_configuration() -> None:
              r" \(P=1 x D=1, micro-batch 2 x 2, gpipe, no recompute\)")
     with pytest.raises(PlanError, match=match):  # raised before the process grid's first collective
         engine.setup(torch.randn(4, 4), model)
+
+
+# -- refused before other processes start -------------------------------------------------------------------
+
+def test_manual_optimization_is_refused_before_the_launcher_starts_other_ranks() -> None:
+    import os
+    from unittest import mock
+
+    import lightning.pytorch as pl
+    from helpers.models import RandomTokens, TinyGPT
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+    from torch.utils.data import DataLoader
+
+    from lightning_varuna import VarunaStrategy
+
+    class Manual(TinyGPT):
+        def __init__(self) -> None:
+            super().__init__(n_layer=2)
+            self.automatic_optimization = False
+
+    started = mock.Mock(side_effect=AssertionError("the launcher started other ranks first"))
+    with (mock.patch.dict(os.environ), mock.patch.object(_SubprocessScriptLauncher, "_call_children_scripts", started),
+          pytest.raises(MisconfigurationException, match="supports automatic optimization only")):
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=VarunaStrategy(pipeline_parallel_size=2),
+                             max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(Manual(), DataLoader(RandomTokens(n=8), batch_size=4))
+    started.assert_not_called()
