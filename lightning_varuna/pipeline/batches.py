@@ -6,7 +6,7 @@ Each micro-batch's loss is weighted by its samples or by its counted tokens (:fu
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -15,8 +15,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_varuna.pipeline.model.cut import CutPointError
 
 __all__ = [
-    "IGNORE_INDEX", "LOSS_WEIGHTINGS", "TokenCounter", "batch_size_of", "count_loss_units", "default_loss",
-    "first_samples", "is_meta_batch", "label_tokens", "samples", "split_batch",
+    "IGNORE_INDEX", "LOSS_WEIGHTINGS", "BatchSplitError", "TokenCounter", "batch_size_of", "check_batch",
+    "count_loss_units", "default_loss", "first_samples", "is_meta_batch", "label_tokens", "samples", "split_batch",
 ]
 
 IGNORE_INDEX = -100
@@ -42,29 +42,144 @@ def is_meta_batch(batch: Any) -> bool:
     return any(isinstance(leaf, Tensor) and leaf.is_meta for leaf in tree_flatten(batch)[0])
 
 
-def split_batch(batch: Any, chunks: int) -> list[Any]:
-    """Splits every tensor of ``batch`` along dimension 0 into ``chunks`` near-equal parts.
+class BatchSplitError(ValueError):
+    """A batch holds a value that cannot be split into micro-batches with its samples, or whose role is ambiguous."""
 
-    Other values (strings, numbers) are shared by all parts.
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def _holds_tensor(value: Any) -> bool:
+    return any(isinstance(leaf, Tensor) for leaf in tree_flatten(value)[0])
+
+
+def _per_sample_values(value: Any, size: int) -> bool:
+    """Whether ``value`` is a list or tuple of ``size`` non-tensor values (names, ids, weights): one per sample.
+
+    A list or tuple that holds tensors is structure (``x, y = batch``), never per-sample: its tensors are split when
+    their dimension 0 is the batch size, so a batch of two tensors and two samples is not taken for two samples.
     """
-    leaves, spec = tree_flatten(batch)
+    return (isinstance(value, (list, tuple)) and not _is_namedtuple(value) and len(value) == size
+            and not _holds_tensor(value))
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    return "batch" + "".join(f"[{key!r}]" for key in path)
+
+
+def check_batch(batch: Any) -> None:
+    """Refuses a batch with a value that :func:`split_batch` cannot give each micro-batch its own samples of.
+
+    Every rank checks the same batch at setup, before any waits on another. Refused: an object other than a tensor,
+    list or tuple whose ``len()`` is the batch size (a per-sample container that cannot be sliced), and a list or
+    tuple of as many tensors as samples none of which has the batch dimension (per-sample tensors of different
+    shapes, or shared tensors whose number equals the batch size by chance: it cannot tell).
+
+    Raises:
+        BatchSplitError: Naming the batch element, its type and what to change.
+    """
     size = batch_size_of(batch)
-    parts = [
-        leaf.tensor_split(chunks) if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == size else None
-        for leaf in leaves
-    ]
-    return [
-        tree_unflatten([p[k] if p is not None else leaf for p, leaf in zip(parts, leaves)], spec) for k in range(chunks)
-    ]
+    if size < 2:
+        return
+    _check(batch, size, ())
+
+
+def _check(value: Any, size: int, path: tuple[Any, ...]) -> None:
+    if isinstance(value, (Tensor, str, bytes)) or _per_sample_values(value, size):
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _check(item, size, (*path, key))
+        return
+    if isinstance(value, (list, tuple)):
+        tensors = [item for item in value if isinstance(item, Tensor)]
+        if (len(value) == size and not _is_namedtuple(value) and tensors
+                and not any(t.dim() > 0 and t.shape[0] == size for t in tensors)):
+            raise BatchSplitError(
+                f"{_where(path)} is a {type(value).__name__} of {size} values holding tensors, none of them with the"
+                f" batch size {size} in dimension 0, in a batch of {size} samples: it cannot tell per-sample tensors"
+                " from shared ones. Per-sample tensors: pad and stack them into one tensor of batch size (it is"
+                " then split with the samples). Tensors shared by every sample: put them in a dict (a dict is never"
+                " split)."
+            )
+        for k, item in enumerate(value):
+            _check(item, size, (*path, k))
+        return
+    try:
+        length = len(value)
+    except TypeError:  # a number, None, an object: one value for the whole batch, given to every micro-batch
+        return
+    if length == size and not isinstance(value, _SLICED):
+        raise BatchSplitError(
+            f"{_where(path)} is a {type(value).__name__} of {size} values in a batch of {size} samples: it looks"
+            " per-sample, but it cannot be split into micro-batches. Give per-sample values as a tensor, a list or a"
+            " tuple (split with the samples), or make it a value of another length if it is shared by all samples."
+        )
+
+
+def _sliced_types() -> tuple[type, ...]:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        return ()
+    return (numpy.ndarray,)
+
+
+_SLICED = _sliced_types()
+"""Non-tensor arrays sliced along dimension 0 as tensors are (numpy arrays)."""
+
+
+def _is_sliced(value: Any, size: int) -> bool:
+    shape: tuple[int, ...] = cast(Any, value).shape if isinstance(value, _SLICED) else ()
+    return len(shape) > 0 and shape[0] == size
+
+
+def _leaves(batch: Any, size: int) -> tuple[list[Any], Any]:
+    """The batch's leaves, a per-sample list or tuple of non-tensors being one leaf, and its structure."""
+    return tree_flatten(batch, is_leaf=lambda value: _per_sample_values(value, size))
+
+
+def _take(leaf: Any, size: int, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of ``leaf`` if it holds one value per sample; else ``leaf`` itself (shared)."""
+    if isinstance(leaf, Tensor):
+        return leaf[start:stop] if leaf.dim() > 0 and leaf.shape[0] == size else leaf
+    if _per_sample_values(leaf, size):
+        return type(leaf)(leaf[start:stop])
+    if _is_sliced(leaf, size):
+        return leaf[start:stop]
+    return leaf
+
+
+def split_batch(batch: Any, chunks: int) -> list[Any]:
+    """Splits ``batch`` into ``chunks`` near-equal parts along its samples (as ``Tensor.tensor_split``).
+
+    Split: every tensor (and numpy array) whose dimension 0 is the batch size, and every list or tuple of as many
+    non-tensor values as samples (names, ids, per-sample weights), so each part holds its own samples. Other values
+    (tensors of another size, numbers, strings, lists of another length) are shared by all parts.
+
+    Raises:
+        BatchSplitError: For a value :func:`check_batch` refuses.
+    """
+    size = batch_size_of(batch)
+    if chunks > 1:  # a later batch may hold what setup's did not: refused, never shared silently
+        _check(batch, size, ())
+    leaves, spec = _leaves(batch, size)
+    bounds = [0]
+    for k in range(chunks):  # tensor_split's sizes: the first size % chunks parts one larger
+        bounds.append(bounds[-1] + size // chunks + (1 if k < size % chunks else 0))
+    parts: list[Any] = []
+    for k in range(chunks):
+        start, stop = bounds[k], bounds[k + 1]
+        parts.append(tree_unflatten([_take(leaf, size, start, stop) for leaf in leaves], spec))
+    return parts
 
 
 def first_samples(batch: Any, n: int) -> Any:
-    """The first ``n`` samples of every batch-sized tensor in ``batch``."""
+    """The first ``n`` samples of ``batch``: of every value :func:`split_batch` splits; others as they are."""
     size = batch_size_of(batch)
-    leaves, spec = tree_flatten(batch)
-    return tree_unflatten(
-        [x[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x for x in leaves], spec
-    )
+    leaves, spec = _leaves(batch, size)
+    return tree_unflatten([_take(leaf, size, 0, n) for leaf in leaves], spec)
 
 
 def samples(batch: Any, n: int) -> Any:
@@ -73,11 +188,16 @@ def samples(batch: Any, n: int) -> Any:
     if n <= size:
         return first_samples(batch, n)
     copies = -(-n // size)
-    leaves, spec = tree_flatten(batch)
-    return tree_unflatten(
-        [torch.cat([x] * copies)[:n] if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size else x
-         for x in leaves], spec
-    )
+    leaves, spec = _leaves(batch, size)
+
+    def repeat(leaf: Any) -> Any:
+        if isinstance(leaf, Tensor):
+            return torch.cat([leaf] * copies)[:n] if leaf.dim() > 0 and leaf.shape[0] == size else leaf
+        if _per_sample_values(leaf, size):
+            return type(leaf)((list(leaf) * copies)[:n])
+        return leaf
+
+    return tree_unflatten([repeat(leaf) for leaf in leaves], spec)
 
 
 def default_loss(output: Any) -> Tensor:

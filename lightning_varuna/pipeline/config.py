@@ -87,7 +87,8 @@ class EngineConfig:
             which the planner needs to choose P.
         memory_limit: Bytes (or a string such as ``"80GiB"``) a stage may use; configurations predicted above
             90% of it are never chosen (10% kept in reserve). Default: the device's memory (CUDA), or the
-            machine's memory shared by the processes of the node (CPU).
+            machine's memory shared by the processes of the node (CPU). Given with every value fixed, the planner
+            still runs: it predicts the fixed configuration's peak and raises ``PlanError`` if it does not fit.
         profile: A profile file (:class:`~lightning_varuna.pipeline.planning.profile_data.Profile`) to plan from instead
             of measuring: the same file gives the same choice (and the stages are balanced by its costs, also when every
             value is fixed).
@@ -215,11 +216,14 @@ class EngineConfig:
 
     @property
     def searches(self) -> bool:
-        """Whether the planner runs at setup: it chooses a value, or plans from a given profile."""
+        """Whether the planner runs at setup: it chooses a value, plans from a profile, or checks a memory_limit.
+
+        A ``memory_limit`` the configuration is not checked against would be silently unused.
+        """
         return (self.schedule == AUTO or self.recompute == AUTO or self.microbatch_size == AUTO
                 or self.stages_per_rank == AUTO
                 or (self.pipeline_parallel_size == AUTO and self.global_batch_size is not None)
-                or self.profile is not None)
+                or self.profile is not None or self.memory_limit is not None)
 
     def pipeline_size_for(self, world_size: int, num_segments: int) -> int:
         """P for a world of ``world_size`` processes and a model of ``num_segments`` segments (without the planner)."""
@@ -313,9 +317,9 @@ def _check_recompute_policy(config: EngineConfig) -> None:
         )
     if config.searches:
         raise ValueError(
-            "recompute_policy cannot be used with 'auto' values or a profile: the planner cannot predict the memory"
-            " the policy keeps. Set pipeline_parallel_size (or leave global_batch_size unset), the micro-batches,"
-            " schedule, recompute and stages_per_rank yourself."
+            "recompute_policy cannot be used with 'auto' values, a profile or a memory_limit: the planner cannot"
+            " predict the memory the policy keeps. Set pipeline_parallel_size (or leave global_batch_size unset), the"
+            " micro-batches, schedule, recompute and stages_per_rank yourself, and leave memory_limit unset."
         )
 
 

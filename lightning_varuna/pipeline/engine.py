@@ -109,7 +109,8 @@ class PipelineEngine(StageSetup):
                             " PipelineEngine(module, EngineConfig(pipeline_parallel_size=..., ...)).")
         if config.searches and planner is None:
             raise ValueError(
-                "This EngineConfig leaves values to the planner ('auto', or a profile to plan from): give the engine"
+                "This EngineConfig leaves values to the planner ('auto', a profile to plan from, or a memory_limit to"
+                " check): give the engine"
                 " one, PipelineEngine(module, config, planner=choose) with"
                 " `from lightning_varuna.pipeline.planning.choice import choose`."
             )

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_varuna.failstop.failures import destroy_process_groups_at_exit
 from lightning_varuna.failstop.watchdog import watch_job
-from lightning_varuna.pipeline.batches import batch_size_of, default_loss, first_samples, samples
+from lightning_varuna.pipeline.batches import batch_size_of, check_batch, default_loss, first_samples, samples
 from lightning_varuna.pipeline.comm.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
 from lightning_varuna.pipeline.comm.initial_sync import broadcast_initial_state
@@ -112,6 +112,7 @@ class StageSetup:
         config = self.config
         # everything that can be wrong with the model is checked before the first collective call
         link_backend = config.link_backend(self.device)
+        check_batch(sample_batch)  # a value that cannot follow its samples into the micro-batches
         if config.cut_at is not None:
             self._cuts, self._hooks = install_cut_at(self.module, config.cut_at)
         self.built_on_meta = has_meta_tensors(self.module)

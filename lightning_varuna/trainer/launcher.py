@@ -14,11 +14,27 @@ from datetime import timedelta
 from typing import Any
 
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 from lightning_varuna.failstop.failures import finish_together
 
-__all__ = ["PipelineLauncher"]
+__all__ = ["PipelineLauncher", "refuse_unsupported"]
+
+
+def refuse_unsupported(model: Any) -> None:
+    """Raises for a model the strategy cannot run (manual optimization).
+
+    Raises:
+        MisconfigurationException: Saying what to change.
+    """
+    if isinstance(model, LightningModule) and not model.automatic_optimization:
+        raise MisconfigurationException(
+            "VarunaStrategy supports automatic optimization only: the pipeline schedule runs forward and"
+            " backward itself. Remove `self.automatic_optimization = False` (and manual_backward) from the"
+            " LightningModule."
+        )
 
 
 class PipelineLauncher(_SubprocessScriptLauncher):
@@ -39,7 +55,13 @@ class PipelineLauncher(_SubprocessScriptLauncher):
         self.timeout = timeout
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Runs ``function`` (starting the other ranks first if needed); raises if any rank's run failed."""
+        """Runs ``function`` (starting the other ranks first if needed); raises if any rank's run failed.
+
+        A model the strategy refuses is refused here, before other ranks start (``function``'s first argument is the
+        trainer call's model): a refusal after would leave the started ranks to fail on their own, later.
+        """
+        if args:
+            refuse_unsupported(args[0])
         try:
             if self.cluster_environment.creates_processes_externally:
                 result = function(*args, **kwargs)

@@ -154,10 +154,12 @@ PATCHES: tuple[Patch, ...] = (
               ("pipeline/model/stand_ins.py", 'del stand_in.module.__dict__["forward"]'),
               ("pipeline/model/stand_ins.py", "stand_in.module._compiled_call_impl = stand_in.compiled_call"),
               ("pipeline/model/stand_ins.py", "del module._parameters[attr]"),
-              ("pipeline/model/stand_ins.py", "module.register_buffer(attr, placeholder")),
+              ("pipeline/model/stand_ins.py", "module.register_buffer(attr, placeholder"),
+              ("pipeline/model/stand_ins.py", "handles.append(module.register_forward_pre_hook(hook))")),
           "Each rank keeps one stage: the user's unchanged step must run on it, with no memory for the other"
-          " stages (pipeline.model.stand_ins).", _TORCH,
-          "forwards and compiled calls " + _ENGINE_TEARDOWN + "; freed parameters stay freed"),
+          " stages (pipeline.model.stand_ins); a module holding freed parameters gets a pre-hook that refuses a call"
+          " the dry run did not see (it would compute with the placeholders).", _TORCH,
+          "forwards and compiled calls " + _ENGINE_TEARDOWN + "; freed parameters and their guards stay"),
     Patch(17, "forward of the user's plain nn.Linear modules (gradients accumulated in place)", (
               ("pipeline/runtime/fused_linear_grad.py", "module.forward = functools.partial(_forward, module)"),
               ("pipeline/runtime/fused_linear_grad.py", 'del module.__dict__["forward"]')),

@@ -16,9 +16,8 @@ from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -44,6 +43,7 @@ from lightning_varuna.trainer.callbacks import (
     whole_model_summaries,
 )
 from lightning_varuna.trainer.data import check_global_batch, resumable_training_loader
+from lightning_varuna.trainer.launcher import refuse_unsupported
 from lightning_varuna.trainer.module_setup import (
     Pipeline,
     boundary_dtype,
@@ -113,8 +113,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             notice, ``SIGTERM`` and ``SIGUSR1`` to any rank are handled: at the next step boundary every rank writes
             ``last.ckpt`` in the ``ModelCheckpoint``'s directory and exits with status 143.
         memory_limit: Bytes, or a string such as ``"80GiB"``, that a stage may use: the planner chooses only a
-            configuration predicted within 90% of it (10% kept in reserve). Default: the device's memory (CUDA),
-            or the machine's memory shared by the processes of a node (CPU).
+            configuration predicted within 90% of it (10% kept in reserve), and checks a fixed one against it.
+            Default: the device's memory (CUDA), or the machine's memory shared by the processes of a node (CPU).
         profile: A profile file (``python -m lightning_varuna.trainer.preview --save-profile``) to plan from instead of
             measuring; the same file always gives the same choice.
         timeline_dir: If set, every training step is recorded: the loggers get the bubble fraction and each
@@ -264,13 +264,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     # -- setup --------------------------------------------------------------------------------------------
     @override
     def connect(self, model: Any) -> None:
-        """Takes the model; rejects manual optimization before any process group starts."""
-        if isinstance(model, LightningModule) and not model.automatic_optimization:
-            raise MisconfigurationException(
-                "VarunaStrategy supports automatic optimization only: the pipeline schedule runs forward and"
-                " backward itself. Remove `self.automatic_optimization = False` (and manual_backward) from the"
-                " LightningModule."
-            )
+        """Takes the model; rejects what the strategy cannot run (the launcher did already, before other ranks)."""
+        refuse_unsupported(model)
         super().connect(model)
 
     @property

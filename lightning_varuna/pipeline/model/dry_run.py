@@ -69,6 +69,8 @@ class Trace:
     :mod:`~lightning_varuna.pipeline.model.data_flow`)."""
     recomputed: set[str] = field(default_factory=set)
     """Modules without parameters whose outputs later segments use: every stage runs them (none stands in)."""
+    spanning: set[str] = field(default_factory=set)
+    """Modules with a call that crossed a cut point (the model, a stack of blocks)."""
     side_values: list[SideValue] = field(default_factory=list)
     """Values later segments use other than through a cut point, that the stages transport with the activation
     (see :mod:`~lightning_varuna.pipeline.model.data_flow`)."""
@@ -320,6 +322,7 @@ def trace_step(
         module_segments=module_segments,
         crossings=crossings,
         recomputed=recomputed,
+        spanning=two.spanning | one.spanning,
         side_values=_side_values(one.flow, two.flow),
         segment_seconds=seconds,
         skipped=not cuts and one.returned_nothing,

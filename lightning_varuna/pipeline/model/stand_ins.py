@@ -12,6 +12,10 @@ Every rank runs the user's whole Python step ("predicated execution"). On a stag
 
 At the stage's first cut point the received activation replaces the tensor, and at its last one the forward
 is cut short, so modules of later stages never run.
+
+A module with parameters another stage holds is never run on their placeholders: called in a segment this stage
+runs for real where the dry run did not see it called (a branch its batch did not take), it raises
+:class:`UnseenCallError` (:func:`guard_unseen_calls`).
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from lightning_varuna.pipeline.model.cut import never_compiled, zero_like_shape
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.partition import Partition
 
 __all__ = [
-    "StandIn", "apply_partition", "free_parameter", "install_stand_in", "remove_stand_ins", "stand_in_candidates",
+    "StandIn", "UnseenCallError", "apply_partition", "free_parameter", "guard_unseen_calls", "install_stand_in",
+    "remove_stand_ins", "stand_in_candidates",
 ]
 
 
@@ -166,6 +172,7 @@ def apply_partition(
     stages = partition.rank_stages(rank)
     owned = frozenset(seg for s in stages for seg in partition.stages[s].segments)
     keep = set(partition.rank_params(rank))
+    guard_unseen_calls(root, partition, rank, owned, segment)  # before freeing: it finds the parameters by identity
     for name, _ in list(root.named_parameters()):
         if name not in keep:
             free_parameter(root, name, device)
@@ -177,6 +184,69 @@ def apply_partition(
         install_stand_in(stand_in)
         stand_ins.append(stand_in)
     return stand_ins
+
+
+class UnseenCallError(RuntimeError):
+    """A module ran where the dry run did not see it, on a stage that holds only placeholders of its parameters."""
+
+
+def guard_unseen_calls(root: nn.Module, partition: Partition, rank: int, owned: frozenset[int],
+                       segment: Callable[[], int]) -> list[RemovableHandle]:
+    """Makes each module whose own parameters another stage holds raise if this rank runs it in an unseen segment.
+
+    Such a module ran, in the dry run, only in other stages' segments (or never: a branch the dry run's batch did
+    not take). Run in a segment of this rank's, it would compute with the zero-stride placeholders
+    :func:`free_parameter` leaves, silently wrong. Modules whose calls cross a cut point (the model itself) are not
+    guarded: their forward is the step's own code.
+
+    Returns:
+        The forward pre-hooks' handles (the guards last as long as the stage).
+    """
+    names = {id(p): name for name, p in root.named_parameters()}
+    keep = set(partition.rank_params(rank))
+    holders = {name: s for s in reversed(range(len(partition.stages))) for name in partition.stages[s].params}
+    stage_of = {seg: s for s in partition.rank_stages(rank) for seg in partition.stages[s].segments}
+    handles = []
+    for module_name, module in root.named_modules():
+        if module_name in partition.trace.spanning or module_name in partition.trace.recomputed:
+            continue
+        foreign = [names[id(p)] for p in module._parameters.values()
+                   if p is not None and id(p) in names and names[id(p)] not in keep]
+        if foreign:
+            seen = frozenset(partition.trace.module_segments.get(module_name, ()))
+            where = sorted({holders.get(name, 0) for name in foreign})
+            hook = _UnseenCall(module_name or type(module).__name__, type(module).__name__, foreign, where, stage_of,
+                               seen, segment)
+            handles.append(module.register_forward_pre_hook(hook))
+    return handles
+
+
+class _UnseenCall:
+    """The forward pre-hook of :func:`guard_unseen_calls`: O(1) per call, and called only on other stages' modules."""
+
+    def __init__(self, name: str, kind: str, params: list[str], holders: list[int], stage_of: dict[int, int],
+                 seen: frozenset[int], segment: Callable[[], int]) -> None:
+        self.name, self.kind, self.params, self.holders, self.stage_of = name, kind, params, holders, stage_of
+        self.seen, self.segment = seen, segment
+
+    @never_compiled
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        """Raises :class:`UnseenCallError` if the module runs in a segment of this rank the dry run did not see."""
+        current = self.segment()
+        if current not in self.stage_of or current in self.seen:
+            return
+        held_by = ", ".join(f"stage {s}" for s in self.holders)
+        seen = (f"only in segment(s) {', '.join(map(str, sorted(self.seen)))}" if self.seen
+                else "never (its batch did not take the branch that calls it)")
+        params = ", ".join(self.params[:4]) + (f" and {len(self.params) - 4} more" if len(self.params) > 4 else "")
+        raise UnseenCallError(
+            f"Stage {self.stage_of[current]} called {self.name} ({self.kind}) in segment {current}, a call the dry run"
+            f" did not see: it called it {seen}, so its parameters ({params}) are held by {held_by} and this stage"
+            " has only placeholders of them; the step would compute with those, silently wrong. Calls that depend on"
+            " the data (an `if` on the batch, optional heads, experts) must be seen by the dry run, which runs the"
+            " first batch of the dataloader: make that batch take every branch, or call the module on every batch"
+            " and mask its effect (e.g. `h = torch.where(flag, self.extra(h), h)`)."
+        )
 
 
 def install_stand_in(stand_in: StandIn) -> None:
