@@ -29,6 +29,9 @@ TITLES = {
     "t5_stacks": "T5, both stacks cut (`T5ForConditionalGeneration`)",
     "vit": "ViT (`ViTForImageClassification`)", "litgpt": "litgpt `GPT` (GPT-NeoX style)",
     "litgpt_llama": "litgpt `GPT` (Llama style)",
+    "mixtral": "Mixtral (`MixtralForCausalLM`), MoE",
+    "mixtral_eager": "Mixtral, eager experts (`experts_implementation`)",
+    "qwen3_moe": "Qwen3-MoE (`Qwen3MoeForCausalLM`)", "olmoe": "OLMoE (`OlmoeForCausalLM`)",
 }
 
 
