@@ -46,7 +46,8 @@ class StepRunner:
         self.topology = topology
         self.precision = precision
         self.device = engine.device
-        self.broadcaster = LogBroadcaster(topology.pipe_group, topology.pipe_src_rank, topology.is_last, self.device)
+        self.broadcaster = LogBroadcaster(topology.pipe_group, topology.pipe_src_rank, topology.is_last, self.device,
+                                          module)
         self.module_names = {id(m): name for name, m in module.named_modules()}
 
     def run(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], loss_scale: float = 1.0,

@@ -74,6 +74,10 @@ _DECODER = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=FFN, num_
                 attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+# mixture-of-experts: 4 experts, top-2, no router loss (output_router_logits=False, the default); transformers'
+# default experts path (grouped_mm), or with experts_implementation="eager" its loop over the experts hit (nonzero)
+_MOE = dict(_DECODER, num_experts_per_tok=2, output_router_logits=False, router_jitter_noise=0.0)
+
 _T5 = _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=FFN,
           num_layers=LAYERS, num_decoder_layers=2, num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0,
           pad_token_id=0, eos_token_id=1)
@@ -106,6 +110,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mistral", _hf("MistralConfig", "MistralForCausalLM", **_DECODER, sliding_window=None),
            "model.model.layers", "causal", ties=False),
     Family("qwen2", _hf("Qwen2Config", "Qwen2ForCausalLM", **_DECODER), "model.model.layers", "causal", ties=False),
+    Family("mixtral", _hf("MixtralConfig", "MixtralForCausalLM", **_MOE, num_local_experts=4, sliding_window=None),
+           "model.model.layers", "causal", ties=False, notes="MoE: 4 experts, top-2, experts by grouped_mm"),
+    Family("mixtral_eager", _hf("MixtralConfig", "MixtralForCausalLM", **_MOE, num_local_experts=4,
+                                sliding_window=None, experts_implementation="eager"),
+           "model.model.layers", "causal", ties=False, notes="MoE: 4 experts, top-2, eager experts loop"),
+    Family("qwen3_moe", _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_MOE, head_dim=8, num_experts=4,
+                            moe_intermediate_size=FFN, norm_topk_prob=True),
+           "model.model.layers", "causal", ties=False, notes="MoE: 4 experts, top-2"),
+    Family("olmoe", _hf("OlmoeConfig", "OlmoeForCausalLM", **_MOE, num_experts=4), "model.model.layers", "causal",
+           ties=False, notes="MoE: 4 experts, top-2"),
     Family("qwen3", _hf("Qwen3Config", "Qwen3ForCausalLM", **_DECODER, head_dim=8), "model.model.layers", "causal",
            ties=False),
     Family("gemma", _hf("GemmaConfig", "GemmaForCausalLM", **_DECODER, head_dim=8,
@@ -284,6 +298,29 @@ class ZooModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR)
+
+
+def watch_routers(model: nn.Module) -> list[float]:
+    """Records, per call of a mixture of experts' top-k router, the least gap between the logits of the k-th
+    chosen expert and the best expert not chosen (the reference's routing is far from a tie when it is large).
+
+    Tokens whose logits are all equal are left out: their hidden state is exactly zero (the padding token's zero
+    embedding, at the first position, attends to itself only), so every expert gives them zero and its gradients
+    zero, whichever is chosen.
+    """
+    margins: list[float] = []
+
+    def hook(router, args, output) -> None:
+        logits = output[0].detach().float().flatten(0, -2)
+        logits = logits[logits.amax(-1) != logits.amin(-1)]
+        if len(logits):
+            top = logits.topk(router.top_k + 1, dim=-1).values
+            margins.append(float((top[..., -2] - top[..., -1]).min()))
+
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(hook)
+    return margins
 
 
 def describe() -> str:

@@ -36,6 +36,7 @@ from helpers.zoo_models import (  # noqa: E402
     dataset,
     save_weights,
     variant_cut_at,
+    watch_routers,
 )
 
 import lightning_varuna  # noqa: E402
@@ -68,7 +69,23 @@ CONFIGS = {
     "wrapped-compiled-p2": (2, 4, BATCH, "32-true", "init", "aot_eager"),
     "ref-model-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
     "ref-wrapped-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
+    "1f1b-p2": (2, 4, BATCH, "32-true", "init", None),
+    "zero-bubble-p2": (2, 4, BATCH, "32-true", "init", None),
+    "interleaved-p2": (2, 4, BATCH, "32-true", "init", None),
+    "zero-bubble-v-p2": (2, 4, BATCH, "32-true", "init", None),
+    "no-recompute-p2": (2, 4, BATCH, "32-true", "init", None),
+    "1f1b-p4": (4, 4, BATCH, "32-true", "init", None),
+    "no-recompute-p4": (4, 4, BATCH, "32-true", "init", None),
 }
+SCHEDULES = {
+    "1f1b-p2": dict(schedule="1f1b"), "zero-bubble-p2": dict(schedule="zero-bubble"),
+    "interleaved-p2": dict(schedule="interleaved", stages_per_rank=2),
+    "zero-bubble-v-p2": dict(schedule="zero-bubble-v", stages_per_rank=2),
+    "no-recompute-p2": dict(recompute=False), "1f1b-p4": dict(schedule="1f1b"),
+    "no-recompute-p4": dict(recompute=False),
+}
+"""Configurations that run another schedule than the default (varuna), or without recompute (two chunks per rank:
+the 4 blocks make 4 stages at P=2)."""
 COMPILE_SCOPES = {"model-compiled-p2": "model", "ref-model-compiled": "model",
                   "wrapped-compiled-p2": "wrapped", "ref-wrapped-compiled": "wrapped"}
 """What a configuration with a backend compiles (default: each block in place, ``"blocks"``): ``"model"``, the whole
@@ -161,7 +178,7 @@ def run(out: Path, spec: str) -> None:
     variant = VARIANTS.get(config)
     options = dict(pipeline_parallel_size=stages, num_microbatches=microbatches,
                    cut_at=variant_cut_at(family.cut_at, variant),
-                   partition="params", p2p_timeout=60.0)
+                   partition="params", p2p_timeout=60.0, **SCHEDULES.get(config, {}))
     if build_in == "configure_model":
         options.update(initial_weights=str(weights), initial_weights_prefix="model.")
     recorder = Recorder()
@@ -181,6 +198,7 @@ def run(out: Path, spec: str) -> None:
     )
     # a model built in configure_model compiles its blocks there (ZooModule); the others are compiled here
     model = ZooModule(family_name, build_in, variant, compile_backend=backend)
+    margins = watch_routers(model) if build_in == "init" else []
     scope = COMPILE_SCOPES.get(config, "blocks")
     if backend is not None:
         torch._dynamo.reset()
@@ -196,6 +214,8 @@ def run(out: Path, spec: str) -> None:
     start = time.monotonic()
     trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler))
     result = {"losses": recorder.losses, "grads": recorder.grads, "seconds": time.monotonic() - start}
+    if margins and reference:
+        result["router_margin"] = min(margins)
     if backend is not None:
         result["compile"] = compile_stats(recorder, recorder.counted, recorder.compiled_calls)
     if config in EVALUATED and family.kind != "seq2seq":

@@ -6,7 +6,8 @@ It records:
   which dimension scales with the batch);
 - which parameters each segment uses (a ``TorchFunctionMode`` sees every parameter passed to a torch
   function), so a parameter used on two stages (a tied embedding and head) is found automatically;
-- which module calls start and end inside one segment (those can be replaced by stand-ins on other stages);
+- which module calls start and end inside one segment (those can be replaced by stand-ins on other stages), and
+  their arguments' and outputs' shapes (:mod:`~lightning_varuna.pipeline.model.call_shapes`: the stand-ins' shapes);
 - values that flow from one segment to a later one without passing through a cut point: a skip connection
   across a cut cannot be split there, and side inputs made by modules without parameters (rotary position
   embeddings, masks) are recomputed on the later stage when that gives the same values
@@ -31,6 +32,14 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from lightning_varuna.pipeline.model.call_shapes import (
+    CallRecord,
+    ShapeRule,
+    autocast_state,
+    describe_call,
+    runs_on_meta,
+    shape_rules,
+)
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError, forward_handler
 from lightning_varuna.pipeline.model.data_flow import DataFlow, SideValue
 from lightning_varuna.pipeline.model.segment_costs import CostCounter, SegmentCost, fit_costs
@@ -76,6 +85,12 @@ class Trace:
     (see :mod:`~lightning_varuna.pipeline.model.data_flow`)."""
     segment_seconds: list[float] = field(default_factory=list)
     """Measured forward time of each segment (empty when not timed, e.g. on the meta device)."""
+    call_shapes: dict[str, tuple[ShapeRule, ...]] = field(default_factory=dict)
+    """Of each module a stage may stand in for: its calls' output shapes by micro-batch size (see
+    :mod:`~lightning_varuna.pipeline.model.call_shapes`)."""
+    not_on_meta: set[str] = field(default_factory=set)
+    """Modules whose forward cannot run on meta tensors (a torch function they call cannot): their stand-ins never
+    try."""
     costs: list[SegmentCost] = field(default_factory=list)
     """Each segment's counted cost (FLOPs, saved activations, parameter bytes)."""
     param_bytes: dict[str, int] = field(default_factory=dict)
@@ -106,7 +121,10 @@ class _Tracer:
         self.param_segments: dict[str, set[int]] = {}
         self.module_segments: dict[str, set[int]] = {}
         self.spanning: set[str] = set()
-        self._stack: list[tuple[str, int]] = []
+        self._stack: list[list[Any]] = []
+        """Per module call running: its name, its segment and its arguments (:func:`describe_call`)."""
+        self.calls: dict[str, list[CallRecord]] = {}
+        self.not_on_meta: set[str] = set()
         self.paused = False
         self.returned_nothing = False
         self.flow = DataFlow(module, lambda: self.segment)
@@ -135,16 +153,24 @@ class _Tracer:
     def pre_hook(self, module: nn.Module, args: object) -> None:
         name = self.module_names.get(id(module))
         if name is not None:
-            self._stack.append((name, self.segment))
+            self._stack.append([name, self.segment, None])
             self.flow.enter(module)
+
+    def arguments(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The arguments of the module call that just started (a forward pre-hook that sees keywords)."""
+        self.flow.arguments(module, args, kwargs)
+        if self._stack and self._stack[-1][0] == self.module_names.get(id(module)):
+            self._stack[-1][2] = (describe_call((args, kwargs)), autocast_state())
 
     def post_hook(self, module: nn.Module, args: object, output: object) -> None:
         name = self.module_names.get(id(module))
         if name is None or not self._stack:
             return
-        _, start = self._stack.pop()
+        _, start, arguments = self._stack.pop()
         if start == self.segment:
             self.module_segments.setdefault(name, set()).add(start)
+            if arguments is not None:
+                self.calls.setdefault(name, []).append(CallRecord(arguments[0], describe_call(output), arguments[1]))
         else:
             self.spanning.add(name)
         self.flow.exit(module, output)
@@ -175,6 +201,9 @@ class _TraceMode(TorchFunctionMode):
         derived = tracer.flow.before(name, args, kwargs, tracer.uses_parameters(args, kwargs))
         out = func(*args, **kwargs)
         tracer.flow.after(name, derived, out)
+        stack = tracer._stack
+        if stack and stack[-1][0] not in tracer.not_on_meta and not runs_on_meta(func, args, kwargs):
+            tracer.not_on_meta.update(call[0] for call in stack)
         return out
 
 
@@ -194,8 +223,7 @@ def _run_traced(module: nn.Module, step: Callable[[], object], cut_names: dict[i
     pre = nn.modules.module.register_module_forward_pre_hook(tracer.pre_hook)
     post = nn.modules.module.register_module_forward_hook(tracer.post_hook)
     # the global pre-hook sees no keyword arguments: each module's own hook records its call's arguments
-    arguments = [m.register_forward_pre_hook(lambda m, args, kwargs: tracer.flow.arguments(m, args, kwargs),
-                                             with_kwargs=True) for m in module.modules()]
+    arguments = [m.register_forward_pre_hook(tracer.arguments, with_kwargs=True) for m in module.modules()]
     try:
         # compiled modules run eagerly: the tracer must see every torch function and module call
         with forward_handler(tracer), _TraceMode(tracer), tracer.costs, torch.compiler.set_stance("force_eager"):
@@ -245,6 +273,13 @@ def _side_values(one: DataFlow, two: DataFlow) -> list[SideValue]:
                  f" {producer.segment} and used by {', '.join(sorted({c.module for c in consumers}))}",
         ))
     return values
+
+
+def _stand_in_roots(module_segments: dict[str, set[int]], recomputed: set[str]) -> list[str]:
+    """The modules that get a stand-in on some stage: those within one segment per call, no ancestor of which is."""
+    candidates = {name for name in module_segments if name and name not in recomputed}
+    return [name for name in candidates
+            if not any(".".join(name.split(".")[:end]) in candidates for end in range(1, name.count(".") + 1))]
 
 
 def time_segments(timed_step: Callable[[], object]) -> list[float]:
@@ -325,6 +360,9 @@ def trace_step(
         spanning=two.spanning | one.spanning,
         side_values=_side_values(one.flow, two.flow),
         segment_seconds=seconds,
+        not_on_meta=one.not_on_meta | two.not_on_meta,
+        call_shapes={name: rules for name in _stand_in_roots(module_segments, recomputed)
+                     if (rules := shape_rules(one.calls.get(name, []), two.calls.get(name, [])))},
         skipped=not cuts and one.returned_nothing,
         costs=fit_costs(one.costs, two.costs, two.param_segments, params, len(cuts) + 1),
     )

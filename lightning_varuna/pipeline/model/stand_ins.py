@@ -5,10 +5,15 @@ Every rank runs the user's whole Python step ("predicated execution"). On a stag
 - a parameter becomes a non-persistent buffer of the same shape and dtype with all strides zero (one
   element of memory), so code such as ``x + self.pos[:, :T]`` keeps working;
 - a module whose calls all start and end inside segments of earlier stages is replaced by a stand-in that
-  works out its output shapes on the meta device (cached per input signature) and returns zero-stride
-  tensors of those shapes. User code never sees ``None`` and needs no changes. Modules without parameters
-  whose outputs later segments read (rotary position embeddings, masks) run for real instead, when the dry
-  run found that gives the same values (:mod:`~lightning_varuna.pipeline.model.data_flow`).
+  returns zero-stride tensors of the shapes its output would have. User code never sees ``None`` and needs no
+  changes. The shapes come, in this order, from the dry run's calls of the module, scaled to the micro-batch
+  (:mod:`~lightning_varuna.pipeline.model.call_shapes`: nothing runs); else from the module's forward on meta
+  tensors (another sequence length, another call signature); else, where the dry run found the forward cannot
+  run on meta (a torch function it calls has no meta kernel for its arguments: a mixture of experts' grouped
+  matrix products or ``nonzero``), from the forward on the stage's device with the placeholder weights, without
+  autograd, its buffer writes and random numbers discarded. The last two are cached per input signature. Modules
+  without parameters whose outputs later segments read (rotary position embeddings, masks) run for real instead,
+  when the dry run found that gives the same values (:mod:`~lightning_varuna.pipeline.model.data_flow`).
 
 At the stage's first cut point the received activation replaces the tensor, and at its last one the forward
 is cut short, so modules of later stages never run.
@@ -29,6 +34,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from lightning_varuna.pipeline.model.call_shapes import PLAIN, ShapeRule
 from lightning_varuna.pipeline.model.cut import never_compiled, zero_like_shape
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.partition import Partition
@@ -54,7 +60,12 @@ def free_parameter(root: nn.Module, name: str, device: torch.device | None = Non
 
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The cache key of a call: the structure of its arguments, tensors by shape and dtype (None: unhashable)."""
+    """The cache key of a call: the structure of its arguments, tensors by shape and dtype (None: unhashable).
+
+    Other objects than plain values count by their type, as in the dry run's rules
+    (:mod:`~lightning_varuna.pipeline.model.call_shapes`): a call given a new cache object each forward still finds
+    its entry, and the cache keeps no such object alive.
+    """
     if not kwargs and all(isinstance(arg, Tensor) for arg in args):
         # the usual call, block(x): skip the pytree walk, which costs more than the rest of the stand-in
         return tuple((arg.shape, arg.dtype) for arg in args)
@@ -63,6 +74,8 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]
     for leaf in leaves:
         if isinstance(leaf, Tensor):
             key.append((tuple(leaf.shape), leaf.dtype))
+        elif not isinstance(leaf, PLAIN):
+            key.append(type(leaf))
         else:
             try:
                 hash(leaf)
@@ -80,8 +93,14 @@ class StandIn:
     """Replaces a module's ``forward``: runs it for real in owned segments, by shape only elsewhere."""
 
     def __init__(self, module: nn.Module, owned: range | frozenset[int], segment: Callable[[], int],
-                 device: torch.device):
+                 device: torch.device, rules: tuple[ShapeRule, ...] = (), name: str = "", on_meta: bool = True):
         self.module = module
+        self.rules = rules
+        """The dry run's calls of the module (:mod:`~lightning_varuna.pipeline.model.call_shapes`)."""
+        self.name = name or type(module).__name__
+        self.on_meta = on_meta
+        """Whether its forward may run on meta tensors (False where the dry run found it cannot, or once it failed
+        there: a forward that failed halfway may have written objects it was given, so it is not tried again)."""
         self.forward = module.forward
         # a compiled module (Module.compile) would compile this stand-in's Python too: it runs uncompiled
         self.compiled_call = module.__dict__.get("_compiled_call_impl")
@@ -101,9 +120,11 @@ class StandIn:
         key = _signature(args, kwargs)
         entry = self._cache.get(key) if key is not None else None
         if entry is None:
-            entry = self._shapes(args, kwargs)
-            if key is not None and len(self._cache) < 64:
-                self._cache[key] = entry
+            entry = next((found for rule in self.rules if (found := rule.output(args, kwargs)) is not None), None)
+            if entry is None:
+                entry = self._shapes(args, kwargs)
+                if key is not None and len(self._cache) < 64:
+                    self._cache[key] = entry
         specs, tree = entry
         if tree is None:  # a single tensor
             shape, dtype = specs[0]
@@ -119,6 +140,36 @@ class StandIn:
         return zero
 
     def _shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+        meta_error: Exception | None = None
+        if self.on_meta:
+            try:
+                return self._meta_shapes(args, kwargs)
+            except Exception as err:  # noqa: BLE001 - any op that cannot run on meta: the placeholder run decides
+                meta_error = err
+                self.on_meta = False
+        try:
+            return self._placeholder_shapes(args, kwargs)
+        except Exception as err:
+            why = f" (on meta tensors it failed with {type(meta_error).__name__}: {meta_error})" if meta_error else ""
+            raise RuntimeError(
+                f"The output shapes of {self.name}, a module of an earlier pipeline stage this stage stands in for,"
+                f" could not be worked out for a call the dry run did not see: its forward failed on this stage's"
+                f" device with the other stages' weights as placeholders{why}. Each call's output shapes must depend"
+                " on its arguments' shapes only."
+            ) from err
+
+    def _placeholder_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+        """The shapes from the module's forward on the real arguments, the weights as they are on this stage."""
+        # the stage's own computation must not change: buffer writes go to copies, random numbers are drawn from a
+        # forked generator, and nothing is recorded for autograd
+        buffers = {name: t.clone() for name, t in self.module.named_buffers()}
+        devices = [self.device] if self.device.type == "cuda" else []
+        with (torch.no_grad(), torch.random.fork_rng(devices, device_type=self.device.type),
+              _reparametrize_module(self.module, buffers)):
+            out = self.forward(*args, **kwargs)
+        return _specs(out)
+
+    def _meta_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
         def to_meta(value: Any) -> Any:
             return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, Tensor) else value
 
@@ -127,11 +178,16 @@ class StandIn:
         # call the module's own forward (not __call__): its hooks, cut points included, belong to the real call
         with _reparametrize_module(self.module, state):
             out = self.forward(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        if isinstance(out, Tensor):
-            return [(tuple(out.shape), out.dtype)], None
-        leaves, tree = tree_flatten(out)
-        specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
-        return specs, tree
+        return _specs(out)
+
+
+def _specs(out: Any) -> tuple[list[Any], Any]:
+    """A stand-in's cache entry for output ``out``: its leaves as (shape, dtype) or (value, None), and its tree."""
+    if isinstance(out, Tensor):
+        return [(tuple(out.shape), out.dtype)], None
+    leaves, tree = tree_flatten(out)
+    specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
+    return specs, tree
 
 
 def stand_in_candidates(trace: Trace, first_segment: int) -> set[str]:
@@ -180,7 +236,8 @@ def apply_partition(
     stand_ins = []
     for name in _outermost(candidates):
         module = root.get_submodule(name)
-        stand_in = StandIn(module, owned, segment, device)
+        stand_in = StandIn(module, owned, segment, device, partition.trace.call_shapes.get(name, ()), name,
+                           name not in partition.trace.not_on_meta)
         install_stand_in(stand_in)
         stand_ins.append(stand_in)
     return stand_ins

@@ -90,7 +90,8 @@ def _segment_alone(module: nn.Module, trace: Trace, index: int, device: torch.de
             if any(name.startswith(other + ".") for other in earlier):
                 continue  # inside a module already stood in for
             target = module.get_submodule(name)
-            stand_ins.append(StandIn(target, range(index, index + 1), lambda: probe.segment, device))
+            stand_ins.append(StandIn(target, range(index, index + 1), lambda: probe.segment, device,
+                                     trace.call_shapes.get(name, ()), name, name not in trace.not_on_meta))
             install_stand_in(stand_ins[-1])
         try:
             yield probe

@@ -4,11 +4,17 @@ During a pipelined step ``LightningModule.log`` is intercepted. Afterwards the l
 micro-batch logged to one value per key (the mean weighted by micro-batch size: the whole batch's value)
 and broadcasts the keys and values over the pipeline group. Every rank then logs exactly the same keys, so
 ``ModelCheckpoint``/``EarlyStopping`` collectives and ``sync_dist=True`` line up across ranks.
+
+A logged torchmetrics metric is logged as itself on every rank: its epoch value comes from ``compute()``, which
+gathers its state from every rank (the other stages' copies count nothing). A metric the step creates on its first
+use exists only where the step got that far, on the last stage: with the keys, the last stage sends a reset copy of
+it, which the other stages register at the same place (:func:`adopt_metrics`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +34,8 @@ LogKwargs = tuple[tuple[str, Any], ...]
 LogMeta = tuple[tuple[str, str | None, LogKwargs, bool], ...]
 """Per key: ``(name, metric path or None, log kwargs, whether a value follows in values)``."""
 
-__all__ = ["LogBroadcaster", "LogCapture", "fill", "headers", "pack", "reduce_fx_name", "reduce_records", "replay"]
+__all__ = ["LogBroadcaster", "LogCapture", "adopt_metrics", "fill", "headers", "metric_templates", "pack",
+           "reduce_fx_name", "reduce_records", "replay"]
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
@@ -126,7 +133,16 @@ def reduce_records(
         if isinstance(value, _MetricLog):
             steps = [e[1].step_value for e in entries]
             scalar = all(isinstance(v, Tensor) and v.numel() == 1 for v in steps)
-            meta.append((name, names.get(id(value.metric)), frozen, scalar))
+            if id(value.metric) not in names:  # created by the step since the names were taken
+                names.update({id(m): n for n, m in module.named_modules()})
+            path = names.get(id(value.metric))
+            if path is None:
+                raise ValueError(
+                    f"`self.log({name!r}, metric)` logs a torchmetrics metric that is not a submodule of the"
+                    " LightningModule: under pipeline parallelism every stage logs it by its place in the module."
+                    " Assign it to an attribute of the module (e.g. `self.acc = ...`, or an nn.ModuleDict)."
+                )
+            meta.append((name, path, frozen, scalar))
             if scalar:
                 values.append(_weighted_mean([v.reshape(()) for v in steps], weights, device))
             continue
@@ -179,8 +195,11 @@ class LogBroadcaster:
     the key list follow (as an object), and the buffer grow if needed.
     """
 
-    def __init__(self, group: Any, src: int, is_src: bool, device: torch.device) -> None:
+    def __init__(self, group: Any, src: int, is_src: bool, device: torch.device,
+                 module: LightningModule | None = None) -> None:
         self.group = group
+        self.module = module
+        """Whose logged metrics travel with new keys (:func:`metric_templates`); None: none do."""
         self.src = src
         self.is_src = is_src
         self.device = device
@@ -210,10 +229,33 @@ class LogBroadcaster:
 
     def share_meta(self, meta: LogMeta) -> LogMeta:
         """Shares new keys from the last stage (collective over the pipeline group)."""
-        box = [meta]
+        templates = metric_templates(self.module, meta) if self.is_src and self.module is not None else {}
+        box: list[Any] = [meta, templates]
         dist.broadcast_object_list(box, self.src, group=self.group)
         self._meta = box[0]
+        if not self.is_src and self.module is not None:
+            adopt_metrics(self.module, box[1], self.device)
         return self._meta
+
+
+def metric_templates(module: LightningModule, meta: LogMeta) -> dict[str, Metric]:
+    """Reset copies (on the CPU) of the metrics ``meta`` logs, by their path in ``module``."""
+    templates: dict[str, Metric] = {}
+    for _, path, _, _ in meta:
+        if path is not None and path not in templates:
+            template = copy.deepcopy(cast(Metric, module.get_submodule(path)))
+            template.reset()
+            templates[path] = template.to("cpu")
+    return templates
+
+
+def adopt_metrics(module: LightningModule, templates: dict[str, Metric], device: torch.device) -> None:
+    """Registers each template where ``module`` has no metric at its path (its step never got to create it)."""
+    for path, template in templates.items():
+        parent_path, _, attribute = path.rpartition(".")
+        parent = module.get_submodule(parent_path) if parent_path else module
+        if not isinstance(getattr(parent, attribute, None), Metric):
+            setattr(parent, attribute, template.to(device))
 
 
 def replay(module: LightningModule, meta: LogMeta, flat: Tensor, skip: int = 0) -> None:
