@@ -17,6 +17,7 @@ from lightning_varuna.pipeline.model.cut import CutPointError
 __all__ = [
     "IGNORE_INDEX", "LOSS_WEIGHTINGS", "BatchSplitError", "TokenCounter", "batch_size_of", "check_batch",
     "count_loss_units", "default_loss", "first_samples", "is_meta_batch", "label_tokens", "samples", "split_batch",
+    "uneven_labels",
 ]
 
 IGNORE_INDEX = -100
@@ -267,3 +268,22 @@ def count_loss_units(
     if any(v < 0 for v in values):
         raise ValueError(f"The token counter of loss_weighting returned negative counts {values}; a count is >= 0.")
     return [float(n) for n in sizes] if sum(values) == 0 else values
+
+
+def uneven_labels(microbatches: Sequence[Any], sizes: Sequence[int], device: torch.device) -> list[float] | None:
+    """The labels other than ``-100`` each micro-batch counts, if they are not in proportion to the samples; else None.
+
+    Under ``loss_weighting="samples"`` a micro-batch's mean loss is weighted by its samples, which equals the plain
+    run's mean over the batch's tokens only when every micro-batch counts labels in proportion to its samples. A
+    padded batch (``-100`` labels, as Hugging Face collators write them) breaks that. One host read for all
+    micro-batches; None also for a batch without integer labels (``batch["labels"]`` or a tuple's last element).
+    """
+    try:
+        counts = [label_tokens(mb) for mb in microbatches]
+    except ValueError:  # no labels to count: nothing to say
+        return None
+    values = torch.stack([c.to(device=device, dtype=torch.float64) for c in counts]).tolist()
+    total, samples = sum(values), sum(sizes)
+    if all(v * samples == total * n for v, n in zip(values, sizes, strict=True)):
+        return None
+    return values

@@ -19,12 +19,14 @@ import functools
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -36,6 +38,7 @@ from lightning_varuna.pipeline.batches import (
     first_samples,
     samples,
     split_batch,
+    uneven_labels,
 )
 from lightning_varuna.pipeline.comm.events import EventHooks
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
@@ -51,6 +54,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import remove_grad_accu
 from lightning_varuna.pipeline.scheduling.schedules import Schedule, make_schedule
 from lightning_varuna.pipeline.stage_setup import StageSetup
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 
 __all__ = ["PipelineEngine", "StepResult", "split_batch", "batch_size_of", "first_samples", "samples", "default_loss"]
 
@@ -138,6 +142,7 @@ class PipelineEngine(StageSetup):
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._batch_dims: tuple[int | None, int | None] = (None, None)
         self.built_on_meta = False
+        self._weighting_checked = False
         """Whether :meth:`setup` found parameters on the meta device (and materialized this stage's)."""
 
     @classmethod
@@ -265,6 +270,9 @@ class PipelineEngine(StageSetup):
         loss_of = loss_of or default_loss
         weighting = self.config.loss_weighting if weigh else "samples"
         units = count_loss_units(micro, sizes, weighting, self.device)
+        if train and weighting == "samples" and not self._weighting_checked:
+            self._weighting_checked = True  # the first training step only: one host read, never again
+            _warn_if_labels_uneven(micro, sizes, self.device)
         total = sum(units)
         weights = [n / total * loss_scale for n in units]
         # reductions that start during this step: each bucket in the last backward, the rest right after
@@ -393,3 +401,16 @@ class PipelineEngine(StageSetup):
         remove_grad_accumulation(self._accumulating)
         self._accumulating = []
 
+
+def _warn_if_labels_uneven(micro: list[Any], sizes: list[int], device: torch.device) -> None:
+    counts = uneven_labels(micro, sizes, device)
+    if counts is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    warnings.warn(
+        f"The micro-batches of the first step count {', '.join(f'{c:g}' for c in counts)} labels other than -100 for"
+        f" {', '.join(map(str, sizes))} samples, but loss_weighting='samples' weights each micro-batch's mean loss by"
+        " its samples: if the loss is a mean over tokens (a Hugging Face model's own loss), the pipelined loss and"
+        " gradients differ from the plain run's. Set loss_weighting='shifted_tokens' (causal language models that"
+        " shift the labels inside, *ForCausalLM) or 'tokens'; keep 'samples' if the loss is a mean over samples.",
+        VarunaWarning, stacklevel=3,
+    )
