@@ -34,7 +34,7 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "wrapped-compiled-p2": (2, "ref-wrapped-compiled", 5e-4, 1e-5),
     **{config: (int(config[-1]), "ref", 5e-4, 1e-5) for config in (
         "1f1b-p2", "zero-bubble-p2", "interleaved-p2", "zero-bubble-v-p2", "no-recompute-p2", "1f1b-p4",
-        "no-recompute-p4")},
+        "no-recompute-p4", "interleaved-p4", "zero-bubble-v-p4")},
 }
 MOE = ("mixtral", "mixtral_eager", "qwen3_moe", "olmoe")
 """The mixture-of-experts families: they also run every schedule, and without recompute."""
@@ -49,7 +49,8 @@ ONLY = {"p6": ("t5_stacks", "bart_stacks"),
         "model-compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt"),
         "wrapped-compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt"),
         **{config: MOE for config in ("1f1b-p2", "zero-bubble-p2", "interleaved-p2", "zero-bubble-v-p2",
-                                      "no-recompute-p2", "1f1b-p4", "no-recompute-p4")}}
+                                      "no-recompute-p2", "1f1b-p4", "no-recompute-p4")},
+        "interleaved-p4": ("mixtral_deep",), "zero-bubble-v-p4": ("mixtral_deep",)}
 """Configurations run for some families only."""
 COMPILED = ("compiled-p2", "inductor-p2", *COMPILED_MATRIX, "model-compiled-p2", "wrapped-compiled-p2")
 WHOLE_MODEL_COMPILED = ("model-compiled-p2", "wrapped-compiled-p2")
@@ -80,12 +81,14 @@ DESCRIPTIONS = {
     "no-recompute-p2": "P=2, `recompute=False`",
     "1f1b-p4": "P=4, `schedule=\"1f1b\"`",
     "no-recompute-p4": "P=4, `recompute=False`",
+    "interleaved-p4": "P=4, `schedule=\"interleaved\"`, two stages per rank",
+    "zero-bubble-v-p4": "P=4, `schedule=\"zero-bubble-v\"`, two stages per rank",
 }
 CI_CONFIGS = {"p2": None, "compiled-p2": ("llama",)}
 """What CI runs: each configuration for these families (``None``: every family); the rest with ``VARUNA_ZOO=full``."""
 
 
-ON_DEMAND_FAMILIES = ("mixtral_eager", "qwen3_moe", "olmoe")
+ON_DEMAND_FAMILIES = ("mixtral_deep", "mixtral_eager", "qwen3_moe", "olmoe")
 """Families CI leaves out (the same experts code as Mixtral, whose P=2 CI runs): they run with the full matrix."""
 
 

@@ -31,6 +31,7 @@ TITLES = {
     "vit": "ViT (`ViTForImageClassification`)", "litgpt": "litgpt `GPT` (GPT-NeoX style)",
     "litgpt_llama": "litgpt `GPT` (Llama style)",
     "mixtral": "Mixtral (`MixtralForCausalLM`), MoE",
+    "mixtral_deep": "Mixtral, 8 blocks (`MixtralForCausalLM`), MoE",
     "mixtral_eager": "Mixtral, eager experts (`experts_implementation`)",
     "qwen3_moe": "Qwen3-MoE (`Qwen3MoeForCausalLM`)", "olmoe": "OLMoE (`OlmoeForCausalLM`)",
 }

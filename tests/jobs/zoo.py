@@ -76,6 +76,8 @@ CONFIGS = {
     "no-recompute-p2": (2, 4, BATCH, "32-true", "init", None),
     "1f1b-p4": (4, 4, BATCH, "32-true", "init", None),
     "no-recompute-p4": (4, 4, BATCH, "32-true", "init", None),
+    "interleaved-p4": (4, 4, BATCH, "32-true", "init", None),
+    "zero-bubble-v-p4": (4, 8, BATCH, "32-true", "init", None),
 }
 SCHEDULES = {
     "1f1b-p2": dict(schedule="1f1b"), "zero-bubble-p2": dict(schedule="zero-bubble"),
@@ -83,6 +85,8 @@ SCHEDULES = {
     "zero-bubble-v-p2": dict(schedule="zero-bubble-v", stages_per_rank=2),
     "no-recompute-p2": dict(recompute=False), "1f1b-p4": dict(schedule="1f1b"),
     "no-recompute-p4": dict(recompute=False),
+    "interleaved-p4": dict(schedule="interleaved", stages_per_rank=2),
+    "zero-bubble-v-p4": dict(schedule="zero-bubble-v", stages_per_rank=2),
 }
 """Configurations that run another schedule than the default (varuna), or without recompute (two chunks per rank:
 the 4 blocks make 4 stages at P=2)."""
