@@ -18,8 +18,9 @@ import torch.distributed.checkpoint as dcp
 from helpers.models import TinyGPT
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_varuna.checkpoint import CheckpointError, convert
+from lightning_varuna.checkpoint import CheckpointError
 from lightning_varuna.checkpoint import load as checkpoint_load
+from lightning_varuna.checkpoint import plain_format as convert
 from lightning_varuna.checkpoint import state as checkpoint_state
 from lightning_varuna.checkpoint.integrity import CHECKSUMS, tensor_checksum
 from lightning_varuna.checkpoint.job import WriteJob, write_job, write_single
