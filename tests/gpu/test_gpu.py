@@ -19,7 +19,8 @@ import torch
 from helpers.launch import python, torchrun
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device"),
+              pytest.mark.xdist_group("gpu")]
 
 # fp32 on a GPU: micro-batched matrix products and summed micro-batch gradients round differently from the full
 # batch's (different kernels and summation order), well below these

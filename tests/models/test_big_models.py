@@ -13,7 +13,8 @@ import pytest
 import torch
 from helpers.launch import python, torchrun
 from safetensors.torch import save_file
-from test_equivalence import LOSS_TOLERANCE
+
+from tests.trainer.test_equivalence import LOSS_TOLERANCE
 
 MODEL = "model."
 
@@ -23,7 +24,7 @@ def _write_weights(out: Path) -> dict[str, Path]:
     tied head and without the wrapper's prefix; and three broken folders."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).parent / "jobs"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
     from big_models import Wrapped
 
     torch.manual_seed(123)

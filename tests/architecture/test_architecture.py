@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_varuna"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_varuna"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
@@ -349,12 +349,12 @@ def test_every_change_to_lightnings_or_the_users_objects_is_listed_in_patches_py
 def test_a_test_module_whose_module_fixture_runs_jobs_keeps_its_tests_on_one_xdist_worker() -> None:
     # under `pytest -n 2 --dist loadgroup` a module-scoped fixture runs once per worker that gets one of the module's
     # tests: without a group, both workers would run the same jobs
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     ungrouped = []
-    for path in sorted(tests.glob("test_*.py")):
+    for path in sorted(tests.rglob("test_*.py")):
         source = path.read_text()
         module_fixture = re.search(r'@pytest\.fixture\(scope="module"\)\ndef \w+\(.*?\n(?=\S)', source, re.S)
         if module_fixture and re.search(r"\b(torchrun|python)\(", module_fixture.group(0)):
             if "pytest.mark.xdist_group(" not in source:
-                ungrouped.append(path.name)
+                ungrouped.append(str(path.relative_to(tests)))
     assert not ungrouped, f"add pytestmark = pytest.mark.xdist_group(...) to {ungrouped}"

@@ -2,20 +2,20 @@
 
 Every error is raised by the engine's setup on a process grid without a process group (a check made after a
 collective call would fail differently), so every rank raises it before any rank waits. Exactness against the plain
-run: the zoo's ``t5_stacks`` family (``tests/test_zoo.py``).
+run: the zoo's ``t5_stacks`` family (``tests/models/test_zoo.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_errors import setup_engine, topology
 from torch import Tensor, nn
 
 from lightning_varuna import EngineConfig
 from lightning_varuna.pipeline.model.cut import CutPointError, check_cut_at_order, install_cut_at
 from lightning_varuna.pipeline.model.dry_run import trace_step
 from lightning_varuna.pipeline.model.partition import make_partition
+from tests.pipeline.test_errors import setup_engine, topology
 
 WIDTH = 4
 STACKS = ["enc", "dec"]

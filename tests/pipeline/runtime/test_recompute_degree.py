@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_errors import Chain, trace
 from torch import Tensor
 
 from lightning_varuna import VarunaStrategy
@@ -19,6 +18,7 @@ from lightning_varuna.pipeline.runtime.recompute import grad_from_cut
 from lightning_varuna.pipeline.scheduling.schedules import make_schedule, next_task
 from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
 from lightning_varuna.pipeline.scheduling.tasks import Kind, Task
+from tests.pipeline.test_errors import Chain, trace
 
 
 def test_the_kept_graph_starts_after_the_first_n_segments() -> None:

@@ -21,7 +21,7 @@ from helpers.on_demand import wanted
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.pipeline.batches import count_loss_units, label_tokens
 
-LOSS_TOLERANCE = 5e-4  # the suite's (tests/test_equivalence.py)
+LOSS_TOLERANCE = 5e-4  # the suite's (tests/trainer/test_equivalence.py)
 GRAD_TOLERANCE = 1e-5
 STEPS = 8
 

@@ -28,7 +28,7 @@ from lightning_varuna.pipeline.scheduling.schedules import CHUNKS_REQUIRED, SCHE
 ONE_CHUNK = [name for name in SCHEDULES if name not in CHUNKS_REQUIRED]
 
 
-OLD_ORDER = Path(__file__).parent / "data" / "p2p_old_order.json"
+OLD_ORDER = Path(__file__).resolve().parents[2] / "data" / "p2p_old_order.json"
 
 
 def _old_traces() -> dict[int, list]:

@@ -26,7 +26,7 @@ from lightning_varuna.checkpoint.integrity import CHECKSUMS, tensor_checksum
 from lightning_varuna.checkpoint.job import WriteJob, write_job, write_single
 from lightning_varuna.checkpoint.storage import INDEX, META, is_complete, read_meta, to_bytes
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "old_checkpoint"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "old_checkpoint"
 OLD_MODEL = {"vocab_size": 16, "block_size": 8, "n_embd": 8, "n_head": 2, "n_layer": 2, "tie_weights": True}
 
 

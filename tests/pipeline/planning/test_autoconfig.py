@@ -20,12 +20,12 @@ import torch
 from helpers.launch import ROOT, _env, python, torchrun
 from helpers.models import RandomTokens, TinyGPT
 from helpers.profiles import synthetic_profile
-from test_planner import _decode_png
 from torch.utils.data import DataLoader
 
 from lightning_varuna.pipeline.planning.memory_model import parse_bytes, planning_budget
 from lightning_varuna.pipeline.planning.profile_data import Link, Profile
 from lightning_varuna.pipeline.planning.search import Candidate, Choices, Cluster, search
+from tests.pipeline.planning.test_planner import _decode_png
 
 GLOBAL_BATCH = 16
 MEMORY = "1GiB"

@@ -42,7 +42,7 @@ def test_every_shape_validates_and_keeps_its_memory_bound_in_list_order_and_unde
     recompute: bool,
 ) -> None:
     for ranks in range(2, 9):
-        for v in (2,):  # one chunk per rank: tests/test_schedules.py
+        for v in (2,):  # one chunk per rank: tests/pipeline/scheduling/test_schedules.py
             stages = ranks * v
             placement = stage_ranks(ranks, v)
             recomputing = set(range(stages - 1)) if recompute else set()

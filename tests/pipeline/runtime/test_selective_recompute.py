@@ -1,8 +1,8 @@
 """Selective recompute (``recompute_policy``): what is refused, and the check that a recompute replayed every saved op.
 
-Training with a policy equals the plain run: ``tests/test_equivalence.py`` (``*-sac``) and
-``tests/test_side_values.py`` (``p4-1f1b-sac``). That the recompute does not run the saved ops again is counted
-by the schedules benchmark's smoke test (``tests/test_bench_schedules.py``, ``ours-1f1b-sac``).
+Training with a policy equals the plain run: ``tests/trainer/test_equivalence.py`` (``*-sac``) and
+``tests/pipeline/runtime/test_side_values.py`` (``p4-1f1b-sac``). That the recompute does not run the saved ops again
+is counted by the schedules benchmark's smoke test (``tests/benchmarks/test_schedules.py``, ``ours-1f1b-sac``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_grad_sync import launches  # noqa: F401 - the fixture
 from torch import nn
 
 from lightning_varuna.pipeline import Topology
@@ -17,6 +16,7 @@ from lightning_varuna.pipeline.runtime.fused_linear_grad import (
     holding_weight_grads,
     install_grad_accumulation,
 )
+from tests.pipeline.comm.test_grad_sync import launches  # noqa: F401 - the fixture
 
 
 class TiedMLP(nn.Module):
