@@ -14,7 +14,6 @@ Each test prints what the fault cost, as measured (seconds from the fault to the
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -26,14 +25,11 @@ from pathlib import Path
 import pytest
 from helpers.checkpoint_outcomes import not_raised, own_errors
 from helpers.launch import JOBS, ROOT, _env, nccl_rules, torchrun
+from helpers.results import rank_results
 from helpers.s3server import fresh_prefix, s3_server
 
 from lightning_varuna.checkpoint import Location, is_complete, lease
 from lightning_varuna.checkpoint.storage import read_meta
-
-
-def _ranks(out: Path, name: str, world: int = 2) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
 
 
 def _names(folder: str) -> list[str]:
@@ -61,7 +57,7 @@ def test_a_job_stopped_inside_a_publication_resumes_from_the_newest_complete_che
         assert died.returncode != 0, died.stdout[-2000:]
         death = re.search(r"fault injected at publish/target-moved-aside, exiting at ([0-9.]+)", died.stderr)
         assert death is not None, died.stderr[-3000:]
-        s3_run = _ranks(tmp_path, "s3")
+        s3_run = rank_results(tmp_path, "s3", 2)
         assert all("fault injected at move/copied-file" in r["error"] for r in s3_run), s3_run
         # rank 0 died: rank 1's watchdog ended it, naming rank 0
         assert re.search(r"\[rank 1\] lightning_varuna: rank 0 died", died.stderr), died.stderr[-3000:]
@@ -74,7 +70,7 @@ def test_a_job_stopped_inside_a_publication_resumes_from_the_newest_complete_che
         torchrun("checkpoint_faults.py", str(tmp_path), f"s3-resume:kind=train,folder={remote},steps=6,ckpt=last",
                  f"local-resume:kind=train,folder={local},steps=6,ckpt=last", nproc=2, env=env, timeout=400)
         for name, folder in (("s3-resume", remote), ("local-resume", local)):
-            runs = _ranks(tmp_path, name)
+            runs = rank_results(tmp_path, name, 2)
             assert [r["start"] for r in runs] == [4, 4] and runs[0]["steps"] == [5, 6], (name, runs)
             assert runs[0]["error"] is None
             assert sorted(_names(folder)) == ["last.ckpt"] and _step(f"{folder}/last.ckpt") == 6, name
@@ -101,11 +97,11 @@ def test_damaged_checkpoints_are_refused_on_every_rank_and_last_falls_back(tmp_p
         nproc=2, timeout=500,
     )
     output = job.stdout + job.stderr
-    fallback = _ranks(tmp_path, "fallback")
+    fallback = rank_results(tmp_path, "fallback", 2)
     for run in fallback:  # every rank warns, and resumes at step 3 (one step lost to the damage)
         assert run["error"] is None and run["start"] == 3 and run["steps"] == [4, 5], run
         assert any("checksum mismatch" in w and "Falling back to" in w and "step=3.ckpt" in w for w in run["warnings"])
-    assert [r["start"] for r in _ranks(tmp_path, "unverified")] == [3, 3]  # verify_checkpoints=False loads it
+    assert [r["start"] for r in rank_results(tmp_path, "unverified", 2)] == [3, 3]  # verify_checkpoints=False loads it
     assert not not_raised(tmp_path, "all-bad", 2, f'Could not load ckpt_path="last" ({last}): {last}: ')
     for run in own_errors(tmp_path, "all-bad", 2).values():
         error = run["error"]
@@ -150,8 +146,8 @@ def _first_job_holds_then_dies(tmp_path: Path, folder: Path, environment: dict[s
             _wait_for(tmp_path / f"first.waiting.rank{rank}", first)
         second = torchrun("checkpoint_faults.py", str(tmp_path), f"second:kind=train,folder={folder},steps=6",
                           nproc=2, timeout=300)
-        refused = max(r["fit_end"] - r["fit_start"] for r in _ranks(tmp_path, "second"))
-        for run in _ranks(tmp_path, "second"):
+        refused = max(r["fit_end"] - r["fit_start"] for r in rank_results(tmp_path, "second", 2))
+        for run in rank_results(tmp_path, "second", 2):
             assert run["error"].startswith(f"Another job is writing checkpoints in {folder}: "), run["error"]
             assert "holds its lease" in run["error"] and "process" in run["error"], run["error"]
             assert run["start"] is None
@@ -176,7 +172,7 @@ def test_a_second_job_on_a_checkpoint_folder_is_refused_and_a_dead_jobs_lease_is
     # a new start takes the dead job's lease over at once and resumes from its checkpoint
     torchrun("checkpoint_faults.py", str(tmp_path), f"restart:kind=train,folder={folder},steps=5,ckpt=last",
              nproc=2, timeout=300)
-    restart = _ranks(tmp_path, "restart")
+    restart = rank_results(tmp_path, "restart", 2)
     assert [r["start"] for r in restart] == [3, 3] and restart[0]["error"] is None, restart
     assert _step(str(folder / "last.ckpt")) == 5 and lease.read(folder) is None  # released at the end
     print(f"\nsecond job on the folder: refused on every rank {refused:.2f} s after fit() was called; the dead"

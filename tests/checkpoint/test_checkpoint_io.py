@@ -24,6 +24,7 @@ import torch
 from helpers.checkpoint_outcomes import not_raised, own_errors
 from helpers.launch import JOBS, ROOT, _env, torchrun
 from helpers.models import RandomTokens, TinyGPT
+from helpers.results import rank_result, rank_results
 from torch.utils.data import DataLoader
 
 from lightning_varuna.checkpoint import CheckpointError, is_complete
@@ -225,7 +226,7 @@ def test_convert_command_line(tmp_path: Path) -> None:
 def _merged(out: Path, name: str, key: str, ranks: int = 4) -> dict:
     merged: dict = {}
     for rank in range(ranks):
-        merged.update(json.loads((out / f"{name}.rank{rank}.json").read_text())[key])
+        merged.update(rank_result(out, name, rank)[key])
     return merged
 
 
@@ -250,7 +251,7 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
     # besides the two checkpoints only the lease's generation files (a release leaves one naming no holder)
     assert sorted(n for n in os.listdir(folder) if not n.startswith(".varuna-lease")) == [
         "epoch=1-step=6.ckpt", "last.ckpt"]
-    trained = [json.loads((tmp_path / f"train.rank{r}.json").read_text()) for r in range(4)]
+    trained = rank_results(tmp_path, "train", 4)
     pids = [t["writer_pid"] for t in trained]
     # the writers ignored SIGTERM, SIGUSR1 and SIGINT sent to them at step 1, and stopped with the run
     assert all(pid is not None and _writer_gone(pid) for pid in pids), pids
@@ -300,7 +301,7 @@ def test_async_fsspec_checkpoints_convert_and_fall_back(tmp_path: Path) -> None:
     watched = order.index(job.WATCHED)
     lrs = [g["lr"] for g in plain_state["optimizer_states"][0]["param_groups"]]
     for name in ("last", "plain", "dir"):
-        starts = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text())["start"] for r in range(4)]
+        starts = [run["start"] for run in rank_results(tmp_path, name, 4)]
         assert all(s["global_step"] == 6 for s in starts), name
         assert all(s["lr"] == pytest.approx(lrs) for s in starts), name
         weights = {k: v for s in starts for k, v in s["weights"].items()}

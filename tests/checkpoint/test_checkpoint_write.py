@@ -6,7 +6,6 @@ In-process tests use ``write_single`` / ``write_job`` over a one-rank group; the
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from helpers.models import TinyGPT
+from helpers.results import rank_results
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_varuna.checkpoint import CheckpointError
@@ -197,7 +197,7 @@ def test_two_ranks_share_the_writing_and_agree_on_failures(tmp_path: Path) -> No
     from helpers.launch import torchrun
 
     torchrun("checkpoint_write.py", str(tmp_path), nproc=2, timeout=180)
-    ranks = [json.loads((tmp_path / f"write.rank{r}.json").read_text()) for r in range(2)]
+    ranks = rank_results(tmp_path, "write", 2)
     shared = ranks[0]["shared"]
     assert [r["shared"]["error"] for r in ranks] == [None, None] and shared["complete"]
     assert shared["keys"] == ["state_dict.only0", "state_dict.only1", "state_dict.shared"]

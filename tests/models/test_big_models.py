@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.launch import python, torchrun
+from helpers.results import rank_results
 from safetensors.torch import save_file
 
 from tests.trainer.test_equivalence import LOSS_TOLERANCE
@@ -79,9 +80,9 @@ def runs(tmp_path_factory) -> Path:
 
 def _ranks(out: Path, name: str, count: int) -> list[dict]:
     """The results of every rank of job ``name``, which ran ``count`` processes (a missing rank fails the test)."""
-    results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}.rank*.json"))]
-    assert len(results) == count, f"{name}: {len(results)} result files, {count} ranks"
-    return results
+    files = len(list(out.glob(f"{name}.rank*.json")))
+    assert files == count, f"{name}: {files} result files, {count} ranks"
+    return rank_results(out, name, count)
 
 
 def _assert_close(got: list[float], want: list[float], what: str) -> None:

@@ -10,13 +10,13 @@ against Lightning's DDP on 2 processes (P=2 x D=2: each replica's mean over its 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.launch import python, torchrun
 from helpers.on_demand import wanted
+from helpers.results import rank_result
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.pipeline.batches import count_loss_units, label_tokens
@@ -31,7 +31,7 @@ COMPARED = {"tokens-p2": ("ref", 2), "tokens-p2-accum2": ("ref-accum2", 2), "tok
 
 
 def _load(out: Path, config: str, rank: int) -> dict:
-    result = json.loads((out / f"{config}.rank{rank}.json").read_text())
+    result = rank_result(out, config, rank)
     assert "error" not in result, f"{config} rank {rank}: {result['error']}\n{result.get('traceback', '')}"
     return result
 

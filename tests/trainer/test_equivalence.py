@@ -6,12 +6,12 @@ The whole matrix of several model chunks per rank (P in {2, 4} x recompute on/of
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from helpers.launch import python, torchrun
 from helpers.on_demand import wanted
+from helpers.results import rank_result
 
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE
 
@@ -171,18 +171,14 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_losses_and_gradients_match_plain_run(results: Path, name: str) -> None:
-    reference = _load(results / f"{reference_of(name)}.rank0.json")
+    reference = rank_result(results, reference_of(name))
     loss_tolerance, grad_tolerance = TOLERANCES.get(name.split("-")[0], (LOSS_TOLERANCE, GRAD_TOLERANCE))
     seen: set[str] = set()
     for rank in range(4):
-        run = _load(results / f"{name}.rank{rank}.json")
+        run = rank_result(results, f"{name}", rank)
         assert len(run["losses"]) == len(reference["losses"]) == 8 * (2 if name.startswith("accum") else 1)
         for step, (got, want) in enumerate(zip(run["losses"], reference["losses"])):
             assert abs(got - want) < loss_tolerance, f"rank {rank} step {step}: loss {got} != {want}"
@@ -200,7 +196,7 @@ def test_every_copy_of_a_parameter_is_identical(results: Path, name: str) -> Non
     """Replicas of a stage, and tied copies on different stages, stay bit-identical after 8 steps."""
     copies: dict[str, list] = {}
     for rank in range(4):
-        for param, values in _load(results / f"{name}.rank{rank}.json")["final"].items():
+        for param, values in rank_result(results, f"{name}", rank)["final"].items():
             copies.setdefault(param, []).append((rank, values))
     for param, held in copies.items():
         first_rank, first = held[0]
@@ -214,9 +210,9 @@ def test_every_copy_of_a_parameter_is_identical(results: Path, name: str) -> Non
 
 @pytest.mark.slow
 def test_fp16_overflow_on_one_stage_is_skipped_everywhere(results: Path) -> None:
-    reference = _load(results / "reference-fp16-inf.rank0.json")
+    reference = rank_result(results, "reference-fp16-inf")
     for rank in range(4):
-        run = _load(results / f"fp16-inf-p2d2.rank{rank}.json")
+        run = rank_result(results, "fp16-inf-p2d2", rank)
         assert run["scale"] == reference["scale"] == 2.0**15, "every rank halved the scale once"
 
 
@@ -231,7 +227,7 @@ def test_bytes_on_the_wire_match_the_analytic_count(results: Path, name: str, el
     summary = SUMMARY_SIZE * 8  # the step's loss and logged values, once per step, backward
     per_step = 8 * 16 * 32 * element_bytes
     for rank in range(4):
-        run = _load(results / f"{name}.rank{rank}.json")
+        run = rank_result(results, f"{name}", rank)
         expected = 8 * (per_step + header) if run["stage"] == 0 else 8 * (per_step + summary)
         assert run["sent_bytes"] == expected, f"rank {rank} (stage {run['stage']})"
 
@@ -241,10 +237,10 @@ def test_bytes_on_the_wire_match_the_analytic_count(results: Path, name: str, el
 def test_logged_grad_norms_are_the_whole_models(results: Path, name: str) -> None:
     """``grad_norm`` logged in on_before_optimizer_step reaches callback_metrics with the plain run's keys and values
     on every rank: every stage's parameters (a tied one once) and the total over the whole model."""
-    reference = _load(results / f"{reference_of(name)}.rank0.json")["logged_norms"]
+    reference = rank_result(results, reference_of(name))["logged_norms"]
     assert any("grad_2.0_norm_total" in step for step in reference)
     for rank in range(4):
-        logged = _load(results / f"{name}.rank{rank}.json")["logged_norms"]
+        logged = rank_result(results, f"{name}", rank)["logged_norms"]
         assert len(logged) == len(reference)
         for step, (got, want) in enumerate(zip(logged, reference)):
             assert set(got) == set(want), f"rank {rank} step {step}: keys differ by {set(got) ^ set(want)}"
@@ -260,12 +256,12 @@ def test_gradients_are_clipped_as_in_the_plain_run(results: Path, name: str) -> 
     AdamW hardly reacts to a constant factor on every gradient, so a wrong global norm would barely show in the
     losses: this checks the clipped gradients themselves (under fp16 the norm comes with the overflow agreement).
     """
-    plain = _load(results / f"{reference_of(name)}.rank0.json")
+    plain = rank_result(results, reference_of(name))
     reference = plain["clipped_norms"][0]
     relative = 2e-2 if name.startswith("fp16") else 1e-4
     seen = {}
     for rank in range(4):
-        seen.update(_load(results / f"{name}.rank{rank}.json")["clipped_norms"][0])
+        seen.update(rank_result(results, f"{name}", rank)["clipped_norms"][0])
     assert set(seen) == set(reference)
     before = plain["grad_norms"][0]
     assert any(abs(reference[p] - before[p]) > 1e-3 * before[p] for p in reference), "clipping is active"
@@ -281,7 +277,7 @@ def test_buckets_reduce_during_the_last_backward(results: Path, name: str) -> No
     """With overlap on, every data-parallel bucket starts its all-reduce during the stage's last backward."""
     overlap = "overlap=false" not in CONFIGS[name]
     for rank in range(4):
-        run = _load(results / f"{name}.rank{rank}.json")
+        run = rank_result(results, f"{name}", rank)
         assert run["data_size"] > 1 and run["overlapped"]
         if name.startswith("accum") or name.endswith(("-zb", "-il", "-lzb", "-lzb-recompute", "-zb-rc1", "-zbv",
                                                       "-zbv-recompute")):

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers.launch import python, torchrun
 from helpers.models import TinyGPT
+from helpers.results import rank_result, rank_results
 
 from lightning_varuna.trainer.logs.log_sync import LogCapture, reduce_records
 
@@ -75,12 +76,8 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
-def _load(results: Path, name: str, rank: int = 0) -> dict:
-    return json.loads((results / f"{name}.rank{rank}.json").read_text())
-
-
 def _ranks(results: Path, name: str) -> list[dict]:
-    return [_load(results, name, rank) for rank in range(WORLD)]
+    return rank_results(results, name, WORLD)
 
 
 def _close(got: list[float], want: list[float], what: str, tolerance: float = TOLERANCE) -> None:
@@ -92,7 +89,7 @@ def _close(got: list[float], want: list[float], what: str, tolerance: float = TO
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FITS)
 def test_fit_with_validation_checkpoint_and_accumulation_matches_plain_run(results: Path, name: str) -> None:
-    reference = _load(results, "reference-fit")
+    reference = rank_result(results, "reference-fit")
     assert len(reference["losses"]) == 8 and len(reference["val"]) == 2
     for rank, run in enumerate(_ranks(results, name)):
         _close(run["losses"], reference["losses"], f"rank {rank} train_loss")
@@ -103,7 +100,7 @@ def test_fit_with_validation_checkpoint_and_accumulation_matches_plain_run(resul
                 assert abs(got[key] - want[key]) < TOLERANCE, f"rank {rank} epoch {epoch}: {got} != {want}"
         best, want_best = run["best_score"], reference["best_score"]
         assert abs(best - want_best) < TOLERANCE, f"rank {rank}: best_model_score {best} != {want_best}"
-    assert _load(results, name, 0)["best_exists"], "rank 0 wrote the best checkpoint"
+    assert rank_result(results, name, 0)["best_exists"], "rank 0 wrote the best checkpoint"
 
 
 @pytest.mark.slow
@@ -111,7 +108,7 @@ def test_fit_with_validation_checkpoint_and_accumulation_matches_plain_run(resul
 def test_lr_schedule_and_callback_metrics_hold_the_batch_values(results: Path, name: str) -> None:
     # first_token is logged once per micro-batch with a different value each time: the callback metric must be
     # the whole batch's mean (micro-batches of unequal size weighted by size), as the plain run logs it
-    reference = _load(results, "reference-varlen" if name == "varlen-p4" else "reference-fit")
+    reference = rank_result(results, "reference-varlen" if name == "varlen-p4" else "reference-fit")
     runs = _ranks(results, name)
     for rank, run in enumerate(runs):
         _close(run["first_token"], reference["first_token"], f"rank {rank} callback_metrics['first_token']")
@@ -132,7 +129,7 @@ def test_lr_schedule_and_callback_metrics_hold_the_batch_values(results: Path, n
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FITS)
 def test_metric_epoch_value_counts_only_the_training_batches(results: Path, name: str) -> None:
-    reference = [epoch["train_acc_epoch"] for epoch in _load(results, "reference-fit")["val"]]
+    reference = [epoch["train_acc_epoch"] for epoch in rank_result(results, "reference-fit")["val"]]
     for rank, run in enumerate(_ranks(results, name)):
         _close([epoch["train_acc_epoch"] for epoch in run["val"]], reference, f"rank {rank} train_acc_epoch")
 
@@ -140,7 +137,7 @@ def test_metric_epoch_value_counts_only_the_training_batches(results: Path, name
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FITS)
 def test_validate_test_predict_on_fitted_model_match_plain_run(results: Path, name: str) -> None:
-    reference = _load(results, "reference-fit")
+    reference = rank_result(results, "reference-fit")
     runs = _ranks(results, name)
     pipeline_size = runs[0]["pipeline_size"]
     data_size = WORLD // pipeline_size
@@ -175,7 +172,7 @@ def test_dropout_same_losses_with_and_without_recompute(results: Path, recompute
     for rank, (a, b) in enumerate(zip(with_recompute, without, strict=True)):
         _close(a["losses"], b["losses"], f"rank {rank} loss with recompute vs without", tolerance=1e-6)
     # dropout did act: the losses are not those of the same run without dropout
-    no_dropout = _load(results, "reference-steps")["losses"]
+    no_dropout = rank_result(results, "reference-steps")["losses"]
     if "l8" not in recomputed:
         assert max(abs(a - b) for a, b in zip(with_recompute[0]["losses"], no_dropout, strict=True)) > TOLERANCE
 
@@ -197,7 +194,7 @@ def test_memory_counters_gpipe_without_recompute(results: Path) -> None:
     runs = _ranks(results, "gpipe-norecompute")
     first = next(run for run in runs if run["stage"] == 0)
     assert first["stats"]["peak_live_graphs"] == first["num_microbatches"] == 4
-    reference = _load(results, "reference-steps")
+    reference = rank_result(results, "reference-steps")
     for rank, run in enumerate(runs):
         _close(run["losses"], reference["losses"], f"rank {rank} loss")
 
@@ -217,12 +214,12 @@ def test_each_rank_holds_only_its_stage_parameters(results: Path, name: str) -> 
 def test_process_groups_are_destroyed_at_exit(results: Path) -> None:
     """The job ran six fits, each with its own strategy and groups; none is left alive at exit (gloo aborts)."""
     for rank in range(WORLD):
-        assert json.loads((results / f"exit.rank{rank}.json").read_text()) is False, f"rank {rank}"
+        assert rank_result(results, "exit", rank) is False, f"rank {rank}"
 
 
 @pytest.mark.slow
 def test_variable_sequence_length_matches_plain_run(results: Path) -> None:
-    reference = _load(results, "reference-varlen")
+    reference = rank_result(results, "reference-varlen")
     assert len(set(reference["lengths"])) > 1, f"the lengths did not vary: {reference['lengths']}"
     for rank, run in enumerate(_ranks(results, "varlen-p4")):
         assert run["lengths"] == reference["lengths"]
@@ -266,7 +263,7 @@ def _same_or_both_nan(got: list[float], want: list[float], what: str) -> None:
 def test_the_dry_run_leaves_no_trace_in_the_model_or_the_rngs(results: Path, name: str) -> None:
     # at on_fit_start the dry run has called training_step 5 times: no metric count, list entry, attribute,
     # buffer change or RNG draw of it may remain
-    reference = _load(results, "reference-parity")["fit_start"]
+    reference = rank_result(results, "reference-parity")["fit_start"]
     assert reference["token_loss_updates"] == 0 and not reference["has_last_batch_idx"]
     for rank, run in enumerate(_ranks(results, name)):
         differing = {k: (v, reference[k]) for k, v in run["fit_start"].items() if v != reference[k]}
@@ -276,7 +273,7 @@ def test_the_dry_run_leaves_no_trace_in_the_model_or_the_rngs(results: Path, nam
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_metrics_fed_by_update_or_forward_and_callable_reduce_fx_match_the_plain_run(results: Path, name: str) -> None:
-    reference = _load(results, "reference-parity")["epochs"]
+    reference = rank_result(results, "reference-parity")["epochs"]
     assert [e["last_batch"] for e in reference] == [3.0, 3.0], "reduce_fx=torch.max (not the mean)"
     for rank, run in enumerate(_ranks(results, name)):
         assert len(run["epochs"]) == len(reference) == 2
@@ -287,7 +284,7 @@ def test_metrics_fed_by_update_or_forward_and_callable_reduce_fx_match_the_plain
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_batches_skipped_before_the_forward_or_after_the_loss_match_the_plain_run(results: Path, name: str) -> None:
-    plain = _load(results, "reference-parity")
+    plain = rank_result(results, "reference-parity")
     assert sum(math.isnan(v) for v in plain["losses"]) == 2, "batch 1 and (logging nothing) batch 2 of epoch 0"
     held: dict[str, list[float]] = {}
     for rank, run in enumerate(_ranks(results, name)):
@@ -302,10 +299,10 @@ def test_batches_skipped_before_the_forward_or_after_the_loss_match_the_plain_ru
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_the_model_summary_describes_the_whole_model(results: Path, name: str) -> None:
-    plain = _load(results, "reference-parity")["summary"]
+    plain = rank_result(results, "reference-parity")["summary"]
     assert plain["trainable"] < plain["total"], "some parameters are frozen (on the last stage)"
-    assert _load(results, name, 0)["summary"] == plain
-    assert all(_load(results, name, rank)["summary"] is None for rank in range(1, WORLD)), "printed by rank 0 only"
+    assert rank_result(results, name)["summary"] == plain
+    assert all(rank_result(results, name, rank)["summary"] is None for rank in range(1, WORLD)), "printed by rank 0"
 
 
 @pytest.mark.slow
@@ -313,7 +310,7 @@ def test_the_model_summary_describes_the_whole_model(results: Path, name: str) -
 def test_train_dataloader_is_requested_as_often_as_in_the_plain_run(results: Path, name: str) -> None:
     # reload_dataloaders_every_n_epochs=1 over two epochs: two calls, the strategy's dry run batch included
     calls = [run["loader_calls"] for run in _ranks(results, name)]
-    assert calls == [_load(results, "reference-parity")["loader_calls"]] * WORLD == [2] * WORLD
+    assert calls == [rank_result(results, "reference-parity")["loader_calls"]] * WORLD == [2] * WORLD
 
 
 @pytest.mark.slow
@@ -341,7 +338,7 @@ def test_a_prediction_writer_writes_once_per_replica(results: Path, name: str) -
 def test_validate_and_test_without_a_fit_match_the_plain_run(results: Path, name: str) -> None:
     # the dry run of validation_step runs in training mode: it must not move the BatchNorm statistics, nor leave
     # its samples in val_acc (fed with .update())
-    plain = _load(results, "reference-parity")
+    plain = rank_result(results, "reference-parity")
     for rank, run in enumerate(_ranks(results, name)):
         _close(run["running_mean"], plain["running_mean"], f"rank {rank} BatchNorm running_mean", tolerance=1e-7)
         for fn in ("validate", "test"):

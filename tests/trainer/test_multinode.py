@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from helpers.launch import python, torchrun_nodes
+from helpers.results import rank_result
 
 
 @pytest.mark.slow
@@ -16,10 +16,10 @@ def test_two_nodes_keep_each_pipeline_on_one_node_and_match_the_plain_run(tmp_pa
     python("equivalence.py", str(tmp_path), "reference:steps=3")
     torchrun_nodes("equivalence.py", str(tmp_path), "nodes:pipeline_parallel_size=2,num_microbatches=4,batch=8,steps=3",
                    nodes=2, nproc=2)
-    reference = json.loads((tmp_path / "reference.rank0.json").read_text())
+    reference = rank_result(tmp_path, "reference")
     seen = set()
     for rank in range(4):
-        run = json.loads((tmp_path / f"nodes.rank{rank}.json").read_text())
+        run = rank_result(tmp_path, "nodes", rank)
         assert (run["node"], run["replica"], run["stage"]) == (rank // 2, rank // 2, rank % 2)
         assert len(run["losses"]) == len(reference["losses"]) == 3
         for got, want in zip(run["losses"], reference["losses"]):

@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 from helpers.launch import torchrun
+from helpers.results import rank_result
 
 
 def test_watched_transfers_report_completion_without_a_wait_and_a_missing_message_times_out(tmp_path: Path) -> None:
     # gloo's own Work.is_completed() stays False until someone waits on the work, so without the helper threads
     # the opportunistic rule would never see a message arrive, and finished sends would hold their tensors
     torchrun("p2p.py", str(tmp_path), nproc=2, timeout=120)
-    sender = json.loads((tmp_path / "p2p.rank0.json").read_text())
+    sender = rank_result(tmp_path, "p2p")
     receiver = json.loads((tmp_path / "p2p.rank1.json").read_text())
     for rank in (sender, receiver):  # the grid made and destroyed 3 times: nothing of it is left running
         rebuilt = rank.pop("threads_after_rebuilds")

@@ -10,13 +10,13 @@ widest cases (P=2 x D=4 on 8 processes, the resume on 2 processes) run with
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.launch import python, torchrun
 from helpers.on_demand import wanted
+from helpers.results import rank_result
 
 from lightning_varuna import VarunaStrategy
 from lightning_varuna.checkpoint import is_complete
@@ -95,18 +95,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _load(directory: Path, name: str, rank: int) -> dict:
-    return json.loads((directory / f"{name}.rank{rank}.json").read_text())
-
-
 def check_against_reference(directory: Path, name: str, ranks: int, steps: slice = slice(None),
                             final: bool = True) -> None:
     """Losses, step-1 gradients summed over each stage's replicas, logged norms and (``final``: a run that reached
     the last step) final weights: the plain run's."""
-    reference = _load(directory, reference_of(name), 0)
+    reference = rank_result(directory, reference_of(name), 0)
     loss_tol, grad_tol, param_tol = TOLERANCES.get(name.split("-")[-1], (LOSS_TOLERANCE, GRAD_TOLERANCE,
                                                                            PARAM_TOLERANCE))
-    runs = [_load(directory, name, rank) for rank in range(ranks)]
+    runs = [rank_result(directory, name, rank) for rank in range(ranks)]
     sharded = name.startswith(("z1", "r1"))
     summed: dict[tuple[int, str], torch.Tensor] = {}
     for rank, run in enumerate(runs):
@@ -130,7 +126,7 @@ def check_copies_identical(directory: Path, name: str, ranks: int) -> None:
     """Replicas of a stage, and the tied copies on different stages, end bit-identical."""
     held: dict[str, list] = {}
     for rank in range(ranks):
-        for param, values in _load(directory, name, rank)["final"].items():
+        for param, values in rank_result(directory, name, rank)["final"].items():
             held.setdefault(param, []).append(values)
     for param, copies in held.items():
         assert all(c == copies[0] for c in copies), f"{name}: the copies of {param} differ"
@@ -146,13 +142,13 @@ def test_sharded_optimizer_trains_as_the_plain_run(results: Path, name: str) -> 
 
 @pytest.mark.slow
 def test_each_rank_keeps_about_half_the_optimizer_state_at_d2(results: Path) -> None:
-    sharded = [_load(results, "z1-adamw", rank)["state_bytes"] for rank in range(4)]
-    whole = [_load(results, "z0-adamw", rank)["state_bytes"] for rank in range(4)]
+    sharded = [rank_result(results, "z1-adamw", rank)["state_bytes"] for rank in range(4)]
+    whole = [rank_result(results, "z0-adamw", rank)["state_bytes"] for rank in range(4)]
     ratio = max(sharded) / max(whole)
     print(f"\noptimizer state bytes per rank: zero_stage=1 {sharded}, zero_stage=0 {whole}: {ratio:.3f}x")
     assert 0.4 < ratio <= 0.6
     # two chunks per rank: each replica keeps half of its two chunks' state
-    chunks = [_load(results, "z1-adamw-il", rank)["state_bytes"] for rank in range(4)]
+    chunks = [rank_result(results, "z1-adamw-il", rank)["state_bytes"] for rank in range(4)]
     print(f"with two chunks per rank: {chunks}: {max(chunks) / max(whole):.3f}x")
     assert 0.4 < max(chunks) / max(whole) <= 0.6
 
@@ -164,13 +160,13 @@ def test_each_rank_holds_fewer_tensor_bytes_at_d2(results: Path) -> None:
     holds no full-size copy beyond the gradients, so the sharded rank holds at most 0.8x the unsharded one's."""
 
     def held(name: str, rank: int) -> int:
-        run = _load(results, name, rank)
+        run = rank_result(results, name, rank)
         return run["param_bytes"] + run["state_bytes"] + max(run["sync_peak_bytes"])
 
     sharded = max(held("z1-adamw", rank) for rank in range(4))
     whole = max(held("z0-adamw", rank) for rank in range(4))
-    parts = {name: {k: _load(results, name, 0)[k] for k in ("param_bytes", "state_bytes")}
-             | {"sync_peak": max(_load(results, name, 0)["sync_peak_bytes"])} for name in ("z1-adamw", "z0-adamw")}
+    parts = {name: {k: rank_result(results, name)[k] for k in ("param_bytes", "state_bytes")}
+             | {"sync_peak": max(rank_result(results, name)["sync_peak_bytes"])} for name in ("z1-adamw", "z0-adamw")}
     print(f"\ntensor bytes per rank (max): zero_stage=1 {sharded}, zero_stage=0 {whole}: {sharded / whole:.3f}x;"
           f" rank 0: {parts}")
     assert sharded / whole <= 0.8
@@ -182,7 +178,7 @@ def test_sharded_sync_sends_no_more_than_the_all_reduce(results: Path) -> None:
     makes: the sharded run's reduce-scatter and all-gather together at most the unsharded run's all-reduce (plus
     the padding of uneven row shards, 2%)."""
     for rank in range(4):
-        sharded, whole = _load(results, "z1-adamw", rank), _load(results, "z0-adamw", rank)
+        sharded, whole = rank_result(results, "z1-adamw", rank), rank_result(results, "z0-adamw", rank)
         per_step = {name: sum(run["wire_bytes"].values()) / run["wire_steps"] for name, run in
                     (("z1", sharded), ("z0", whole))}
         print(f"rank {rank}: sent per step {per_step}, by call {sharded['wire_bytes']} vs {whole['wire_bytes']}")
@@ -201,7 +197,7 @@ def test_resume_across_zero_stages(results: Path) -> None:
              f"resume={sharded_ckpt}",
              f"r1-p2d2-adamw:{P2D2},{ADAMW},zero_stage=1,global_batch_size=16,resume={plain_ckpt}", timeout=400)
     for name in ("r0-p4d1-adamw", "r1-p2d2-adamw"):
-        runs = [_load(results, name, rank) for rank in range(4)]
+        runs = [rank_result(results, name, rank) for rank in range(4)]
         assert all(len(run["losses"]) == 4 for run in runs), name
         check_against_reference(results, name, 4, slice(4, 8))
 
@@ -212,11 +208,11 @@ def test_preempted_sharded_job_resumes_on_the_plain_trajectory(results: Path) ->
     with its checkpoint; resumed with zero_stage=0 at P=4 x D=1 it continues the uninterrupted (plain) trajectory."""
     ckpt = results / "ckpt" / "preempt" / "last.ckpt"
     assert is_complete(ckpt) and torch.load(ckpt / META, weights_only=False)["global_step"] == 3
-    runs = [_load(results, "z1-adamw-preempt", rank) for rank in range(4)]
+    runs = [rank_result(results, "z1-adamw-preempt", rank) for rank in range(4)]
     assert all(run["preempted_at"] == 3 and len(run["losses"]) == 3 for run in runs)
     check_against_reference(results, "z1-adamw-preempt", 4, slice(0, 3), final=False)
     check_copies_identical(results, "z1-adamw-preempt", 4)
-    resumed = [_load(results, "r0-p4d1-preempt-adamw", rank) for rank in range(4)]
+    resumed = [rank_result(results, "r0-p4d1-preempt-adamw", rank) for rank in range(4)]
     assert all(len(run["losses"]) == 5 for run in resumed)
     check_against_reference(results, "r0-p4d1-preempt-adamw", 4, slice(3, 8))
 
@@ -226,7 +222,7 @@ def test_preempted_sharded_job_resumes_on_the_plain_trajectory(results: Path) ->
 def test_resume_across_chunks_per_rank(results: Path, name: str, chunks: int) -> None:
     """Written with zero_stage=1 and one chunk per rank, resumed with two (zero-bubble); written with two chunks per
     rank (interleaved), resumed with one: both continue the uninterrupted (plain) run's trajectory."""
-    runs = [_load(results, name, rank) for rank in range(4)]
+    runs = [rank_result(results, name, rank) for rank in range(4)]
     assert all(len(run["losses"]) == 4 and run["config"]["stages_per_rank"] == chunks for run in runs)
     check_against_reference(results, name, 4, slice(4, 8))
     check_copies_identical(results, name, 4)
@@ -242,7 +238,7 @@ def test_async_sharded_checkpoint_resumes_elsewhere(results: Path) -> None:
     assert shard_keys, "no per-shard checksum of the sharded optimizer state"
     torchrun("equivalence.py", str(results), f"r0-p2d1-async-adamw:{P2D2.replace('batch=8', 'batch=16')},{ADAMW},"
              f"global_batch_size=16,resume={ckpt}", nproc=2, timeout=400)
-    runs = [_load(results, "r0-p2d1-async-adamw", rank) for rank in range(2)]
+    runs = [rank_result(results, "r0-p2d1-async-adamw", rank) for rank in range(2)]
     assert all(len(run["losses"]) == 4 for run in runs)
     check_against_reference(results, "r0-p2d1-async-adamw", 2, slice(4, 8))
 
@@ -259,8 +255,8 @@ def test_p2d4_sharded_trains_as_the_plain_run_in_a_quarter_of_the_state(
              f"z0-p2d4-adamw:{p2d4},{ADAMW},zero_stage=0", nproc=8, timeout=900)
     check_against_reference(results, "z1-p2d4-adamw", 8)
     check_copies_identical(results, "z1-p2d4-adamw", 8)
-    sharded = max(_load(results, "z1-p2d4-adamw", rank)["state_bytes"] for rank in range(8))
-    whole = max(_load(results, "z0-p2d4-adamw", rank)["state_bytes"] for rank in range(8))
+    sharded = max(rank_result(results, "z1-p2d4-adamw", rank)["state_bytes"] for rank in range(8))
+    whole = max(rank_result(results, "z0-p2d4-adamw", rank)["state_bytes"] for rank in range(8))
     assert sharded / whole <= 0.35
     # and the sharded checkpoint of P=2 x D=2 resumed on two processes (P=2 x D=1)
     ckpt = results / "ckpt" / "ckpt-step=4.ckpt"

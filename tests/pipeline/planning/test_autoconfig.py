@@ -20,6 +20,7 @@ import torch
 from helpers.launch import ROOT, _env, python, torchrun
 from helpers.models import RandomTokens, TinyGPT
 from helpers.profiles import synthetic_profile
+from helpers.results import rank_result, rank_results
 from torch.utils.data import DataLoader
 
 from lightning_varuna.pipeline.planning.memory_model import parse_bytes, planning_budget
@@ -66,19 +67,15 @@ def runs(tmp_path_factory) -> tuple[Path, Profile]:
     return out, profile
 
 
-def _ranks(out: Path, name: str, world: int) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.mark.slow
 def test_the_auto_choice_trains_like_the_plain_run_and_is_chosen_again_after_a_morph(runs) -> None:
     out, profile = runs
-    reference = json.loads((out / "reference.rank0.json").read_text())
+    reference = rank_result(out, "reference")
     for name, world, losses in (("auto", 4, reference["losses"][:4]), ("morph", 2, reference["losses"][4:])):
         expected = _expected(profile, world)
         assert expected.pipeline_size == world and expected.data_size == 1, "the profile forces P = world size"
         assert expected.stages_per_rank == (2 if world == 2 else 1), "5 segments: two chunks per rank at P=2 only"
-        for run in _ranks(out, name, world):
+        for run in rank_results(out, name, world):
             assert run["config"] == {
                 "pipeline_parallel_size": expected.pipeline_size, "microbatch_size": expected.microbatch_size,
                 "num_microbatches": None, "schedule": expected.schedule, "recompute": expected.recompute,
@@ -86,7 +83,7 @@ def test_the_auto_choice_trains_like_the_plain_run_and_is_chosen_again_after_a_m
             }, name
             assert run["losses"] == pytest.approx(losses, abs=5e-4), name
     seen = set()
-    for run in _ranks(out, "auto", 4):
+    for run in rank_results(out, "auto", 4):
         for param, grad in run["grads"].items():
             worst = max(abs(a - b) for a, b in zip(grad, reference["grads"][param], strict=True))
             assert worst < 1e-5, f"gradient of {param} differs by {worst}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.profiles import synthetic_profile
+from helpers.profiles import FREE, SIZES, network, segment, synthetic_profile
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
@@ -25,11 +25,9 @@ from lightning_varuna.pipeline.planning.memory_model import (
 from lightning_varuna.pipeline.planning.profile_data import (
     CutProfile,
     Link,
-    Network,
     ParamProfile,
     Profile,
     ProfileError,
-    SegmentProfile,
     interpolate,
     load_cached,
     store_cached,
@@ -44,20 +42,6 @@ from lightning_varuna.pipeline.timelines.timeline import (
     predicted_events,
     step_metrics,
 )
-
-SIZES = (1, 2, 4)
-FREE = Link(0.0, 1e30)
-
-
-def network(allreduce: Link = FREE) -> Network:
-    return Network(p2p_intra=FREE, p2p_inter=FREE, allreduce_intra=allreduce, allreduce_inter=allreduce)
-
-
-def segment(forward: float, backward: float, saved_per_sample: int) -> SegmentProfile:
-    """Costs proportional to the micro-batch size: ``forward`` seconds per sample, with or without autograd."""
-    return SegmentProfile(forward_s=tuple(forward * s for s in SIZES), forward_grad_s=tuple(forward * s for s in SIZES),
-                          backward_s=tuple(backward * s for s in SIZES),
-                          saved_bytes=tuple(saved_per_sample * s for s in SIZES))
 
 
 def two_segments(param_bytes: int = 1000, allreduce: Link = FREE) -> Profile:

@@ -7,13 +7,13 @@ End to end (a chosen ``stages_per_rank=2`` training like the plain run, resumed 
 from __future__ import annotations
 
 import pytest
+from helpers.profiles import network, segment
 
 from lightning_varuna.pipeline.config import EngineConfig
 from lightning_varuna.pipeline.planning.memory_model import activation_peak
 from lightning_varuna.pipeline.planning.profile_data import CutProfile, ParamProfile, Profile
 from lightning_varuna.pipeline.planning.search import Choices, Cluster, PlanError, predict, search
 from lightning_varuna.pipeline.scheduling.schedules import MULTI_CHUNK, Kind, Task
-from tests.pipeline.planning.test_planner import network, segment
 
 UNLIMITED = 2**40
 

@@ -7,36 +7,25 @@ only a sharded configuration meets, and the time model's reduce-scatter plus all
 from __future__ import annotations
 
 import pytest
+from helpers.profiles import FREE, SIZES, network, segment
 
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE, stage_memory
 from lightning_varuna.pipeline.planning.profile_data import (
     CutProfile,
     Link,
-    Network,
     ParamProfile,
     Profile,
-    SegmentProfile,
 )
 from lightning_varuna.pipeline.planning.search import Choices, Cluster, format_table, predict, search
-
-SIZES = (1, 2, 4)
-FREE = Link(0.0, 1e30)
-
-
-def segment(forward: float, backward: float, saved_per_sample: int) -> SegmentProfile:
-    return SegmentProfile(forward_s=tuple(forward * s for s in SIZES), forward_grad_s=tuple(forward * s for s in SIZES),
-                          backward_s=tuple(backward * s for s in SIZES),
-                          saved_bytes=tuple(saved_per_sample * s for s in SIZES))
 
 
 def weighty(param_bytes: int = 40_000, allreduce: Link = FREE) -> Profile:
     """Two equal segments, F=1 and B=2 seconds per sample, whose parameters outweigh their activations."""
-    network = Network(p2p_intra=FREE, p2p_inter=FREE, allreduce_intra=allreduce, allreduce_inter=allreduce)
     return Profile(
         microbatch_sizes=SIZES, segments=(segment(1.0, 2.0, 10), segment(1.0, 2.0, 10)),
         cuts=(CutProfile("cut", 4),),
         params=(ParamProfile("a", param_bytes, (0,)), ParamProfile("b", param_bytes, (1,))),
-        network=network, key="weighty",
+        network=network(allreduce), key="weighty",
     )
 
 

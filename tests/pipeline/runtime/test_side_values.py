@@ -12,13 +12,13 @@ selective recompute run with ``VARUNA_SCHEDULES=full``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.launch import python, torchrun
 from helpers.on_demand import wanted
+from helpers.results import rank_result
 
 from lightning_varuna.pipeline.model.data_flow import CallSite, SideValue
 from lightning_varuna.pipeline.runtime.side_values import pack, side_values_sent, unpack
@@ -64,17 +64,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_side_values_train_like_the_plain_run(results: Path, name: str) -> None:
-    reference = _load(results / ("reference-l8.rank0.json" if name.endswith("-l8") else "reference.rank0.json"))
+    reference = rank_result(results, "reference-l8" if name.endswith("-l8") else "reference")
     seen: set[str] = set()
     for rank in range(4):
-        run = _load(results / f"{name}.rank{rank}.json")
+        run = rank_result(results, f"{name}", rank)
         assert len(run["losses"]) == len(reference["losses"]) == 8
         for step, (got, want) in enumerate(zip(run["losses"], reference["losses"])):
             assert abs(got - want) < LOSS_TOLERANCE, f"rank {rank} step {step}: loss {got} != {want}"
@@ -84,7 +80,7 @@ def test_side_values_train_like_the_plain_run(results: Path, name: str) -> None:
             seen.add(param)
     assert seen == set(reference["grads"]), "every parameter is held (and checked) on some stage"
     if "-rc" in name:  # the case this configuration is for arises: stage 0 keeps both values as leaves
-        assert max(_load(results / f"{name}.rank{rank}.json")["sides_kept"] for rank in range(4)) == 2
+        assert max(rank_result(results, f"{name}", rank)["sides_kept"] for rank in range(4)) == 2
     # the side values' producers get gradients from every block (the later stages' come back through the pipeline)
     for param in ("position_bias.table", "gate.weight"):
         assert max(abs(g) for g in reference["grads"][param]) > 1e-4

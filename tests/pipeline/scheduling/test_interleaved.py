@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from helpers.schedules import random_delays, tied_partition
 
-from lightning_varuna.pipeline.model.dry_run import Trace
-from lightning_varuna.pipeline.model.partition import Partition, StageInfo
+from lightning_varuna.pipeline.model.partition import Partition
 from lightning_varuna.pipeline.scheduling.interleaved import interleaved_memory_bound, interleaved_warmup
 from lightning_varuna.pipeline.scheduling.lowering import MessageKind, link_messages
 from lightning_varuna.pipeline.scheduling.nccl_replay import plan_trace, replay
@@ -21,11 +19,6 @@ from lightning_varuna.pipeline.scheduling.schedules import (
 )
 from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
 from lightning_varuna.pipeline.scheduling.validation import validate_schedule
-
-
-def _random_delays(seed: int):
-    draws, table = random.Random(seed), {}
-    return lambda *message: table.setdefault(message, draws.expovariate(2.0))
 
 
 def _peak_graphs(tasks: tuple[Task, ...], recomputing: set[int]) -> int:
@@ -54,7 +47,7 @@ def test_every_shape_validates_and_keeps_its_memory_bound_in_list_order_and_unde
             for m in range(ranks, 33, ranks):
                 schedule = make_schedule("interleaved", ranks, m, recompute, stages_per_rank=v)
                 assert sum(len(t) for t in schedule) == m * stages * (3 if recompute else 2) - (m if recompute else 0)
-                run = simulate(schedule, costs, jitter=_random_delays(ranks * 1000 + m), opportunistic=True,
+                run = simulate(schedule, costs, jitter=random_delays(ranks * 1000 + m), opportunistic=True,
                                stage_ranks=placement).order
                 for rank in range(ranks):
                     bound = interleaved_memory_bound(rank, ranks, v, m, recompute)
@@ -169,28 +162,18 @@ def test_a_forward_that_builds_a_graph_never_moves() -> None:
     assert next_task(pending, lambda task: task.kind is Kind.F, stash) == 2
 
 
-def _plan(v: int) -> Partition:
-    names = ["wte.weight", "b0.weight", "b1.weight", "b2.weight", "head.weight"]
-    trace = Trace.__new__(Trace)
-    trace.param_numel = dict.fromkeys(names, 4)
-    stage_params = [("wte.weight", "b0.weight"), ("b1.weight",), ("b2.weight",), ("head.weight", "wte.weight")]
-    stages = tuple(StageInfo(segments=range(s, s + 1), params=p, param_numel=4 * len(p), seconds=0.0)
-                   for s, p in enumerate(stage_params))
-    return Partition(stages=stages, tied=(("wte.weight", (0, 3)),), trace=trace, stages_per_rank=v)
-
-
 def test_the_plan_knows_the_rank_of_each_stage() -> None:
-    plan = _plan(2)
+    plan = tied_partition(2)
     assert plan.num_ranks == 2 and [plan.rank_of(s) for s in range(4)] == [0, 1, 0, 1]
     assert plan.rank_stages(0) == (0, 2) and plan.rank_stages(1) == (1, 3)
     assert plan.rank_params(0) == ("wte.weight", "b0.weight", "b2.weight")
     assert plan.rank_params(1) == ("wte.weight", "b1.weight", "head.weight")
     assert plan.rank_tied == (("wte.weight", (0, 1)),)
     # four ranks of one stage each: the same view as the stages
-    assert _plan(1).rank_tied == (("wte.weight", (0, 3)),)
+    assert tied_partition(1).rank_tied == (("wte.weight", (0, 3)),)
 
 
 def test_a_parameter_shared_by_two_stages_of_one_rank_needs_no_synchronization() -> None:
-    plan = _plan(2)
+    plan = tied_partition(2)
     shared = Partition(stages=plan.stages, tied=(("wte.weight", (0, 2)),), trace=plan.trace, stages_per_rank=2)
     assert shared.rank_tied == ()

@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from helpers.schedules import peak_graphs_until_i_and_w, random_delays
 
 from lightning_varuna.pipeline.scheduling.looped_zero_bubble import greedy_chunk_schedule, looped_zero_bubble_bound
 from lightning_varuna.pipeline.scheduling.nccl_replay import plan_trace, replay
-from lightning_varuna.pipeline.scheduling.schedules import Kind, ScheduleError, Task, make_schedule, stage_ranks
+from lightning_varuna.pipeline.scheduling.schedules import ScheduleError, make_schedule, stage_ranks
 from lightning_varuna.pipeline.scheduling.simulator import WEIGHT_SHARES, StageCosts, simulate
-
-
-def _random_delays(seed: int):
-    draws, table = random.Random(seed), {}
-    return lambda *message: table.setdefault(message, draws.expovariate(2.0))
-
-
-def _peaks(tasks: tuple[Task, ...], recomputing: set[int]) -> tuple[int, int]:
-    """The most chunk graphs a rank holds at once until their ``I`` and until their ``W``."""
-    until_i = until_w = peak_i = peak_w = 0
-    for task in tasks:
-        builds = Kind.R if task.stage in recomputing else Kind.F
-        if task.kind is builds:
-            until_i, until_w = until_i + 1, until_w + 1
-            peak_i, peak_w = max(peak_i, until_i), max(peak_w, until_w)
-        elif task.kind is Kind.I:
-            until_i -= 1
-        elif task.kind is Kind.W:
-            until_w -= 1
-    return peak_i, peak_w
 
 
 def _unit_costs(stages: int, v: int) -> list[StageCosts]:
@@ -48,12 +27,12 @@ def test_every_shape_validates_and_keeps_its_memory_bound_in_list_order_and_unde
             recomputing = set(range(stages - 1)) if recompute else set()
             for m in range(1, 33):
                 schedule = make_schedule("zero-bubble", ranks, m, recompute, stages_per_rank=v)  # validates
-                run = simulate(schedule, _unit_costs(stages, v), jitter=_random_delays(ranks * 1000 + m),
+                run = simulate(schedule, _unit_costs(stages, v), jitter=random_delays(ranks * 1000 + m),
                                opportunistic=True, stage_ranks=placement).order
                 for rank in range(ranks):
                     bound = looped_zero_bubble_bound(rank, ranks, recompute)
                     for order in (schedule[rank], run[rank]):
-                        peak = _peaks(order, recomputing)
+                        peak = peak_graphs_until_i_and_w(order, recomputing)
                         assert peak[0] <= bound[0] and peak[1] <= bound[1], (ranks, v, m, rank, peak, bound)
 
 

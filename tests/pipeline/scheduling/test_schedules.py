@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
-import random
 import statistics
 from pathlib import Path
 
 import pytest
 from helpers.launch import torchrun
+from helpers.results import rank_results
+from helpers.schedules import random_delays
 
 from lightning_varuna.pipeline.planning.memory_model import graphs_in_flight
 from lightning_varuna.pipeline.scheduling.schedules import (
@@ -150,12 +150,6 @@ def test_zero_bubble_p4_m8_is_zb_h1() -> None:
     assert simulate(make_schedule("varuna", 4, 8, recompute=True), costs, opportunistic=True).makespan == 38
 
 
-def _random_delays(seed: int):
-    """A message delay per message, exponential with mean half a forward, the same whenever asked again."""
-    draws, table = random.Random(seed), {}
-    return lambda *message: table.setdefault(message, draws.expovariate(2.0))
-
-
 @pytest.mark.parametrize(("num_stages", "m"), [(4, 16), (4, 32), (8, 16), (8, 32)])
 def test_zero_bubble_takes_the_1f1b_ordered_list_which_loses_less_to_a_short_w_and_to_late_messages(
     num_stages: int, m: int,
@@ -167,7 +161,7 @@ def test_zero_bubble_takes_the_1f1b_ordered_list_which_loses_less_to_a_short_w_a
 
     def step(schedule: tuple, seed: int | None = None, weight_share: float = 0.5) -> float:
         costs = [StageCosts(forward=1, backward=2, weight=2 * weight_share)] * num_stages
-        delays = None if seed is None else _random_delays(seed)
+        delays = None if seed is None else random_delays(seed)
         return simulate(schedule, costs, jitter=delays, opportunistic=True).makespan
 
     # the packed list is made for I = W without delays, and is shorter there (P=8, m=16: 57 against 62 ticks) ...
@@ -205,7 +199,7 @@ def test_zero_bubble_keeps_its_stated_memory_bound_in_list_order_and_under_the_r
         costs = [StageCosts(forward=1, backward=2)] * num_stages
         for m in range(1, 33):
             schedule = make_schedule("zero-bubble", num_stages, m, recompute)
-            run = simulate(schedule, costs, jitter=_random_delays(num_stages * 100 + m), opportunistic=True).order
+            run = simulate(schedule, costs, jitter=random_delays(num_stages * 100 + m), opportunistic=True).order
             for stage in range(num_stages):
                 bound = memory_bound(stage, num_stages, recompute)
                 recomputes = recompute and stage < num_stages - 1
@@ -403,7 +397,7 @@ def test_a_middle_stage_runs_a_ready_forward_while_its_gradient_is_late(tmp_path
     # P=3 with a slow last backward: the middle stage's gradients are late and its inputs are there, so Varuna's
     # rule must move forwards there (it never did on gloo before the transfers were watched)
     torchrun("opportunistic.py", str(tmp_path), nproc=3, timeout=180)
-    moves = [json.loads((tmp_path / f"opportunistic.rank{r}.json").read_text())["moves"] for r in range(3)]
+    moves = [run["moves"] for run in rank_results(tmp_path, "opportunistic", 3)]
     assert moves[1] > 0, moves
     assert moves[2] == 0, moves  # the last stage has nothing to move
 
@@ -413,7 +407,7 @@ def test_a_stage_sends_a_forward_early_when_its_next_stage_runs_out_of_work(tmp_
     # P=4, m=8 with unit-cost sleeps: fed, stage 2 runs F6 before B5 (the list has it after), as the simulator
     # predicts; every stage still runs forwards and backwards in micro-batch order, so messages keep their order
     torchrun("feed.py", str(tmp_path), nproc=4, timeout=240)
-    orders = [json.loads((tmp_path / f"feed.rank{r}.json").read_text()) for r in range(4)]
+    orders = rank_results(tmp_path, "feed", 4)
     schedule = make_schedule("varuna", 4, 8, recompute=True)
     predicted = simulate(schedule, [StageCosts(1.0, 2.0)] * 4, opportunistic=True).order
     assert schedule[2].index(Task(Kind.F, 6)) > schedule[2].index(Task(Kind.B, 5))

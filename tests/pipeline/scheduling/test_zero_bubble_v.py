@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 
 import pytest
 import torch
+from helpers.schedules import peak_graphs_until_i_and_w, random_delays, tied_partition
 
 from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.config import EngineConfig
-from lightning_varuna.pipeline.model.dry_run import Trace
-from lightning_varuna.pipeline.model.partition import Partition, StageInfo
 from lightning_varuna.pipeline.runtime.links import LocalLink
 from lightning_varuna.pipeline.scheduling.looped_zero_bubble import greedy_chunk_schedule
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages, summary_path
 from lightning_varuna.pipeline.scheduling.nccl_replay import plan_trace, replay
 from lightning_varuna.pipeline.scheduling.placement import V_SHAPED, placement_ranks, rank_stages
-from lightning_varuna.pipeline.scheduling.schedules import Kind, ScheduleError, Task, make_schedule, stage_ranks
+from lightning_varuna.pipeline.scheduling.schedules import ScheduleError, make_schedule, stage_ranks
 from lightning_varuna.pipeline.scheduling.simulator import StageCosts, simulate
 from lightning_varuna.pipeline.scheduling.zero_bubble_v import zero_bubble_v_bound
 
@@ -26,27 +24,6 @@ CHUNK = StageCosts(forward=1, backward=2, weight=1)
 """Unit costs per chunk: F = I = W = 1."""
 STAGE = StageCosts(forward=2, backward=4, weight=2)
 """A stage of one chunk per rank holds two chunks' work."""
-
-
-def _random_delays(seed: int):
-    """Message delays drawn from an exponential of mean 0.5 (half a chunk's forward), fixed per seed."""
-    draws, table = random.Random(seed), {}
-    return lambda *message: table.setdefault(message, draws.expovariate(2.0))
-
-
-def _peaks(tasks: tuple[Task, ...], recomputing: set[int]) -> tuple[int, int]:
-    """The most chunk graphs a rank holds at once until their ``I`` and until their ``W``."""
-    until_i = until_w = peak_i = peak_w = 0
-    for task in tasks:
-        builds = Kind.R if task.stage in recomputing else Kind.F
-        if task.kind is builds:
-            until_i, until_w = until_i + 1, until_w + 1
-            peak_i, peak_w = max(peak_i, until_i), max(peak_w, until_w)
-        elif task.kind is Kind.I:
-            until_i -= 1
-        elif task.kind is Kind.W:
-            until_w -= 1
-    return peak_i, peak_w
 
 
 def test_the_v_shaped_placement() -> None:
@@ -66,12 +43,12 @@ def test_every_shape_validates_and_keeps_its_memory_bound_in_list_order_and_unde
         recomputing = set(range(stages - 1)) if recompute else set()
         for m in range(1, 33):
             schedule = make_schedule(V, ranks, m, recompute, stages_per_rank=2)  # validates
-            run = simulate(schedule, [CHUNK] * stages, jitter=_random_delays(ranks * 1000 + m), opportunistic=True,
+            run = simulate(schedule, [CHUNK] * stages, jitter=random_delays(ranks * 1000 + m), opportunistic=True,
                            stage_ranks=placement).order
             for rank in range(ranks):
                 bound = zero_bubble_v_bound(rank, ranks, recompute)
                 for order in (schedule[rank], run[rank]):
-                    peak = _peaks(order, recomputing)
+                    peak = peak_graphs_until_i_and_w(order, recomputing)
                     assert peak[0] <= bound[0] and peak[1] <= bound[1], (ranks, m, rank, peak, bound)
 
 
@@ -148,7 +125,7 @@ def _step_times(ranks: int, m: int, jitter: bool) -> tuple[float, ...]:
         (make_schedule("zero-bubble", ranks, m, False), one, None),
     )
     return tuple(
-        statistics.mean(simulate(schedule, costs, jitter=None if seed is None else _random_delays(seed),
+        statistics.mean(simulate(schedule, costs, jitter=None if seed is None else random_delays(seed),
                                  opportunistic=True, stage_ranks=placement).makespan for seed in seeds)
         for schedule, costs, placement in runs
     )
@@ -176,7 +153,7 @@ def test_late_messages_cost_the_phased_list_less_than_half_what_they_cost_the_gr
     placement, chunks = stage_ranks(ranks, 2, V), [CHUNK] * (2 * ranks)
 
     def step(schedule: tuple, seed: int | None) -> float:
-        delays = None if seed is None else _random_delays(seed)
+        delays = None if seed is None else random_delays(seed)
         return simulate(schedule, chunks, jitter=delays, opportunistic=True, stage_ranks=placement).makespan
 
     assert step(chosen, None) == step(greedy, None) == 6 * m + ranks - 1
@@ -222,18 +199,8 @@ def test_every_plan_passes_the_nccl_rules(recompute: bool) -> None:
         assert replay(plan_trace(evaluation, placement)) == (2 * ranks - 2) * 7
 
 
-def _plan() -> Partition:
-    names = ["wte.weight", "b0.weight", "b1.weight", "b2.weight", "head.weight"]
-    trace = Trace.__new__(Trace)
-    trace.param_numel = dict.fromkeys(names, 4)
-    stage_params = [("wte.weight", "b0.weight"), ("b1.weight",), ("b2.weight",), ("head.weight", "wte.weight")]
-    stages = tuple(StageInfo(segments=range(s, s + 1), params=p, param_numel=4 * len(p), seconds=0.0)
-                   for s, p in enumerate(stage_params))
-    return Partition(stages=stages, tied=(("wte.weight", (0, 3)),), trace=trace, stages_per_rank=2, placement="v")
-
-
 def test_the_plan_places_v_shaped_and_a_tied_embedding_needs_no_synchronization() -> None:
-    plan = _plan()
+    plan = tied_partition(2, placement="v")
     assert [plan.rank_of(s) for s in range(4)] == [0, 1, 1, 0]
     assert plan.rank_stages(0) == (0, 3) and plan.rank_stages(1) == (1, 2)
     assert plan.rank_params(0) == ("wte.weight", "b0.weight", "head.weight")

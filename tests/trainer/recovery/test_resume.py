@@ -9,12 +9,12 @@ with two model chunks per rank (two -> one, and over the V-shaped placement) run
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from helpers.launch import python, torchrun
 from helpers.on_demand import wanted
+from helpers.results import rank_result
 
 from lightning_varuna.checkpoint import is_complete
 
@@ -71,7 +71,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _losses(out: Path, name: str) -> list[float]:
-    return json.loads((out / f"{name}.rank0.json").read_text())["losses"]
+    return rank_result(out, name)["losses"]
 
 
 def _reference_of(run: str) -> str:
