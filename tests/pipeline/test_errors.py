@@ -363,11 +363,7 @@ def test_stochastic_weight_averaging_is_refused_at_setup() -> None:
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[StochasticWeightAveraging(swa_lrs=0.01)],
         )
-        try:
-            trainer.fit(TinyGPT(n_layer=2), DataLoader(RandomTokens(n=8), batch_size=4))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        trainer.fit(TinyGPT(n_layer=2), DataLoader(RandomTokens(n=8), batch_size=4))
 
 
 def test_fabric_is_told_what_to_use_instead() -> None:
@@ -395,11 +391,7 @@ def test_manual_optimization_is_rejected() -> None:
             accelerator="cpu", devices=1, strategy=VarunaStrategy(pipeline_parallel_size=1), max_steps=1,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
-        try:
-            trainer.fit(Manual(), DataLoader(RandomTokens(n=8), batch_size=4))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        trainer.fit(Manual(), DataLoader(RandomTokens(n=8), batch_size=4))
 
 
 def test_manual_optimization_is_rejected_before_the_process_group_starts() -> None:
@@ -422,8 +414,6 @@ def test_manual_optimization_is_rejected_before_the_process_group_starts() -> No
             trainer.fit(Manual(), DataLoader(RandomTokens(n=8), batch_size=4))
         finally:
             started.append(dist.is_initialized())
-            if dist.is_initialized():
-                dist.destroy_process_group()
     assert started == [False]
 
 
@@ -545,11 +535,7 @@ def test_fused_optimizer_with_a_loss_scaler_is_rejected() -> None:
             plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
-        try:
-            trainer.fit(Fused(n_layer=2), DataLoader(RandomTokens(n=8), batch_size=4))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        trainer.fit(Fused(n_layer=2), DataLoader(RandomTokens(n=8), batch_size=4))
 
 
 def test_engine_refuses_options_that_are_not_a_config() -> None:
