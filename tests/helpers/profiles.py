@@ -39,6 +39,16 @@ def segment(forward: float, backward: float, saved_per_sample: int) -> SegmentPr
                           saved_bytes=tuple(saved_per_sample * s for s in SIZES))
 
 
+def two_segments(param_bytes: int = 1000, allreduce: Link = FREE, key: str = "two") -> Profile:
+    """Two equal segments, F=1 and B=2 seconds per sample, free messages, no overhead or optimizer time."""
+    return Profile(
+        microbatch_sizes=SIZES, segments=(segment(1.0, 2.0, 10), segment(1.0, 2.0, 10)),
+        cuts=(CutProfile("cut", 4),),
+        params=(ParamProfile("a", param_bytes, (0,)), ParamProfile("b", param_bytes, (1,))),
+        network=network(allreduce), key=key,
+    )
+
+
 def synthetic_profile(module: nn.Module, batch: Any, step: Callable[[Any], Any], largest: int,
                       forward_s: float = 1e-3, allreduce: Link = FAST) -> Profile:
     """The structure of ``module`` (traced on ``batch``) with costs proportional to the micro-batch size.

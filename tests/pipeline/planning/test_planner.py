@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.profiles import FREE, SIZES, network, segment, synthetic_profile
+from helpers.profiles import SIZES, segment, synthetic_profile, two_segments
 from torch import nn
 
 from lightning_varuna.pipeline import CutPoint, PipelineEngine
@@ -42,16 +42,6 @@ from lightning_varuna.pipeline.timelines.timeline import (
     predicted_events,
     step_metrics,
 )
-
-
-def two_segments(param_bytes: int = 1000, allreduce: Link = FREE) -> Profile:
-    """Two equal segments, F=1 and B=2 seconds per sample, free messages, no overhead or optimizer time."""
-    return Profile(
-        microbatch_sizes=SIZES, segments=(segment(1.0, 2.0, 10), segment(1.0, 2.0, 10)),
-        cuts=(CutProfile("cut", 4),),
-        params=(ParamProfile("a", param_bytes, (0,)), ParamProfile("b", param_bytes, (1,))),
-        network=network(allreduce), key="two",
-    )
 
 
 # -- memory ---------------------------------------------------------------------------------------------------

@@ -7,13 +7,11 @@ only a sharded configuration meets, and the time model's reduce-scatter plus all
 from __future__ import annotations
 
 import pytest
-from helpers.profiles import FREE, SIZES, network, segment
+from helpers.profiles import FREE, two_segments
 
 from lightning_varuna.pipeline.planning.memory_model import MEMORY_RESERVE, stage_memory
 from lightning_varuna.pipeline.planning.profile_data import (
-    CutProfile,
     Link,
-    ParamProfile,
     Profile,
 )
 from lightning_varuna.pipeline.planning.search import Choices, Cluster, format_table, predict, search
@@ -21,12 +19,7 @@ from lightning_varuna.pipeline.planning.search import Choices, Cluster, format_t
 
 def weighty(param_bytes: int = 40_000, allreduce: Link = FREE) -> Profile:
     """Two equal segments, F=1 and B=2 seconds per sample, whose parameters outweigh their activations."""
-    return Profile(
-        microbatch_sizes=SIZES, segments=(segment(1.0, 2.0, 10), segment(1.0, 2.0, 10)),
-        cuts=(CutProfile("cut", 4),),
-        params=(ParamProfile("a", param_bytes, (0,)), ParamProfile("b", param_bytes, (1,))),
-        network=network(allreduce), key="weighty",
-    )
+    return two_segments(param_bytes, allreduce, key="weighty")
 
 
 def test_optimizer_state_per_rank_is_a_quarter_at_d4() -> None:
