@@ -2,7 +2,8 @@
 
     python benchmarks/fault_exit.py --out benchmarks/results/fault_exit.json [--runs 1]
 
-What it runs (the jobs of ``tests/test_faults.py`` and ``tests/test_watchdog.py``, whose tests check bounds only):
+What it runs (the jobs of ``tests/failstop/test_faults.py`` and ``tests/failstop/test_watchdog.py``, whose tests check
+bounds only):
 
 - ``tests/jobs/faults.py`` scenarios (one fork per rank, the parent ends nothing: the times are the ranks' own):
   ``kill`` (rank 0, which hosts the job's store, SIGKILLs itself), ``exit`` (rank 1 calls ``os._exit(1)``),
@@ -75,7 +76,7 @@ def run_failfast(launcher: str) -> dict:
 
 
 def run_ring(size: int = 5, dead: int = 2) -> dict:
-    """``size`` watchdogs in this process (``tests/test_watchdog.py``'s ring); ``dead`` closes its sockets."""
+    """``size`` watchdogs in this process (``tests/failstop/test_watchdog.py``'s ring); ``dead`` closes its sockets."""
     import torch.distributed as dist
 
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's package, and the test's ring

@@ -7,8 +7,8 @@ takes the next event from a heap. :func:`simulate_asking_every_rank` is the loop
 free rank is asked again until none starts a task, and the next event is the least of every finish and arrival
 time still to come. Both run the same lists (every schedule's largest shapes, with recompute, random message
 delays and the run-time rules on) in one process, interleaved, and must give equal results
-(``tests/test_simulator.py`` checks that on many small shapes, zero-time tasks included). The result file keeps
-every repetition's seconds, the commit and the machine's load before and after.
+(``tests/pipeline/scheduling/test_simulator.py`` checks that on many small shapes, zero-time tasks included). The
+result file keeps every repetition's seconds, the commit and the machine's load before and after.
 """
 
 from __future__ import annotations

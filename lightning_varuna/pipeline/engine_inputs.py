@@ -3,7 +3,7 @@
 The planner chooses the ``"auto"`` values at setup; the recorder receives the training steps' events. The runtime
 neither plans nor draws: auto-configuration (:mod:`lightning_varuna.pipeline.planning`) and the timeline
 (:mod:`lightning_varuna.pipeline.timelines`) sit above it and are handed in through these interfaces, by the strategy
-or by a user of the engine alone (``tests/test_architecture.py`` keeps it so).
+or by a user of the engine alone (``tests/architecture/test_architecture.py`` keeps it so).
 """
 
 from __future__ import annotations

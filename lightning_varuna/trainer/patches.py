@@ -6,8 +6,8 @@ strategy (during ``setup``) and undone in its ``teardown``, so a later trainer i
 Lightning. The user's model is changed where pipelining needs it (its stage kept, the rest stood in for), and
 Lightning's precision plugin is replaced by a pipeline-aware subclass of its own class. Each entry of
 :data:`PATCHES` says what is changed, where the package does it, why, which versions it was tested with and how
-it is undone; ``tests/test_architecture.py`` checks that the list matches the code (every such assignment in the
-package is listed, every listed one exists).
+it is undone; ``tests/architecture/test_architecture.py`` checks that the list matches the code (every such
+assignment in the package is listed, every listed one exists).
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ PATCHES: tuple[Patch, ...] = (
           " act only while a stage's forward runs, and the compiler traces them.", _TORCH,
           "the hooks are removed " + _ENGINE_TEARDOWN),
 )
-"""Every change to an object that is not the package's own (``tests/test_architecture.py`` keeps it complete)."""
+"""Every change to an object that is not the package's own (``tests/architecture/test_architecture.py`` keeps it
+complete)."""
 
 
 _REQUESTED = "_varuna_requested_ckpt_path"

@@ -17,18 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.launch import python, torchrun
+from helpers.results import rank_result, rank_results
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device"),
+              pytest.mark.xdist_group("gpu")]
 
 # fp32 on a GPU: micro-batched matrix products and summed micro-batch gradients round differently from the full
 # batch's (different kernels and summation order), well below these
 FP32 = {"rtol": 1e-4, "atol": 1e-5}
 BF16 = {"rtol": 3e-2, "atol": 2e-3}
-
-
-def _ranks(out: Path, mode: str, world: int) -> list[dict]:
-    return [json.loads((out / f"{mode}.rank{rank}.json").read_text()) for rank in range(world)]
 
 
 def _close(got: list[float], want: list[float], what: str, tolerance: dict) -> None:
@@ -68,13 +66,13 @@ def shared(tmp_path_factory) -> Path:
 
 
 def test_two_processes_share_one_gpu_over_gloo_and_train_as_the_plain_run(shared: Path) -> None:
-    runs = _ranks(shared, "shared", 2)
+    runs = rank_results(shared, "shared", 2)
     assert {run["fp32"]["device"] for run in runs} == {"cuda:0"}
     _check_engine(runs)
 
 
 def test_recompute_lowers_a_stages_peak_cuda_memory(shared: Path) -> None:
-    first = next(run for run in _ranks(shared, "shared", 2) if run["fp32"]["stage"] == 0)
+    first = next(run for run in rank_results(shared, "shared", 2) if run["fp32"]["stage"] == 0)
     recompute, gpipe = first["memory-recompute"]["peak_bytes"], first["memory-gpipe"]["peak_bytes"]
     print(f"\nstage 0 peak CUDA memory of a step: recompute {recompute / 2**20:.1f} MiB,"
           f" GPipe without recompute {gpipe / 2**20:.1f} MiB")
@@ -84,8 +82,7 @@ def test_recompute_lowers_a_stages_peak_cuda_memory(shared: Path) -> None:
 def _lightning(tmp_path: Path, name: str, options: str, nproc: int) -> tuple[dict, list[dict]]:
     python("equivalence.py", str(tmp_path), "reference:accelerator=gpu,steps=4", timeout=300)
     torchrun("equivalence.py", str(tmp_path), f"{name}:{options},accelerator=gpu,steps=4", nproc=nproc, timeout=400)
-    reference = json.loads((tmp_path / "reference.rank0.json").read_text())
-    return reference, [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(nproc)]
+    return rank_result(tmp_path, "reference"), rank_results(tmp_path, name, nproc)
 
 
 def _check_lightning(reference: dict, runs: list[dict]) -> None:
@@ -111,7 +108,7 @@ def test_lightning_p2_with_two_processes_on_one_gpu_trains_as_the_plain_run(tmp_
 def test_nccl_point_to_point_trains_as_the_plain_run(tmp_path: Path) -> None:
     world = 4 if GPUS >= 4 else 2  # P=2 x D=2 with four GPUs
     torchrun("gpu_engine.py", str(tmp_path), "nccl", nproc=world, timeout=400)
-    runs = _ranks(tmp_path, "nccl", world)
+    runs = rank_results(tmp_path, "nccl", world)
     assert len({run["fp32"]["device"] for run in runs}) == world
     _check_engine(runs)
     if world == 4:

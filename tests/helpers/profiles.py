@@ -21,6 +21,33 @@ from lightning_varuna.pipeline.planning.profile_data import (
 from lightning_varuna.pipeline.planning.profiler import profile_sizes
 
 FAST = Link(1e-5, 1e9)
+FREE = Link(0.0, 1e30)
+"""A link that costs nothing: no latency, unbounded bandwidth."""
+SIZES = (1, 2, 4)
+"""The micro-batch sizes of the hand-written profiles."""
+
+
+def network(allreduce: Link = FREE) -> Network:
+    """Free point-to-point messages; the all-reduce's ring step is ``allreduce``."""
+    return Network(p2p_intra=FREE, p2p_inter=FREE, allreduce_intra=allreduce, allreduce_inter=allreduce)
+
+
+def segment(forward: float, backward: float, saved_per_sample: int) -> SegmentProfile:
+    """Costs proportional to the micro-batch size (``SIZES``): ``forward`` seconds per sample, with or without
+    autograd, ``backward`` seconds per sample, ``saved_per_sample`` bytes kept for backward."""
+    return SegmentProfile(forward_s=tuple(forward * s for s in SIZES), forward_grad_s=tuple(forward * s for s in SIZES),
+                          backward_s=tuple(backward * s for s in SIZES),
+                          saved_bytes=tuple(saved_per_sample * s for s in SIZES))
+
+
+def two_segments(param_bytes: int = 1000, allreduce: Link = FREE, key: str = "two") -> Profile:
+    """Two equal segments, F=1 and B=2 seconds per sample, free messages, no overhead or optimizer time."""
+    return Profile(
+        microbatch_sizes=SIZES, segments=(segment(1.0, 2.0, 10), segment(1.0, 2.0, 10)),
+        cuts=(CutProfile("cut", 4),),
+        params=(ParamProfile("a", param_bytes, (0,)), ParamProfile("b", param_bytes, (1,))),
+        network=network(allreduce), key=key,
+    )
 
 
 def search_space(**options: Any) -> EngineConfig:

@@ -1,6 +1,6 @@
-"""Writes the "Tested models" markdown table from the model-zoo results (``tests/test_zoo.py``), never by hand.
+"""Writes the "Tested models" markdown table from the model-zoo results (``tests/models/test_zoo.py``), never by hand.
 
-    VARUNA_ZOO=full VARUNA_ZOO_OUT=/tmp/zoo python -m pytest tests/test_zoo.py
+    VARUNA_ZOO=full VARUNA_ZOO_OUT=/tmp/zoo python -m pytest tests/models/test_zoo.py
     python tests/helpers/zoo_table.py /tmp/zoo -o docs/tested_models.md
 
 A cell is **exact** when every step's loss and every parameter's step-1 gradient match the plain single-process
@@ -81,8 +81,8 @@ def table(out: Path) -> str:
     header = [
         "# Tested models",
         "",
-        "Generated from the results of `tests/test_zoo.py`, never by hand:",
-        "`VARUNA_ZOO=full VARUNA_ZOO_OUT=DIR python -m pytest tests/test_zoo.py`, then",
+        "Generated from the results of `tests/models/test_zoo.py`, never by hand:",
+        "`VARUNA_ZOO=full VARUNA_ZOO_OUT=DIR python -m pytest tests/models/test_zoo.py`, then",
         "`python tests/helpers/zoo_table.py DIR -o docs/tested_models.md --sections README.md docs/user_guide.md`.",
         "Tiny configurations built in code (`tests/helpers/zoo_models.py`), split with `cut_at`, trained 8 AdamW steps",
         "and compared with the plain single-process Trainer: **exact** = every step's loss within 5e-4 and every",

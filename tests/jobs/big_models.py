@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.models import RandomTokens, TinyGPT  # noqa: E402
-from spec import parse_spec  # noqa: E402
+from spec import job_command_line, parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 
@@ -140,9 +140,7 @@ def run(out: Path, spec: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    directory = Path(sys.argv[1])
-    directory.mkdir(parents=True, exist_ok=True)
-    specs = sys.argv[2:]
+    directory, specs = job_command_line(__doc__)
     if any("expect_error" in spec for spec in specs[:-1]):
         raise SystemExit("an expect_error run must be the job's last")
     for spec in specs:

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from helpers.models import RandomTokens, TinyGPT  # noqa: E402
-from spec import parse_spec  # noqa: E402
+from spec import job_command_line, parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 from lightning_varuna.checkpoint import CheckpointError, Location, publish  # noqa: E402
@@ -115,9 +115,8 @@ def train(out: Path, name: str, options: dict) -> dict:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    for spec in sys.argv[2:]:
+    out, specs = job_command_line(__doc__)
+    for spec in specs:
         name, options = parse_spec(spec)
         kind = options.pop("kind", name)
         if kind == "damage":

@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from helpers.models import RandomTokens, TinyGPT  # noqa: E402
-from spec import parse_spec  # noqa: E402
+from spec import job_command_line, parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 from lightning_varuna import checkpoint  # noqa: E402  (is_complete)
@@ -230,7 +230,6 @@ def run(out: Path, spec: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    directory = Path(sys.argv[1])
-    directory.mkdir(parents=True, exist_ok=True)
-    for spec in sys.argv[2:]:
+    directory, specs = job_command_line(__doc__)
+    for spec in specs:
         run(directory, spec)

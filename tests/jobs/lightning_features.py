@@ -38,7 +38,7 @@ from torchmetrics.classification import MulticlassAccuracy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.models import RandomTokens, TinyGPT  # noqa: E402
 from parity import parity  # noqa: E402
-from spec import parse_spec, trainer_for  # noqa: E402
+from spec import job_command_line, parse_spec, trainer_for  # noqa: E402
 
 import lightning_varuna  # noqa: E402, F401
 from lightning_varuna.pipeline.comm.events import StageCounters  # noqa: E402
@@ -222,10 +222,9 @@ def record_groups_at_exit(directory: Path) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    directory = Path(sys.argv[1])
-    directory.mkdir(parents=True, exist_ok=True)
+    directory, specs = job_command_line(__doc__)
     record_groups_at_exit(directory)
-    for spec in sys.argv[2:]:
+    for spec in specs:
         name, options = parse_spec(spec)
         kind = options.pop("kind")
         run = {"fit": fit, "steps": steps, "parity": parity}[kind]

@@ -1,9 +1,27 @@
-"""Job configurations on the command line (``name:key=value,key=value`` with typed values), and their trainers."""
+"""Job configurations on the command line (``OUT SPEC [SPEC ...]``, each spec ``name:key=value,key=value`` with typed
+values), and their trainers."""
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+
+def job_command_line(doc: str | None, argv: Sequence[str] | None = None) -> tuple[Path, list[str]]:
+    """``OUT SPEC [SPEC ...]``, parsed with argparse: the results folder (made if missing) and the specs in order.
+
+    ``doc`` (the job's docstring, its usage) is the help's description.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, metavar="OUT", help="the folder every rank writes its results to")
+    parser.add_argument("specs", nargs="*", metavar="SPEC",
+                        help="name:key=value,... (values: ints, floats, true, false, none, or strings), run in order")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args.out, args.specs
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:

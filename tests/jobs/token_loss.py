@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.zoo_models import FAMILIES, LR, SEQ, VOCAB, build  # noqa: E402
+from spec import job_command_line  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 
@@ -130,10 +131,9 @@ def run(out: Path, config: str) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
+    out, configs = job_command_line(__doc__)
     rank = int(os.environ.get("RANK", "0"))
-    for config in sys.argv[2:]:
+    for config in configs:
         faulthandler.dump_traceback_later(240, exit=True)
         try:
             run(out, config)

@@ -38,6 +38,7 @@ from helpers.zoo_models import (  # noqa: E402
     variant_cut_at,
     watch_routers,
 )
+from spec import job_command_line  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 
@@ -237,10 +238,9 @@ def main() -> None:
     torch.set_num_threads(1)
     # inductor compiles from scratch: a fresh cache per process
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="varuna-inductor-")
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
+    out, specs = job_command_line(__doc__)
     rank = int(os.environ.get("RANK", "0"))
-    for spec in sys.argv[2:]:
+    for spec in specs:
         name = spec.replace(":", ".")
         if rank == 0:
             (out / f"{name}.started").write_text("")

@@ -94,8 +94,8 @@ class SavedOps:
         A forward that ran a saved op more often than its recompute would otherwise hand the recompute's calls
         the outputs of other calls. torch keeps the saved outputs in the saving mode's ``storage`` (op -> call
         index -> entry); an entry still holding a tensor after the recompute was never replayed. ``storage`` is not
-        public API; the tests cover torch 2.13-2.14 (``tests/test_selective_recompute.py`` makes a forward and its
-        recompute differ on purpose).
+        public API; the tests cover torch 2.13-2.14 (``tests/pipeline/runtime/test_selective_recompute.py`` makes a
+        forward and its recompute differ on purpose).
         """
         storage = self.saving.storage
         left = [str(op) for op, entries in storage.items() for entry in entries.values() if _holds_tensor(entry)]

@@ -24,6 +24,7 @@ job). ``python -m lightning_varuna.pipeline.scheduling.nccl_replay DIR`` checks 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import deque
@@ -381,12 +382,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``python -m lightning_varuna.pipeline.scheduling.nccl_replay DIR``.
     """
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m lightning_varuna.pipeline.scheduling.nccl_replay TRACE_DIR", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m lightning_varuna.pipeline.scheduling.nccl_replay",
+                                     description="Replays a trace directory's p2p ops under NCCL's matching rules.")
+    parser.add_argument("trace_dir", metavar="TRACE_DIR", help="the directory of LIGHTNING_VARUNA_P2P_TRACE")
     try:
-        summary = check_trace_dir(args[0])
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # a usage error (2, the usage printed) or --help (0): returned, as the other exits
+        return stop.code if isinstance(stop.code, int) else 2
+    try:
+        summary = check_trace_dir(args.trace_dir)
     except P2POrderError as err:
         print(err, file=sys.stderr)
         return 1
