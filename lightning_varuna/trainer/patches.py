@@ -176,7 +176,7 @@ PATCHES: tuple[Patch, ...] = (
               ("pipeline/model/meta_init.py", "register_module_parameter_registration_hook(to_meta_parameter)"),
               ("pipeline/model/dry_run.py", "register_module_forward_pre_hook(tracer.pre_hook)"),
               ("pipeline/model/dry_run.py", "register_module_forward_hook(tracer.post_hook)"),
-              ("pipeline/model/dry_run.py", "m.register_forward_pre_hook(lambda m, args, kwargs")),
+              ("pipeline/model/dry_run.py", "m.register_forward_pre_hook(tracer.arguments, with_kwargs=True)")),
           "The dry run finds cut points, shapes and the modules and parameters of each segment, without memory for"
           " the whole model when it is built on meta.", _TORCH,
           "at the end of each block: the original tensors put back, the hooks removed"),
@@ -206,6 +206,12 @@ PATCHES: tuple[Patch, ...] = (
           " made and put in place of the argument where it is used (pipeline.runtime.side_value_hooks); the hooks"
           " act only while a stage's forward runs, and the compiler traces them.", _TORCH,
           "the hooks are removed " + _ENGINE_TEARDOWN),
+    Patch(23, "the user's module on stages whose step never creates a metric the last stage's step creates on first"
+          " use: a reset copy of that metric registered at the same path", (
+              ("trainer/logs/log_sync.py", "setattr(parent, attribute, template.to(device))"),),
+          "Every stage then holds the metric its logs replay into, so an epoch-end compute() does not wait on a stage"
+          " without it.", _LIGHTNING + ", torchmetrics 1.x",
+          "not undone: the module holds the metric its own step would have created, as in the plain run"),
 )
 """Every change to an object that is not the package's own (``tests/architecture/test_architecture.py`` keeps it
 complete)."""

@@ -5,8 +5,8 @@ kernel takes bf16 only, and its eager path, ``nonzero``, which has no meta kerne
 first two blocks then stood in for as on stage 1 of P=2: a call the dry run saw (scaled to another micro-batch size)
 is answered from its record without running anything, a call at another sequence length (dynamic padding) by the
 forward on the placeholder weights, and neither changes the stage's RNG or buffers nor records autograd history.
-The pipelined runs against the plain run are in ``tests/test_zoo.py`` (families ``mixtral``, ``mixtral_eager``,
-``qwen3_moe``, ``olmoe``) and ``tests/test_moe_padding.py``.
+The pipelined runs against the plain run are in ``tests/models/test_zoo.py`` (families ``mixtral``, ``mixtral_eager``,
+``qwen3_moe``, ``olmoe``) and ``tests/models/test_moe_padding.py``.
 """
 
 from __future__ import annotations
