@@ -22,11 +22,19 @@ from lightning_varuna.pipeline.batches import BatchSplitError, check_batch, firs
 LOSS_TOLERANCE = 5e-4
 GRAD_TOLERANCE = 1e-5
 P2 = "pipeline_parallel_size=2"
-REFERENCES = {"reference-weights": "kind=weights"}
+REFERENCES = {
+    "reference-weights": "kind=weights",
+    # batches of 8, 8 and a short last one of 3 or 5 samples (no drop_last)
+    "reference-short3": "kind=plain,samples=19",
+    "reference-short5": "kind=plain,samples=21",
+}
 CONFIGS = {
     # micro-batches of 2, then of 1 sample: each step must see its own weights
     "weights-m4": f"kind=weights,{P2},num_microbatches=4",
     "weights-m8": f"kind=weights,{P2},num_microbatches=8",
+    # a last batch of 3 samples runs 3 micro-batches; one of 5 runs 4 of sizes 2, 1, 1, 1
+    "short3": f"kind=plain,{P2},num_microbatches=4,samples=19",
+    "short5": f"kind=plain,{P2},num_microbatches=4,samples=21",
 }
 CPU = torch.device("cpu")
 
@@ -53,9 +61,10 @@ def _assert_matches_plain_run(results: Path, name: str, reference: str) -> None:
         assert len(got["losses"]) == len(want["losses"]), f"rank {rank}: {got['losses']} != {want['losses']}"
         for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
             assert abs(a - b) < LOSS_TOLERANCE, f"{name} rank {rank} step {step}: loss {a} != {b} (plain run)"
-        for param, grad in got["grads"].items():
-            worst = max(abs(a - b) for a, b in zip(grad, want["grads"][param], strict=True))
-            assert worst < GRAD_TOLERANCE, f"{name} rank {rank}: step-1 gradient of {param} off by {worst}"
+        for which in ("grads", "last_grads"):  # the first step's, and the last's (a short last batch's)
+            for param, grad in got[which].items():
+                worst = max(abs(a - b) for a, b in zip(grad, want[which][param], strict=True))
+                assert worst < GRAD_TOLERANCE, f"{name} rank {rank}: {which} of {param} off by {worst}"
         held |= set(got["grads"])
     assert held == set(want["grads"]), "the stages together hold every parameter, each with its gradient"
 
@@ -121,6 +130,15 @@ def test_a_batch_element_that_cannot_follow_its_samples_is_refused_at_setup(elem
 @pytest.mark.parametrize("name", ["weights-m4", "weights-m8"])
 def test_per_sample_weight_list_trains_as_the_plain_run(results: Path, name: str) -> None:
     _assert_matches_plain_run(results, name, "reference-weights")
+
+
+# -- a short last batch ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("samples", [3, 5])
+def test_short_last_batch_trains_as_the_plain_run(results: Path, samples: int) -> None:
+    assert len(_load(results, f"short{samples}")["losses"]) == 3, "the short last batch is the third step"
+    _assert_matches_plain_run(results, f"short{samples}", f"reference-short{samples}")
 
 
 # -- a branch the dry run did not take ----------------------------------------------------------------------
