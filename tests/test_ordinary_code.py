@@ -27,6 +27,7 @@ REFERENCES = {
     # batches of 8, 8 and a short last one of 3 or 5 samples (no drop_last)
     "reference-short3": "kind=plain,samples=19",
     "reference-short5": "kind=plain,samples=21",
+    "reference-inplace": "kind=inplace",
 }
 CONFIGS = {
     # micro-batches of 2, then of 1 sample: each step must see its own weights
@@ -35,6 +36,8 @@ CONFIGS = {
     # a last batch of 3 samples runs 3 micro-batches; one of 5 runs 4 of sizes 2, 1, 1, 1
     "short3": f"kind=plain,{P2},num_microbatches=4,samples=19",
     "short5": f"kind=plain,{P2},num_microbatches=4,samples=21",
+    # `h = self.wte(idx); h += self.pos[:, :T]`: the last stage stands in for wte
+    "inplace": f"kind=inplace,{P2},num_microbatches=4",
 }
 CPU = torch.device("cpu")
 
@@ -139,6 +142,32 @@ def test_per_sample_weight_list_trains_as_the_plain_run(results: Path, name: str
 def test_short_last_batch_trains_as_the_plain_run(results: Path, samples: int) -> None:
     assert len(_load(results, f"short{samples}")["losses"]) == 3, "the short last batch is the third step"
     _assert_matches_plain_run(results, f"short{samples}", f"reference-short{samples}")
+
+
+# -- in-place arithmetic on a stood-in module's output -------------------------------------------------------
+
+def test_stand_in_output_takes_in_place_arithmetic_and_every_call_sees_zeros() -> None:
+    from lightning_varuna.pipeline.model.stand_ins import StandIn
+
+    stand_in = StandIn(nn.Embedding(8, 4), frozenset({0}), lambda: 1, CPU)  # runs in segment 1: stood in for
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    h = stand_in(idx)
+    h += torch.ones(1, 3, 4)  # the GPT idiom; a zero-stride tensor refuses it
+    assert h.is_contiguous() and bool((h == 1).all())
+    again = stand_in(idx)
+    assert not bool(again.any()), "a write by user code leaked into the next call"
+    assert again.data_ptr() == h.data_ptr(), "one buffer, no allocation per call"
+    weight = torch.ones(2, 3, 4, requires_grad=True)
+    again += weight  # gives this call's tensor a graph, not the buffer the next calls get
+    assert again.grad_fn is not None and not stand_in(idx).requires_grad
+    with torch.inference_mode():  # validation before training: the buffer stays a normal tensor
+        stand_in(torch.zeros(4, 3, dtype=torch.long)).add_(2)
+    assert stand_in(torch.zeros(4, 3, dtype=torch.long)).sum() == 0 and stand_in(idx).sum() == 0
+
+
+@pytest.mark.slow
+def test_in_place_add_on_a_stood_in_embedding_trains_as_the_plain_run(results: Path) -> None:
+    _assert_matches_plain_run(results, "inplace", "reference-inplace")
 
 
 # -- a branch the dry run did not take ----------------------------------------------------------------------

@@ -5,8 +5,9 @@ Every rank runs the user's whole Python step ("predicated execution"). On a stag
 - a parameter becomes a non-persistent buffer of the same shape and dtype with all strides zero (one
   element of memory), so code such as ``x + self.pos[:, :T]`` keeps working;
 - a module whose calls all start and end inside segments of earlier stages is replaced by a stand-in that
-  works out its output shapes on the meta device (cached per input signature) and returns zero-stride
-  tensors of those shapes. User code never sees ``None`` and needs no changes. Modules without parameters
+  works out its output shapes on the meta device (cached per input signature) and returns zeros of those
+  shapes, contiguous, so that in-place arithmetic on them (``h = self.wte(idx); h += self.pos[:, :T]``) works
+  (:class:`_Zeros`). User code never sees ``None`` and needs no changes. Modules without parameters
   whose outputs later segments read (rotary position embeddings, masks) run for real instead, when the dry
   run found that gives the same values (:mod:`~lightning_varuna.pipeline.model.data_flow`).
 
@@ -20,6 +21,7 @@ runs for real where the dry run did not see it called (a branch its batch did no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -91,11 +93,12 @@ class StandIn:
         self._cache: dict[tuple[Any, ...], tuple[list[Any], Any]] = {}
         """Per call signature: the output's leaves as (shape, dtype) or (value, None), and its tree structure
         (None for a single tensor)."""
-        self._zeros: dict[torch.dtype, Tensor] = {}
+        self._zeros: dict[tuple[int, torch.dtype], _Zeros] = {}
+        """Per output leaf (its position and dtype): the zeros handed out for it."""
 
     @never_compiled  # inside a compiled caller: runs as Python (it computes nothing in other segments)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's output: real in an owned segment, zero-stride tensors of the right shapes elsewhere."""
+        """The module's output: real in an owned segment, contiguous zeros of the right shapes elsewhere."""
         if self.segment() in self.owned:
             return self.forward(*args, **kwargs)
         key = _signature(args, kwargs)
@@ -107,16 +110,15 @@ class StandIn:
         specs, tree = entry
         if tree is None:  # a single tensor
             shape, dtype = specs[0]
-            return self._zero(dtype).expand(shape)
-        leaves = [self._zero(d).expand(s) if isinstance(s, tuple) else s for s, d in specs]
+            return self._zeros_for(0, dtype).get(shape)
+        leaves = [self._zeros_for(k, d).get(s) if isinstance(s, tuple) else s for k, (s, d) in enumerate(specs)]
         return tree_unflatten(leaves, tree)
 
-    def _zero(self, dtype: torch.dtype) -> Tensor:
-        # one scalar per dtype, expanded to every shape: no allocation per call on the hot path
-        zero = self._zeros.get(dtype)
-        if zero is None:
-            zero = self._zeros[dtype] = torch.zeros((), dtype=dtype, device=self.device)
-        return zero
+    def _zeros_for(self, leaf: int, dtype: torch.dtype) -> _Zeros:
+        zeros = self._zeros.get((leaf, dtype))
+        if zeros is None:
+            zeros = self._zeros[(leaf, dtype)] = _Zeros(dtype, self.device)
+        return zeros
 
     def _shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
         def to_meta(value: Any) -> Any:
@@ -132,6 +134,49 @@ class StandIn:
         leaves, tree = tree_flatten(out)
         specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
         return specs, tree
+
+
+class _Zeros:
+    """Contiguous zeros of any shape for one output leaf of a stand-in, without an allocation per call.
+
+    One flat buffer, grown to the largest shape asked for, is handed out as a fresh detached view per call, so that
+    in-place arithmetic on a stood-in module's output works as on the real one's (a zero-stride tensor refuses it:
+    "more than one element of the written-to tensor refers to a single memory location"). Every call sees zeros: a
+    write by user code bumps the buffer's version counter (shared by all its views), and the next call re-zeroes
+    it, so the write never reaches a later call. The detached view keeps autograd off the buffer: an in-place
+    ``+=`` of a tensor that requires grad gives that call's view a graph, never the buffer. The values are
+    placeholders: the stage's first cut point replaces them with the received activation, so calls of one module
+    within a forward may share the memory.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.flat = self._allocate(0)
+        self.clean = self.flat._version
+        self.views: dict[tuple[int, ...], Tensor] = {}
+
+    def _allocate(self, numel: int) -> Tensor:
+        # a normal tensor even when first asked for under inference mode (validation): an inference tensor has no
+        # version counter, and training could not write to it
+        with torch.inference_mode(False):
+            return torch.zeros(numel, dtype=self.dtype, device=self.device)
+
+    def get(self, shape: tuple[int, ...]) -> Tensor:
+        """Zeros of ``shape``: a new tensor object on the shared memory (an O(1) view, no allocation)."""
+        view = self.views.get(shape)
+        if view is None:
+            numel = math.prod(shape)
+            if numel > self.flat.numel():
+                self.flat, self.views = self._allocate(numel), {}
+                self.clean = self.flat._version
+            if len(self.views) >= 64:  # shapes that keep changing: bounded, as the signature cache is
+                self.views.clear()
+            view = self.views[shape] = self.flat[:numel].view(shape)
+        if self.flat._version != self.clean:  # written in place since the last call: zeroed again, once
+            with torch.no_grad():
+                self.flat.zero_()
+            self.clean = self.flat._version
+        return view.detach()
 
 
 def stand_in_candidates(trace: Trace, first_segment: int) -> set[str]:
