@@ -176,8 +176,10 @@ def test_in_place_add_on_a_stood_in_embedding_trains_as_the_plain_run(results: P
 def test_module_called_where_the_dry_run_did_not_see_it_fails_every_rank(tmp_path: Path) -> None:
     # `extra` runs only when the batch's flag says so: not in the dry run's batch, so its parameters went to
     # stage 0, and stage 1 would run it on placeholders in the first training step
-    result = torchrun("ordinary_code.py", str(tmp_path), f"branch:kind=branch,{P2},num_microbatches=4", nproc=2,
-                      timeout=240, check=False)
+    # a rank left waiting for its peer would wait p2p_timeout (600 s), past the job's 240 s: the test bounds how soon
+    # the other rank ends without timing it (measured: rank 0 reports within 0.1 s, the job ends 4 s after the error)
+    result = torchrun("ordinary_code.py", str(tmp_path), f"branch:kind=branch,{P2},num_microbatches=4,p2p_timeout=600",
+                      nproc=2, timeout=240, check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0, "the job trained on placeholders without an error"
     assert not list(tmp_path.glob("branch.rank*.json")), "no rank finished the fit"
@@ -186,8 +188,10 @@ def test_module_called_where_the_dry_run_did_not_see_it_fails_every_rank(tmp_pat
                " extra.bias) are held by stage 0")
     assert f"[rank1]: lightning_varuna.pipeline.model.stand_ins.{message}" in output, output[-4000:]
     assert "h = torch.where(flag, self.extra(h), h)" in output  # what to do
-    # the other rank ends with the cause, not a timeout
+    # the other rank ends with the cause, naming the module, not a timeout
     assert f"[rank 0] lightning_varuna: rank 1 failed: lightning_varuna.pipeline.model.stand_ins.{message}" in output
+    ended = [line for line in output.splitlines() if line.startswith("[rank 0] lightning_varuna: rank 1 failed")]
+    assert ended and ended[0].endswith("Ending rank 0 (exit code 1)."), ended
 
 
 # -- a memory limit with nothing to choose ------------------------------------------------------------------
