@@ -52,7 +52,8 @@ class EngineConfig:
         pipeline_parallel_size: P, the number of stages (D = world size / P). ``"auto"``: chosen by the planner
             when ``global_batch_size`` is given; otherwise the largest P that divides the world size, is at most
             the number of segments the dry run finds and at most ``max_pipeline_size``.
-        num_microbatches: Micro-batches per batch. Default: ``2 * P`` (fewer if the batch is smaller).
+        num_microbatches: Micro-batches per batch. Default: ``2 * P``. A batch with fewer samples (the last one
+            without ``drop_last``) runs one micro-batch per sample.
         microbatch_size: Alternatively, the size of each micro-batch; ``"auto"``: chosen by the planner among the
             sizes that divide the replica's batch.
         schedule: ``"varuna"``, ``"1f1b"``, ``"gpipe"``, ``"zero-bubble"``, ``"interleaved"`` (with

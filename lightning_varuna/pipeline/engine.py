@@ -160,20 +160,26 @@ class PipelineEngine(StageSetup):
 
     # -- sizes --------------------------------------------------------------------------------------------
     def microbatches_for(self, batch_size: int, train: bool = True) -> int:
-        """How many micro-batches a batch of ``batch_size`` is split into."""
+        """How many micro-batches a batch of ``batch_size`` is split into.
+
+        A batch with fewer samples than ``num_microbatches`` (the last one of an epoch without ``drop_last``) runs
+        one micro-batch per sample, each loss weighted by its size, as the plain run's mean over the batch. Every
+        stage sees the same batch, so all derive the same count, and the schedule of each count is made once.
+        ``schedule="interleaved"`` runs rounds of P micro-batches: a short batch of at least P samples runs the
+        largest multiple of P micro-batches it can fill.
+
+        Args:
+            batch_size: The batch's samples.
+            train: Whether the batch is trained on (evaluation splits alike; kept for callers that pass it).
+        """
         config = self.config
         if isinstance(config.microbatch_size, int):  # "auto" is resolved by the planner at setup, before any split
             return max(1, math.ceil(batch_size / config.microbatch_size))
         if config.num_microbatches is not None:
-            if batch_size < config.num_microbatches:
-                if train:
-                    raise ValueError(
-                        f"A batch of {batch_size} sample(s) cannot be split into num_microbatches="
-                        f"{config.num_microbatches}. Use a batch size >= {config.num_microbatches}, fewer"
-                        " micro-batches, or drop_last=True in the DataLoader."
-                    )
-                return batch_size
-            return config.num_microbatches
+            m = min(config.num_microbatches, batch_size)
+            if m < config.num_microbatches and config.schedule == "interleaved" and m >= self.pipeline_size:
+                m -= m % self.pipeline_size
+            return max(1, m)
         return max(1, min(2 * self.pipeline_size, batch_size))
 
     def _schedule(self, m: int, train: bool) -> Schedule:

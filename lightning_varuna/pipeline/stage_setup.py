@@ -139,6 +139,15 @@ class StageSetup:
             trace.segment_seconds, seed, run = shared
         size = batch_size_of(sample_batch)
         m = self.microbatches_for(size)
+        if config.num_microbatches is not None and m < config.num_microbatches and topo.rank == 0:
+            # a short last batch is expected; a usual batch this small is likely a mistake worth a word
+            warnings.warn(
+                f"The batch of {size} sample(s) is split into {m} micro-batch(es), fewer than num_microbatches="
+                f"{config.num_microbatches}: batches smaller than that run one micro-batch per sample. Use a batch"
+                f" size >= {config.num_microbatches} or fewer micro-batches.",
+                VarunaWarning,
+                stacklevel=2,
+            )
         v = self._stages_per_rank()
         self.partition = make_partition(trace, topo.pipeline_size * v, by=self.config.partition,
                               microbatch=max(1, size // m), num_microbatches=m, rates=DeviceRates.nominal(self.device),

@@ -83,7 +83,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             the planner (D = world size / P follows). ``"auto"`` without it: the largest P that divides the world
             size, is at most the number of processes per node (pipelines stay inside a node) and at most the
             number of segments of the model.
-        num_microbatches: Micro-batches per batch. The default is ``2 * P``, or fewer for small batches.
+        num_microbatches: Micro-batches per batch. The default is ``2 * P``. A batch with fewer samples (the last
+            one of an epoch without ``drop_last``) runs one micro-batch per sample.
         microbatch_size: Size of each micro-batch, instead of ``num_microbatches``; ``"auto"``: chosen by the
             planner among the sizes that divide the replica's batch.
         schedule: ``"varuna"`` (recompute-aware, tolerant of late messages), ``"1f1b"``, ``"gpipe"``,

@@ -4,16 +4,19 @@
     python tests/jobs/ordinary_code.py OUT reference-weights:kind=weights ...
 
 SPEC is ``name:kind=KIND,key=value,...``; names starting with ``reference`` run the plain Trainer in one process,
-others ``VarunaStrategy(**options)`` (plus ``samples``: the dataset's size, ``batch``: the batch size). Kinds:
+others ``VarunaStrategy(**options)`` (plus ``samples``: the dataset's size, ``batch``: the batch size; a size that is
+not a multiple of the batch makes the last batch short, as without ``drop_last``). Kinds:
 
 - ``weights``: batches ``(idx, targets, weights, ids)`` with ``weights`` a list of one float per sample and ``ids``
   a list of one string per sample; the loss is the per-sample loss times its weight, averaged (and the step checks
   that it got as many ids as samples).
 - ``inplace``: the GPT idiom ``h = self.wte(idx); h += self.pos[:, :T]`` (in place on the embedding's output).
+- ``plain``: :class:`TinyGPT` as it is.
 - ``branch``: a module called only when the batch asks for it (``if flag.any()``): the first batch, the dry run's,
   does not, later batches do.
 
-Each run records the loss per step and the step-1 gradient of every parameter this rank holds.
+Each run records the loss per step and the gradients of the first and last step of every parameter this rank
+holds.
 """
 
 from __future__ import annotations
@@ -90,10 +93,13 @@ class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grads: dict[str, list[float]] = {}
+        self.last_grads: dict[str, list[float]] = {}
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        grads = {n: p.grad.flatten().tolist() for n, p in pl_module.named_parameters() if p.grad is not None}
         if trainer.global_step == 0:
-            self.grads = {n: p.grad.flatten().tolist() for n, p in pl_module.named_parameters() if p.grad is not None}
+            self.grads = grads
+        self.last_grads = grads  # the last step's: a short last batch's
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -135,7 +141,7 @@ def run(name: str, options: dict, reference: bool) -> dict:
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0) if reference else None
     loader = DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate)
     trainer.fit(model, loader)
-    return {"losses": recorder.losses, "grads": recorder.grads}
+    return {"losses": recorder.losses, "grads": recorder.grads, "last_grads": recorder.last_grads}
 
 
 if __name__ == "__main__":

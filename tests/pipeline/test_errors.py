@@ -26,6 +26,7 @@ from lightning_varuna import (
     PartitionError,
     PipelineEngine,
     VarunaStrategy,
+    VarunaWarning,
 )
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.model.cut import install_cut_at
@@ -309,18 +310,29 @@ def test_cut_points_in_a_different_order_after_the_dry_run() -> None:
 
 # -- batches and steps -------------------------------------------------------------------------------------
 
-def test_batch_smaller_than_num_microbatches() -> None:
+def test_batch_smaller_than_num_microbatches_runs_one_micro_batch_per_sample() -> None:
+    # the last batch of an epoch without drop_last: trained, as in the plain run, not refused
     engine = PipelineEngine(nn.Linear(4, 1), EngineConfig(2, num_microbatches=4))
-    with pytest.raises(ValueError, match=r"A batch of 3 sample\(s\) cannot be split into num_microbatches=4\."
-                       r" Use a batch size >= 4, fewer micro-batches, or drop_last=True"):
-        engine.microbatches_for(3)
-    assert engine.microbatches_for(3, train=False) == 3  # evaluation just uses smaller micro-batches
-    assert engine.microbatches_for(9) == 4
+    assert [engine.microbatches_for(n) for n in (1, 3, 4, 5, 9)] == [1, 3, 4, 4, 4]
+    assert engine.microbatches_for(3, train=False) == 3
+    interleaved = PipelineEngine(nn.Linear(4, 1), EngineConfig(2, num_microbatches=4, schedule="interleaved",
+                                                               stages_per_rank=2))
+    assert [interleaved.microbatches_for(n) for n in (3, 5)] == [2, 4]  # rounds of P micro-batches
 
 
-def test_batch_smaller_than_num_microbatches_raised_in_setup_before_any_collective() -> None:
-    with pytest.raises(ValueError, match=r"A batch of 2 sample\(s\) cannot be split into num_microbatches=4"):
-        setup_engine(Chain(3), topology(2, 2), batch_size=2, num_microbatches=4)
+def test_setup_on_a_batch_smaller_than_num_microbatches_warns_and_trains_with_one_per_sample() -> None:
+    model = Chain(3)
+    with pytest.warns(VarunaWarning, match=r"The batch of 2 sample\(s\) is split into 2 micro-batch\(es\), fewer"
+                      r" than num_microbatches=4: .* Use a batch size >= 4 or fewer micro-batches"):
+        engine = setup_engine(model, topology(1, 1), batch_size=2, num_microbatches=4)
+    batch = torch.randn(3, 4)
+    result = engine.train_step(batch, model)
+    assert result.sizes == [1, 1, 1]
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(batch).backward()  # the plain mean over the batch: a mean of per-sample means, each weighted 1/3
+    for a, b in zip(got, (p.grad for p in model.parameters()), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_step_that_returns_no_loss() -> None:

@@ -22,11 +22,22 @@ from lightning_varuna.pipeline.batches import BatchSplitError, check_batch, firs
 LOSS_TOLERANCE = 5e-4
 GRAD_TOLERANCE = 1e-5
 P2 = "pipeline_parallel_size=2"
-REFERENCES = {"reference-weights": "kind=weights"}
+REFERENCES = {
+    "reference-weights": "kind=weights",
+    # batches of 8, 8 and a short last one of 3 or 5 samples (no drop_last)
+    "reference-short3": "kind=plain,samples=19",
+    "reference-short5": "kind=plain,samples=21",
+    "reference-inplace": "kind=inplace",
+}
 CONFIGS = {
     # micro-batches of 2, then of 1 sample: each step must see its own weights
     "weights-m4": f"kind=weights,{P2},num_microbatches=4",
     "weights-m8": f"kind=weights,{P2},num_microbatches=8",
+    # a last batch of 3 samples runs 3 micro-batches; one of 5 runs 4 of sizes 2, 1, 1, 1
+    "short3": f"kind=plain,{P2},num_microbatches=4,samples=19",
+    "short5": f"kind=plain,{P2},num_microbatches=4,samples=21",
+    # `h = self.wte(idx); h += self.pos[:, :T]`: the last stage stands in for wte
+    "inplace": f"kind=inplace,{P2},num_microbatches=4",
 }
 CPU = torch.device("cpu")
 
@@ -53,9 +64,10 @@ def _assert_matches_plain_run(results: Path, name: str, reference: str) -> None:
         assert len(got["losses"]) == len(want["losses"]), f"rank {rank}: {got['losses']} != {want['losses']}"
         for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
             assert abs(a - b) < LOSS_TOLERANCE, f"{name} rank {rank} step {step}: loss {a} != {b} (plain run)"
-        for param, grad in got["grads"].items():
-            worst = max(abs(a - b) for a, b in zip(grad, want["grads"][param], strict=True))
-            assert worst < GRAD_TOLERANCE, f"{name} rank {rank}: step-1 gradient of {param} off by {worst}"
+        for which in ("grads", "last_grads"):  # the first step's, and the last's (a short last batch's)
+            for param, grad in got[which].items():
+                worst = max(abs(a - b) for a, b in zip(grad, want[which][param], strict=True))
+                assert worst < GRAD_TOLERANCE, f"{name} rank {rank}: {which} of {param} off by {worst}"
         held |= set(got["grads"])
     assert held == set(want["grads"]), "the stages together hold every parameter, each with its gradient"
 
@@ -123,14 +135,51 @@ def test_per_sample_weight_list_trains_as_the_plain_run(results: Path, name: str
     _assert_matches_plain_run(results, name, "reference-weights")
 
 
+# -- a short last batch ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("samples", [3, 5])
+def test_short_last_batch_trains_as_the_plain_run(results: Path, samples: int) -> None:
+    assert len(_load(results, f"short{samples}")["losses"]) == 3, "the short last batch is the third step"
+    _assert_matches_plain_run(results, f"short{samples}", f"reference-short{samples}")
+
+
+# -- in-place arithmetic on a stood-in module's output -------------------------------------------------------
+
+def test_stand_in_output_takes_in_place_arithmetic_and_every_call_sees_zeros() -> None:
+    from lightning_varuna.pipeline.model.stand_ins import StandIn
+
+    stand_in = StandIn(nn.Embedding(8, 4), frozenset({0}), lambda: 1, CPU)  # runs in segment 1: stood in for
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    h = stand_in(idx)
+    h += torch.ones(1, 3, 4)  # the GPT idiom; a zero-stride tensor refuses it
+    assert h.is_contiguous() and bool((h == 1).all())
+    again = stand_in(idx)
+    assert not bool(again.any()), "a write by user code leaked into the next call"
+    assert again.data_ptr() == h.data_ptr(), "one buffer, no allocation per call"
+    weight = torch.ones(2, 3, 4, requires_grad=True)
+    again += weight  # gives this call's tensor a graph, not the buffer the next calls get
+    assert again.grad_fn is not None and not stand_in(idx).requires_grad
+    with torch.inference_mode():  # validation before training: the buffer stays a normal tensor
+        stand_in(torch.zeros(4, 3, dtype=torch.long)).add_(2)
+    assert stand_in(torch.zeros(4, 3, dtype=torch.long)).sum() == 0 and stand_in(idx).sum() == 0
+
+
+@pytest.mark.slow
+def test_in_place_add_on_a_stood_in_embedding_trains_as_the_plain_run(results: Path) -> None:
+    _assert_matches_plain_run(results, "inplace", "reference-inplace")
+
+
 # -- a branch the dry run did not take ----------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_module_called_where_the_dry_run_did_not_see_it_fails_every_rank(tmp_path: Path) -> None:
     # `extra` runs only when the batch's flag says so: not in the dry run's batch, so its parameters went to
     # stage 0, and stage 1 would run it on placeholders in the first training step
-    result = torchrun("ordinary_code.py", str(tmp_path), f"branch:kind=branch,{P2},num_microbatches=4", nproc=2,
-                      timeout=240, check=False)
+    # a rank left waiting for its peer would wait p2p_timeout (600 s), past the job's 240 s: the test bounds how soon
+    # the other rank ends without timing it (measured: rank 0 reports within 0.1 s, the job ends 4 s after the error)
+    result = torchrun("ordinary_code.py", str(tmp_path), f"branch:kind=branch,{P2},num_microbatches=4,p2p_timeout=600",
+                      nproc=2, timeout=240, check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0, "the job trained on placeholders without an error"
     assert not list(tmp_path.glob("branch.rank*.json")), "no rank finished the fit"
@@ -139,8 +188,10 @@ def test_module_called_where_the_dry_run_did_not_see_it_fails_every_rank(tmp_pat
                " extra.bias) are held by stage 0")
     assert f"[rank1]: lightning_varuna.pipeline.model.stand_ins.{message}" in output, output[-4000:]
     assert "h = torch.where(flag, self.extra(h), h)" in output  # what to do
-    # the other rank ends with the cause, not a timeout
+    # the other rank ends with the cause, naming the module, not a timeout
     assert f"[rank 0] lightning_varuna: rank 1 failed: lightning_varuna.pipeline.model.stand_ins.{message}" in output
+    ended = [line for line in output.splitlines() if line.startswith("[rank 0] lightning_varuna: rank 1 failed")]
+    assert ended and ended[0].endswith("Ending rank 0 (exit code 1)."), ended
 
 
 # -- a memory limit with nothing to choose ------------------------------------------------------------------

@@ -5,7 +5,9 @@ Every rank runs the user's whole Python step ("predicated execution"). On a stag
 - a parameter becomes a non-persistent buffer of the same shape and dtype with all strides zero (one
   element of memory), so code such as ``x + self.pos[:, :T]`` keeps working;
 - a module whose calls all start and end inside segments of earlier stages is replaced by a stand-in that
-  returns zero-stride tensors of the shapes its output would have. User code never sees ``None`` and needs no
+  returns zeros of the shapes its output would have, contiguous, so that in-place arithmetic on them
+  (``h = self.wte(idx); h += self.pos[:, :T]``) works (:class:`_Zeros`: one reused buffer per output, re-zeroed
+  after a write). User code never sees ``None`` and needs no
   changes. The shapes come, in this order, from the dry run's calls of the module, scaled to the micro-batch
   (:mod:`~lightning_varuna.pipeline.model.call_shapes`: nothing runs); else from the module's forward on meta
   tensors (another sequence length, another call signature); else, where the dry run found the forward cannot
@@ -25,6 +27,7 @@ runs for real where the dry run did not see it called (a branch its batch did no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -110,11 +113,12 @@ class StandIn:
         self._cache: dict[tuple[Any, ...], tuple[list[Any], Any]] = {}
         """Per call signature: the output's leaves as (shape, dtype) or (value, None), and its tree structure
         (None for a single tensor)."""
-        self._zeros: dict[torch.dtype, Tensor] = {}
+        self._zeros: dict[tuple[int, torch.dtype], _Zeros] = {}
+        """Per output leaf (its position and dtype): the zeros handed out for it."""
 
     @never_compiled  # inside a compiled caller: runs as Python (it computes nothing in other segments)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's output: real in an owned segment, zero-stride tensors of the right shapes elsewhere."""
+        """The module's output: real in an owned segment, contiguous zeros of the right shapes elsewhere."""
         if self.segment() in self.owned:
             return self.forward(*args, **kwargs)
         key = _signature(args, kwargs)
@@ -128,16 +132,15 @@ class StandIn:
         specs, tree = entry
         if tree is None:  # a single tensor
             shape, dtype = specs[0]
-            return self._zero(dtype).expand(shape)
-        leaves = [self._zero(d).expand(s) if isinstance(s, tuple) else s for s, d in specs]
+            return self._zeros_for(0, dtype).get(shape)
+        leaves = [self._zeros_for(k, d).get(s) if isinstance(s, tuple) else s for k, (s, d) in enumerate(specs)]
         return tree_unflatten(leaves, tree)
 
-    def _zero(self, dtype: torch.dtype) -> Tensor:
-        # one scalar per dtype, expanded to every shape: no allocation per call on the hot path
-        zero = self._zeros.get(dtype)
-        if zero is None:
-            zero = self._zeros[dtype] = torch.zeros((), dtype=dtype, device=self.device)
-        return zero
+    def _zeros_for(self, leaf: int, dtype: torch.dtype) -> _Zeros:
+        zeros = self._zeros.get((leaf, dtype))
+        if zeros is None:
+            zeros = self._zeros[(leaf, dtype)] = _Zeros(dtype, self.device)
+        return zeros
 
     def _shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
         meta_error: Exception | None = None
@@ -188,6 +191,49 @@ def _specs(out: Any) -> tuple[list[Any], Any]:
     leaves, tree = tree_flatten(out)
     specs = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else (v, None) for v in leaves]
     return specs, tree
+
+
+class _Zeros:
+    """Contiguous zeros of any shape for one output leaf of a stand-in, without an allocation per call.
+
+    One flat buffer, grown to the largest shape asked for, is handed out as a fresh detached view per call, so that
+    in-place arithmetic on a stood-in module's output works as on the real one's (a zero-stride tensor refuses it:
+    "more than one element of the written-to tensor refers to a single memory location"). Every call sees zeros: a
+    write by user code bumps the buffer's version counter (shared by all its views), and the next call re-zeroes
+    it, so the write never reaches a later call. The detached view keeps autograd off the buffer: an in-place
+    ``+=`` of a tensor that requires grad gives that call's view a graph, never the buffer. The values are
+    placeholders: the stage's first cut point replaces them with the received activation, so calls of one module
+    within a forward may share the memory.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.flat = self._allocate(0)
+        self.clean = self.flat._version
+        self.views: dict[tuple[int, ...], Tensor] = {}
+
+    def _allocate(self, numel: int) -> Tensor:
+        # a normal tensor even when first asked for under inference mode (validation): an inference tensor has no
+        # version counter, and training could not write to it
+        with torch.inference_mode(False):
+            return torch.zeros(numel, dtype=self.dtype, device=self.device)
+
+    def get(self, shape: tuple[int, ...]) -> Tensor:
+        """Zeros of ``shape``: a new tensor object on the shared memory (an O(1) view, no allocation)."""
+        view = self.views.get(shape)
+        if view is None:
+            numel = math.prod(shape)
+            if numel > self.flat.numel():
+                self.flat, self.views = self._allocate(numel), {}
+                self.clean = self.flat._version
+            if len(self.views) >= 64:  # shapes that keep changing: bounded, as the signature cache is
+                self.views.clear()
+            view = self.views[shape] = self.flat[:numel].view(shape)
+        if self.flat._version != self.clean:  # written in place since the last call: zeroed again, once
+            with torch.no_grad():
+                self.flat.zero_()
+            self.clean = self.flat._version
+        return view.detach()
 
 
 def stand_in_candidates(trace: Trace, first_segment: int) -> set[str]:
