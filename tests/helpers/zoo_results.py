@@ -34,7 +34,9 @@ CONFIGS: dict[str, tuple[int, str, float, float | None]] = {
     "wrapped-compiled-p2": (2, "ref-wrapped-compiled", 5e-4, 1e-5),
     **{config: (int(config[-1]), "ref", 5e-4, 1e-5) for config in (
         "1f1b-p2", "zero-bubble-p2", "interleaved-p2", "zero-bubble-v-p2", "no-recompute-p2", "1f1b-p4",
-        "no-recompute-p4", "interleaved-p4", "zero-bubble-v-p4")},
+        "no-recompute-p4", "interleaved-p4", "zero-bubble-v-p4", "zero-bubble-p4")},
+    **{f"{name}-p2d2": (4, "ref", 5e-4, 1e-5)
+       for name in ("1f1b", "zero-bubble", "interleaved", "zero-bubble-v", "no-recompute")},
 }
 MOE = ("mixtral", "mixtral_eager", "qwen3_moe", "olmoe")
 """The mixture-of-experts families: they also run every schedule, and without recompute."""
@@ -50,7 +52,10 @@ ONLY = {"p6": ("t5_stacks", "bart_stacks"),
         "wrapped-compiled-p2": ("gpt2", "llama", "t5_stacks", "litgpt"),
         **{config: MOE for config in ("1f1b-p2", "zero-bubble-p2", "interleaved-p2", "zero-bubble-v-p2",
                                       "no-recompute-p2", "1f1b-p4", "no-recompute-p4")},
-        "interleaved-p4": ("mixtral_deep",), "zero-bubble-v-p4": ("mixtral_deep",)}
+        "interleaved-p4": ("mixtral_deep",), "zero-bubble-v-p4": ("mixtral_deep",),
+        # the rest of the schedule x layout matrix for the mixture of experts CI runs (Mixtral)
+        **{config: ("mixtral",) for config in ("zero-bubble-p4", "1f1b-p2d2", "zero-bubble-p2d2", "interleaved-p2d2",
+                                               "zero-bubble-v-p2d2", "no-recompute-p2d2")}}
 """Configurations run for some families only."""
 COMPILED = ("compiled-p2", "inductor-p2", *COMPILED_MATRIX, "model-compiled-p2", "wrapped-compiled-p2")
 WHOLE_MODEL_COMPILED = ("model-compiled-p2", "wrapped-compiled-p2")
@@ -83,6 +88,12 @@ DESCRIPTIONS = {
     "no-recompute-p4": "P=4, `recompute=False`",
     "interleaved-p4": "P=4, `schedule=\"interleaved\"`, two stages per rank",
     "zero-bubble-v-p4": "P=4, `schedule=\"zero-bubble-v\"`, two stages per rank",
+    "zero-bubble-p4": "P=4, `schedule=\"zero-bubble\"`",
+    "1f1b-p2d2": "P=2 x D=2, `schedule=\"1f1b\"`",
+    "zero-bubble-p2d2": "P=2 x D=2, `schedule=\"zero-bubble\"`",
+    "interleaved-p2d2": "P=2 x D=2, `schedule=\"interleaved\"`, two stages per rank",
+    "zero-bubble-v-p2d2": "P=2 x D=2, `schedule=\"zero-bubble-v\"`, two stages per rank",
+    "no-recompute-p2d2": "P=2 x D=2, `recompute=False`",
 }
 CI_CONFIGS = {"p2": None, "compiled-p2": ("llama",)}
 """What CI runs: each configuration for these families (``None``: every family); the rest with ``VARUNA_ZOO=full``."""

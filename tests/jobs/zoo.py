@@ -78,6 +78,9 @@ CONFIGS = {
     "1f1b-p4": (4, 4, BATCH, "32-true", "init", None),
     "no-recompute-p4": (4, 4, BATCH, "32-true", "init", None),
     "interleaved-p4": (4, 4, BATCH, "32-true", "init", None),
+    "zero-bubble-p4": (4, 4, BATCH, "32-true", "init", None),
+    **{f"{name}-p2d2": (2, 2, BATCH // 2, "32-true", "init", None)
+       for name in ("1f1b", "zero-bubble", "interleaved", "zero-bubble-v", "no-recompute")},
     "zero-bubble-v-p4": (4, 8, BATCH, "32-true", "init", None),
 }
 SCHEDULES = {
@@ -87,6 +90,11 @@ SCHEDULES = {
     "no-recompute-p2": dict(recompute=False), "1f1b-p4": dict(schedule="1f1b"),
     "no-recompute-p4": dict(recompute=False),
     "interleaved-p4": dict(schedule="interleaved", stages_per_rank=2),
+    "zero-bubble-p4": dict(schedule="zero-bubble"),
+    "1f1b-p2d2": dict(schedule="1f1b"), "zero-bubble-p2d2": dict(schedule="zero-bubble"),
+    "interleaved-p2d2": dict(schedule="interleaved", stages_per_rank=2),
+    "zero-bubble-v-p2d2": dict(schedule="zero-bubble-v", stages_per_rank=2),
+    "no-recompute-p2d2": dict(recompute=False),
     "zero-bubble-v-p4": dict(schedule="zero-bubble-v", stages_per_rank=2),
 }
 """Configurations that run another schedule than the default (varuna), or without recompute (two chunks per rank:
