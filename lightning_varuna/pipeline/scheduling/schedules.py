@@ -62,7 +62,7 @@ class ScheduleSpec:
         split_backward: Whether its backward runs as an input-gradient task ``I`` and a weight-gradient task ``W``.
         chunk_counts: The chunks per rank it runs, ``(least, most)`` (``most`` None: no bound).
         placement: Where the stages of several chunks per rank live (:mod:`~.placement`).
-        chunk_advice: What to use instead when ``stages_per_rank`` is outside ``chunk_counts``.
+        chunk_advice: What to use instead when ``stages_per_rank`` (its argument) is outside ``chunk_counts``.
     """
 
     name: str
@@ -71,7 +71,7 @@ class ScheduleSpec:
     split_backward: bool = False
     chunk_counts: tuple[int, int | None] = (1, 1)
     placement: Placement = LOOPED
-    chunk_advice: str = ""
+    chunk_advice: Callable[[int], str] = str
 
     @property
     def runs_several_chunks(self) -> bool:
@@ -132,7 +132,7 @@ def check_schedule_shape(name: str, num_ranks: int, stages_per_rank: int, num_mi
             f" one of {several} for several chunks per rank, or stages_per_rank=1."
         )
     if stages_per_rank < least or (most is not None and stages_per_rank > most):
-        raise ScheduleError(f"schedule={name!r} {spec.chunk_advice.format(v=stages_per_rank)}")
+        raise ScheduleError(f"schedule={name!r} {spec.chunk_advice(stages_per_rank)}")
     if name == "interleaved":
         check_interleaved_sizes(num_ranks, stages_per_rank, num_microbatches or num_ranks)
 
@@ -420,13 +420,15 @@ _SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("1f1b", one_f_one_b_schedule),
     ScheduleSpec("gpipe", gpipe_schedule),
     ScheduleSpec("zero-bubble", zero_bubble_schedule, looped_zero_bubble_schedule, split_backward=True,
-                 chunk_counts=(1, 2), chunk_advice="runs one or two model chunks per rank, but stages_per_rank={v} (its"
-                 " memory bound is stated for those); use stages_per_rank=2, or schedule='interleaved'."),
+                 chunk_counts=(1, 2), chunk_advice=lambda v: f"runs one or two model chunks per rank, but"
+                 f" stages_per_rank={v} (its memory bound is stated for those); use stages_per_rank=2, or"
+                 " schedule='interleaved'."),
     # interleaved's own check names the sizes it runs (check_interleaved_sizes)
     ScheduleSpec("interleaved", None, interleaved_schedule, chunk_counts=(1, None)),
     ScheduleSpec("zero-bubble-v", None, _zero_bubble_v, split_backward=True, chunk_counts=(2, 2), placement=V_SHAPED,
-                 chunk_advice="runs two model chunks per rank (the V-shaped placement), but stages_per_rank={v}; use"
-                 " stages_per_rank=2, or schedule='zero-bubble' for one chunk or the looped placement."),
+                 chunk_advice=lambda v: f"runs two model chunks per rank (the V-shaped placement), but"
+                 f" stages_per_rank={v}; use stages_per_rank=2, or schedule='zero-bubble' for"
+                 f" {'one chunk' if v == 1 else 'the looped placement'}."),
 )}
 """The schedule registry: each name, its generators and what it needs."""
 
