@@ -258,3 +258,20 @@ class RandomTokens(Dataset):
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         row = self.data[i]
         return row[:-1], row[1:]
+
+
+class LinearChain(nn.Module):
+    """Three ``Linear(width, width)`` layers with a cut point between each two; the step is the output's squared
+    mean (three segments, for stage-level tests)."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < 2:
+                x = self.cuts[i](x)
+        return x.pow(2).mean()

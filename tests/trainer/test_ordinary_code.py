@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.launch import python, torchrun
-from torch import Tensor, nn
+from helpers.models import LinearChain
+from torch import nn
 
-from lightning_varuna import CutPoint, EngineConfig, PipelineEngine
+from lightning_varuna import EngineConfig, PipelineEngine
 from lightning_varuna.pipeline import Topology
 from lightning_varuna.pipeline.batches import BatchSplitError, check_batch, first_samples, samples, split_batch
 
@@ -76,18 +77,6 @@ def _topology(world_size: int, pipeline_size: int) -> Topology:
     return Topology(world_size=world_size, rank=0, pipeline_size=pipeline_size, device=CPU)
 
 
-class _Chain(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(2))
-
-    def forward(self, x: Tensor) -> Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < 2:
-                x = self.cuts[i](x)
-        return x.pow(2).mean()
 
 
 # -- per-sample lists ---------------------------------------------------------------------------------------
@@ -123,7 +112,7 @@ def test_a_list_of_batch_sized_tensors_is_structure_even_when_its_length_is_the_
     ],
 )
 def test_a_batch_element_that_cannot_follow_its_samples_is_refused_at_setup(element: object, match: str) -> None:
-    model = _Chain()
+    model = LinearChain()
     engine = PipelineEngine(model, EngineConfig(2, num_microbatches=2))
     with pytest.raises(BatchSplitError, match=match):  # raised before the topology's first collective
         engine.setup((torch.randn(2, 4), element), lambda b: model(b[0]), topology=_topology(2, 2))
@@ -202,8 +191,8 @@ def test_memory_limit_is_checked_against_a_fixed_configuration() -> None:
     config = EngineConfig(1, num_microbatches=2, schedule="gpipe", recompute=False, memory_limit="1KiB")
     assert config.searches, "a memory limit is a reason to run the planner"
     with pytest.raises(ValueError, match=r"a memory_limit to check\): give the engine one"):
-        PipelineEngine(_Chain(), config)
-    model = _Chain()
+        PipelineEngine(LinearChain(), config)
+    model = LinearChain()
     engine = PipelineEngine(model, config, planner=choose)
     # the planner's own wording, for the one configuration the user fixed
     match = (r"No configuration fits in memory_limit=1024 bytes per stage: the smallest predicted peak is \d+ bytes"

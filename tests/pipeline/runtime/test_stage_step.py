@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor, nn
+from helpers.models import LinearChain
+from torch import Tensor
 
 from lightning_varuna.failstop.failures import PipelineError
 from lightning_varuna.pipeline.comm.events import (
@@ -17,7 +18,7 @@ from lightning_varuna.pipeline.comm.events import (
     StageCounters,
 )
 from lightning_varuna.pipeline.comm.transfers import Link, decode_header, encode_skip_header
-from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError
+from lightning_varuna.pipeline.model.cut import CutPointError
 from lightning_varuna.pipeline.runtime.executor import SUMMARY_SIZE, StageExecutor
 from lightning_varuna.pipeline.scheduling.lowering import Message, MessageKind, link_messages
 from lightning_varuna.pipeline.scheduling.nccl_replay import check_trace_dir
@@ -82,18 +83,6 @@ class FakeP2P:
         self.closed += 1
 
 
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
-        self.cuts = nn.ModuleList(CutPoint() for _ in range(2))
-
-    def forward(self, x: Tensor) -> Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < 2:
-                x = self.cuts[i](x)
-        return x.pow(2).mean()
 
 
 def _header(shape: tuple[int, ...]) -> Tensor:
@@ -101,7 +90,7 @@ def _header(shape: tuple[int, ...]) -> Tensor:
     return torch.tensor(values + [0] * (10 - len(values)), dtype=torch.int64)
 
 
-def _middle_stage(p2p: FakeP2P, model: Model) -> StageExecutor:
+def _middle_stage(p2p: FakeP2P, model: LinearChain) -> StageExecutor:
     # P=3 on ranks 0, 1, 2; this is rank 1, the middle stage: it receives at cut 0 and ends at cut 1
     topology = Topology(world_size=3, rank=1, pipeline_size=3, device=torch.device("cpu"))
     return StageExecutor(topology, p2p, list(model.cuts), first_cut=0, last_cut=1)  # type: ignore[arg-type]
@@ -120,7 +109,7 @@ def _inbound(m: int, rows: int = 2) -> dict[Message, Tensor]:
 @pytest.mark.parametrize(("name", "recompute"), [("varuna", True), ("1f1b", False), ("gpipe", True)])
 def test_a_middle_stage_computes_the_gradients_and_posts_each_link_in_plan_order(name: str, recompute: bool) -> None:
     m = 3
-    model = Model()
+    model = LinearChain()
     p2p = FakeP2P(_inbound(m))
     executor = _middle_stage(p2p, model)
     log = executor.events.add(EventLog())
@@ -157,7 +146,7 @@ def test_a_middle_stage_computes_the_gradients_and_posts_each_link_in_plan_order
 
 def test_a_late_gradient_lets_the_next_forward_go_first_and_keeps_every_link_in_order() -> None:
     m = 4
-    model = Model()
+    model = LinearChain()
     inbound = _inbound(m)
     p2p = FakeP2P(inbound)
     late = Message(MessageKind.GRADIENT, 2, 0)
@@ -189,7 +178,7 @@ def test_a_late_gradient_lets_the_next_forward_go_first_and_keeps_every_link_in_
 
 
 def test_an_activation_that_disagrees_with_the_steps_header_is_refused_before_it_is_posted() -> None:
-    model = Model()
+    model = LinearChain()
     p2p = FakeP2P(_inbound(2))
     executor = _middle_stage(p2p, model)
     schedule = make_schedule("gpipe", 3, 2, recompute=False)
@@ -206,7 +195,7 @@ def test_an_activation_that_disagrees_with_the_steps_header_is_refused_before_it
 
 
 def test_an_evaluation_step_on_the_last_stage_receives_in_order_and_returns_outputs() -> None:
-    model = Model()
+    model = LinearChain()
     m = 3
     p2p = FakeP2P(_inbound(m))
     p2p.inbound[Message(MessageKind.HEADER, 1)] = p2p.inbound.pop(Message(MessageKind.HEADER, 0))
@@ -238,7 +227,7 @@ def test_the_event_hook_is_off_without_recorders_and_fans_out_with_several() -> 
 
 
 # -- a batch skipped before the model's forward -------------------------------------------------------------------
-def _stage(p2p: FakeP2P, model: Model, stages: int, rank: int) -> StageExecutor:
+def _stage(p2p: FakeP2P, model: LinearChain, stages: int, rank: int) -> StageExecutor:
     # stage s of P (P <= 3) on rank s: it receives at cut s-1 and ends at cut s
     topology = Topology(world_size=stages, rank=rank, pipeline_size=stages, device=torch.device("cpu"))
     first, last = (rank - 1 if rank > 0 else None), (rank if rank < stages - 1 else None)
@@ -260,7 +249,7 @@ def _from_neighbours(rank: int, stages: int, m: int, skipped: bool, train: bool)
     return inbound
 
 
-def _run_step(executor: StageExecutor, model: Model, name: str, m: int, train: bool, recompute: bool,
+def _run_step(executor: StageExecutor, model: LinearChain, name: str, m: int, train: bool, recompute: bool,
               skip: object = ()) -> list:
     stages = executor.topology.pipeline_size
     batch = torch.zeros(2 * m, WIDTH)
@@ -282,7 +271,7 @@ def test_a_batch_skipped_before_the_forward_on_every_stage_passes_nccls_rules(
     steps = [(True, False), (True, True), (True, False), (False, True)]  # (train, skipped)
     for rank in range(stages):
         torch.manual_seed(rank)
-        model, p2p = Model(), FakeP2P({})
+        model, p2p = LinearChain(), FakeP2P({})
         executor = _stage(p2p, model, stages, rank)
         executor.events.add(P2PTraceWriter(tmp_path, "skips", rank, stages))
         for train, skipped in steps:
@@ -306,17 +295,17 @@ def test_a_batch_skipped_for_some_micro_batches_or_on_some_stages_only_is_a_clea
     m = 2
     # the first stage skips one micro-batch of the batch but not the other (either way round)
     for skip, first, then in [({1}, 1, 0), ({0}, 0, 1)]:
-        model = Model()
+        model = LinearChain()
         p2p = FakeP2P(_from_neighbours(0, 3, m, skipped=False, train=True))
         with pytest.raises(CutPointError, match=f"micro-batch {first} but not for micro-batch {then} of the same"):
             _run_step(_stage(p2p, model, 3, 0), model, "varuna", m, True, True, skip=skip)
         assert p2p.closed == 1
     # a middle stage runs its forward on a batch the stage before it skipped; and skips one that stage ran
-    model = Model()
+    model = LinearChain()
     p2p = FakeP2P(_from_neighbours(1, 3, m, skipped=True, train=True))
     with pytest.raises(CutPointError, match="Stage 0 skipped the batch before the model's forward, but stage 1 ran"):
         _run_step(_stage(p2p, model, 3, 1), model, "varuna", m, True, True)
-    model = Model()
+    model = LinearChain()
     p2p = FakeP2P(_from_neighbours(1, 3, m, skipped=False, train=True))
     with pytest.raises(CutPointError, match="Stage 1's step returned None .* but stage 0 ran its forward"):
         _run_step(_stage(p2p, model, 3, 1), model, "varuna", m, True, True, skip=range(m))
