@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from lightning_varuna.failstop.watchdog import SETTLE_S, current_watchdog
+from lightning_varuna.failstop.abandon import PeersLost, abandonable, surviving
+from lightning_varuna.failstop.job_watchdog import current_watchdog
+from lightning_varuna.failstop.watchdog import SETTLE_S
 
 if TYPE_CHECKING:  # torch.distributed re-exports Store only when it is built with distributed support
     from torch._C._distributed_c10d import Store
@@ -94,6 +96,8 @@ def report_failure(error: BaseException) -> None:
     peer), so that peers quote the cause rather than another rank's report of it. The watchdog, if running,
     passes it to every rank (a lost peer only once the cause had a moment to arrive first).
     """
+    if isinstance(error, PeersLost) and surviving() is not None:
+        return  # not a failure: in-place recovery takes it in hand (or reports what it cannot recover from)
     agreed = getattr(error, "raised_on_every_rank", False)
     _exit["failed"] = _exit["failed"] or not agreed  # every peer is alive after an agreed error
     watchdog = current_watchdog()
@@ -112,7 +116,7 @@ def report_failure(error: BaseException) -> None:
 
 def _lost_peer(error: BaseException) -> bool:
     """Whether ``error`` is what a rank sees when a peer failed (a symptom), rather than a cause of its own."""
-    if isinstance(error, PipelineError) or isinstance(error, getattr(dist, "DistError", ())):
+    if isinstance(error, (PipelineError, PeersLost)) or isinstance(error, getattr(dist, "DistError", ())):
         return True
     # gloo raises plain RuntimeErrors from its transport ("Connection closed by peer", "Timed out waiting ...")
     return isinstance(error, RuntimeError) and "gloo/transport/" in str(error)
@@ -169,10 +173,15 @@ def check_job(what: str) -> None:
 
 
 def waiting_on_peers(topology: Placement, what: str, wait: Callable[[], _T]) -> _T:
-    """Runs ``wait`` (a collective or p2p wait); its failure becomes a :class:`PipelineError` that says ``what``."""
+    """Runs ``wait`` (a collective or p2p wait); its failure becomes a :class:`PipelineError` that says ``what``.
+
+    While the job recovers in place from deaths, the wait can be given up: a peer's death raises
+    :class:`~lightning_varuna.failstop.abandon.PeersLost` instead (see :mod:`~lightning_varuna.failstop.abandon`).
+    """
+    watchdog = surviving()
     try:
-        return wait()
-    except PipelineError:
+        return wait() if watchdog is None else abandonable(wait, what, watchdog)
+    except (PipelineError, PeersLost):
         raise
     except Exception as err:  # noqa: BLE001 - a wait that failed because of a peer
         raise peer_error(topology, what, err) from err

@@ -37,10 +37,8 @@ Nothing here imports Lightning; the strategy (or a user of the engine) drives th
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
-import faulthandler
 import json
 import os
 import secrets
@@ -52,16 +50,11 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import IO, Any, NotRequired, TypedDict, cast
-
-import torch.distributed as dist
+from typing import Any, cast
 
 from lightning_varuna.failstop.ring_sockets import KEEPALIVE_S, local_address, tune
 
-__all__ = [
-    "FAILED_EXIT_CODE", "GRACE_S", "KEEPALIVE_S", "SETTLE_S", "Verdict", "Watchdog", "current_watchdog",
-    "watch_job",
-]
+__all__ = ["FAILED_EXIT_CODE", "GRACE_S", "KEEPALIVE_S", "SETTLE_S", "Verdict", "Watchdog", "say"]
 
 FAILED_EXIT_CODE = 1
 """Exit status of a rank ended by its watchdog (as if the failure had been raised in it)."""
@@ -88,6 +81,9 @@ class Verdict:
     """What happened, naming that rank (e.g. ``"rank 3 died: ..."``)."""
     cause: bool = True
     """Whether it is a cause rather than a symptom (a rank that lost contact with a peer, or timed out)."""
+    died: bool = False
+    """Whether the rank's process ended without a word (killed, crashed, its machine gone), rather than failing with
+    an error of its own: the failure that survivors can recover from in place."""
 
 
 @dataclass
@@ -143,6 +139,13 @@ class Watchdog:
         self._address = f"{host}|{self._listener.getsockname()[1]}|{self._nonce}"
         self._successor = (rank + 1) % world_size
         self._thread = threading.Thread(target=self._run, name="varuna-watchdog", daemon=True)
+        self.survive_deaths = False
+        """Whether a peer's death leaves this rank running (in-place recovery): it is then recorded in
+        :attr:`dead` and :attr:`lost` is set, instead of ending this rank."""
+        self._dead: set[int] = set()
+        self.lost = threading.Event()
+        """Set once a peer died while :attr:`survive_deaths` is on: waits on peers give up (see
+        :mod:`~lightning_varuna.failstop.abandon`)."""
 
     # -- driven by the training thread ----------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +168,12 @@ class Watchdog:
         """The verdict, waiting up to ``timeout`` seconds for one."""
         self._known.wait(timeout)
         return self._verdict
+
+    @property
+    def dead(self) -> frozenset[int]:
+        """The ranks known to have died while :attr:`survive_deaths` was on."""
+        with self._lock:
+            return frozenset(self._dead)
 
     @property
     def failed(self) -> bool:
@@ -240,7 +249,7 @@ class Watchdog:
                 connecting = not self._connect_successor()
                 if connecting and time.monotonic() > connect_by:
                     connecting = False
-                    _say(f"[rank {self.rank}] lightning_varuna: rank {self._successor} did not start its watchdog"
+                    say(f"[rank {self.rank}] lightning_varuna: rank {self._successor} did not start its watchdog"
                          f" within {CONNECT_TIMEOUT_S:g}s; a failure there is noticed by p2p_timeout only.")
             timeout = _POLL_S if connecting else self._next_timer()
             for key, _ in self._selector.select(timeout):
@@ -262,7 +271,7 @@ class Watchdog:
             host, port, nonce = self._store.get(key).decode().split("|")
             sock = socket.create_connection((host, int(port)), timeout=5.0)
         except Exception as err:  # noqa: BLE001 - the job goes on without this link; waits stay bounded
-            _say(f"[rank {self.rank}] lightning_varuna: the watchdog cannot reach rank {self._successor} ({err});"
+            say(f"[rank {self.rank}] lightning_varuna: the watchdog cannot reach rank {self._successor} ({err});"
                  " a failure there is noticed by p2p_timeout only.")
             return True  # do not retry
         self._add_link(sock, self._successor)
@@ -321,10 +330,13 @@ class Watchdog:
         self._drop(link)
         if link.rank is not None and link.active and not self._stopping.is_set():
             self._judge(Verdict(link.rank, f"rank {link.rank} died: its connection to rank {self.rank} closed while"
-                                           f" the job was running{detail}"))
+                                           f" the job was running{detail}", died=True))
 
     def _judge(self, verdict: Verdict) -> None:
         """Takes in a failure: passes it on, and ends this rank if it is another rank's cause."""
+        if verdict.died and self.survive_deaths and verdict.origin != self.rank:
+            self._mourn(verdict)
+            return
         with self._lock:
             if self._verdict is not None or (not verdict.cause and verdict.origin in self._symptoms):
                 return
@@ -339,6 +351,16 @@ class Watchdog:
             self._known.set()
             if verdict.origin != self.rank and self._active:
                 self._end(verdict.text)
+        self._wake()
+
+    def _mourn(self, verdict: Verdict) -> None:
+        """A peer died and this rank survives it: recorded, passed on (once), and every wait on peers gives up."""
+        with self._lock:
+            if verdict.origin in self._dead:
+                return
+            self._dead.add(verdict.origin)
+        self._send({"verdict": asdict(verdict)})
+        self.lost.set()
         self._wake()
 
     def _next_timer(self) -> float:
@@ -358,7 +380,7 @@ class Watchdog:
                 self._verdict = Verdict(first.origin, f"{first.text}{also}", cause=False)
                 self._settle_until = None
             self._known.set()
-            if self._own is None and self._active:
+            if self._own is None and self._active and not self.lost.is_set():
                 self._end(self._verdict.text)
         grace = self._grace_deadline()
         if grace is not None and now >= grace and self._own is not None:  # a grace deadline implies an own error
@@ -372,7 +394,7 @@ class Watchdog:
             self._ending = True
         if self._own is not None and not details and self._own[0].text not in why:
             details = f"This rank's own error:\n{self._own[1]}"
-        _say(f"[rank {self.rank}] lightning_varuna: {why}. Ending rank {self.rank} (exit code {FAILED_EXIT_CODE})."
+        say(f"[rank {self.rank}] lightning_varuna: {why}. Ending rank {self.rank} (exit code {FAILED_EXIT_CODE})."
              + (f"\n{details}" if details else ""))
         self._send({"rank": self.rank, "state": "ending"})  # its neighbours must not take this exit for a death
         for cleanup in list(self._cleanups):
@@ -427,69 +449,8 @@ class Watchdog:
                 sock.close()
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """Writes ``message`` to stderr at once (best effort: the process may be ending)."""
     with contextlib.suppress(Exception):
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
-
-
-class _Running(TypedDict):
-    watchdog: Watchdog | None
-    store: object  # the store the watchdog was started over: a new store means a new job
-    devnull: NotRequired[IO[str]]  # kept open for faulthandler's tracebacks at a failed shutdown
-
-
-_running: _Running = {"watchdog": None, "store": None}
-
-
-def watch_job() -> Watchdog | None:
-    """Starts this process's watchdog over the default process group (once; None with a single process).
-
-    Call it on every rank once the default process group exists (the engine does, before its first
-    collective). It stops when the interpreter exits.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    store = dist.distributed_c10d._get_default_store()  # private: the job's store, the same under every launcher
-    watchdog = _running["watchdog"]
-    if watchdog is not None and _running["store"] is store:
-        return watchdog
-    if watchdog is not None:  # the process group was made again: a new job
-        watchdog.stop()
-    try:
-        watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size())
-        watchdog.start()
-    except Exception as err:  # noqa: BLE001 - training goes on; failures are then noticed by the timeouts only
-        _say(f"[rank {dist.get_rank()}] lightning_varuna: the watchdog could not start ({err}); a failure of another"
-             " rank is noticed by p2p_timeout only.")
-        return None
-    _running.update({"watchdog": watchdog, "store": store})
-    return watchdog
-
-
-def current_watchdog() -> Watchdog | None:
-    """This process's running watchdog, if any."""
-    return _running["watchdog"]
-
-
-def _stop_at_exit() -> None:
-    watchdog = _running["watchdog"]
-    if watchdog is None:
-        return
-    failed = watchdog.failed
-    watchdog.stop()
-    if failed:  # the rest of the shutdown is bounded: a C-level timer, which runs while the interpreter finalizes
-        devnull = open(os.devnull, "w")  # faulthandler writes its tracebacks there  # noqa: SIM115
-        _running["devnull"] = devnull
-        faulthandler.dump_traceback_later(SHUTDOWN_S, exit=True, file=devnull)
-
-
-def _forget_in_child() -> None:
-    watchdog = _running["watchdog"]
-    if watchdog is not None:
-        watchdog.forget_in_child()
-    _running.update({"watchdog": None, "store": None})
-
-
-atexit.register(_stop_at_exit)
-os.register_at_fork(after_in_child=_forget_in_child)

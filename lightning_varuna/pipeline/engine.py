@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_varuna.failstop.watchdog import current_watchdog
+from lightning_varuna.failstop.job_watchdog import current_watchdog
 from lightning_varuna.pipeline.batches import (
     batch_size_of,
     count_loss_units,

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_varuna.failstop.failures import destroy_process_groups_at_exit
-from lightning_varuna.failstop.watchdog import watch_job
+from lightning_varuna.failstop.job_watchdog import watch_job
 from lightning_varuna.pipeline.batches import batch_size_of, check_batch, default_loss, first_samples, samples
 from lightning_varuna.pipeline.comm.events import P2P_TRACE_ENV, EventHooks, P2PTraceWriter
 from lightning_varuna.pipeline.comm.grad_sync import GradientSync
@@ -82,6 +82,7 @@ class StageSetup:
             ...
 
     _hooks: Sequence[RemovableHandle | SideValueHooks]
+    _p2p_run: str
 
     def _stages_per_rank(self) -> int:
         """``config.stages_per_rank``, a number once the dry run has resolved ``"auto"``."""
@@ -159,6 +160,7 @@ class StageSetup:
         if self.built_on_meta:
             self._materialize(self.partition.rank_params(topo.stage), seed)
         chunks = self._chunks(trace)
+        self._p2p_run = run
         self._trace_p2p(run)
         self.executor = StageExecutor(topo, self._p2p(), cut_modules, None, None, self.events, chunks=chunks,
                                       stage_ranks=stage_ranks(topo.pipeline_size, v, config.schedule))
@@ -251,6 +253,27 @@ class StageSetup:
                 VarunaWarning,
                 stacklevel=3,
             )
+
+    def regroup(self, generation: int) -> None:
+        """Rebuilds every process group the stage talks over, after in-place recovery made a new default group.
+
+        This rank keeps its stage, its parameters and the partition; its replica and rank may change. The
+        transport, the lowered message orders (they name peer ranks) and the gradient sync are made again.
+        """
+        topo = self.topology
+        assert topo is not None and self.executor is not None and self.partition is not None
+        if self.config.zero_stage == 1 and topo.data_size > 1:
+            raise RuntimeError("A sharded optimizer (zero_stage=1) cannot recover in place: a lost replica's shard of"
+                               " the optimizer state has no other copy.")
+        topo.remake()
+        self.executor.p2p.close(join=False)
+        self.executor.p2p = self._p2p()
+        self.executor.forget_links()
+        for writer in [r for r in self.events.recorders if isinstance(r, P2PTraceWriter)]:
+            self.events.remove(writer)
+        self._trace_p2p(f"{self._p2p_run}-{generation}")  # a new run: the new world's ranks
+        self.grad_sync = GradientSync(topo, dict(self.module.named_parameters()), self.partition.rank_tied,
+                                      bucket_bytes=self.config.grad_bucket_bytes, overlap=self.config.overlap_grad_sync)
 
     def _p2p(self) -> P2P:
         """The transport; on a CUDA device whose links run on gloo, staged through pinned host memory."""

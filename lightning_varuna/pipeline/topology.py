@@ -44,6 +44,10 @@ class Topology:
     last_position: int | None = None
     """The position (0..P-1) of the rank that runs the model's last stage: ``P - 1`` (None), or 0 in the V-shaped
     placement of two stages per rank, where rank 0 holds the first stage and the last."""
+    link_backend: str | None = None
+    """The backend of the link groups (None: the default group's)."""
+    wrap_around: bool = False
+    """Whether the last rank of each pipeline has links to its first (see :meth:`create`)."""
     _shared_groups: dict[tuple[int, ...] | tuple[tuple[int, ...], int], NewGroup] = field(default_factory=dict)
 
     @property
@@ -154,7 +158,21 @@ class Topology:
             data_group=_as_member(data_group),
             timeout=timeout,
             links=links,
+            link_backend=link_backend,
+            wrap_around=wrap_around,
         )
+
+    def remake(self) -> None:
+        """Rebuilds the grid in place over a new default process group (after in-place recovery changed the world).
+
+        The pipeline size stays; the world size, this rank and every group come from the new default group. Whoever
+        holds this object sees the new groups; objects that kept a group of their own must be rebuilt too.
+        """
+        fresh = Topology.create(self.pipeline_size, self.device, timeout=self.timeout,
+                                link_backend=self.link_backend, wrap_around=self.wrap_around)
+        self.world_size, self.rank = fresh.world_size, fresh.rank
+        self.pipe_group, self.data_group, self.links = fresh.pipe_group, fresh.data_group, fresh.links
+        self._shared_groups = {}
 
     def stages_group(self, stages: tuple[int, ...], replica: int | None = None) -> dist.ProcessGroup:
         """The group of every replica's copies of ``stages``, or of one ``replica``'s copies.

@@ -11,7 +11,9 @@ the default process group (started as Lightning's own ``DDPStrategy`` starts it,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Generator
 from datetime import timedelta
 from typing import Any
 
@@ -35,8 +37,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_varuna.failstop.failures import PipelineError, waiting_on_peers
-from lightning_varuna.failstop.watchdog import current_watchdog
+from lightning_varuna.failstop.job_watchdog import current_watchdog
 from lightning_varuna.pipeline.engine import PipelineEngine
+from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.trainer.data import check_global_batch
 from lightning_varuna.trainer.launcher import PipelineLauncher
@@ -92,6 +95,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def collective_timeout(self) -> timedelta:
+        """The timeout of the default group's collectives."""
+        return self._timeout
+
+    @property
     def process_group_backend(self) -> str | None:
         """The process group backend in use."""
         return self._process_group_backend
@@ -124,15 +132,52 @@ class ProcessGroupStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        store = getattr(self, "recovery_store", None)
+        if store is not None:  # every rank a client of a store that outlives the training processes
+            host, _, port = store.rpartition(":")
+            os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self._process_group_backend = backend
 
     def set_world_ranks(self) -> None:
         """Sets global rank and world size from node rank, local rank and processes per node."""
+        self.adopt_ranks(self.node_rank * self.num_processes + self.local_rank, self.num_nodes * self.num_processes)
+
+    def adopt_ranks(self, rank: int, world_size: int) -> None:
+        """Makes ``rank`` of ``world_size`` this process's global rank for Lightning (also after in-place recovery)."""
         if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            self.cluster_environment.set_global_rank(rank)
+            self.cluster_environment.set_world_size(world_size)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # environments that read them again
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning keeps it on fn
+
+    @override
+    def model_to_device(self) -> None:
+        """Moves the model to this process's device (parameters on the meta device stay there until setup)."""
+        assert self.model is not None
+        if has_meta_tensors(self.model):
+            move_real_tensors(self.model, self.root_device)
+        else:
+            self.model.to(self.root_device)
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Tensors created inside are on this process's device; with ``empty_init=True``, parameters on ``meta``.
+
+        ``Trainer.init_module(empty_init=True)`` thus builds parameters that take no memory (each stage materializes
+        its own at setup) and real buffers; a plain ``Trainer.init_module()`` builds real parameters.
+        """
+        meta = parameters_on_meta() if empty_init else contextlib.nullcontext()
+        with meta, self.root_device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Inside ``configure_model``: parameters on the meta device (each stage materializes its own), real buffers."""
+        with parameters_on_meta():
+            yield
 
     @override
     def barrier(self, name: str | None = None) -> None:

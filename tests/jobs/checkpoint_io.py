@@ -52,7 +52,7 @@ from spec import job_command_line, parse_spec  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 from lightning_varuna import checkpoint  # noqa: E402  (is_complete)
-from lightning_varuna.failstop.watchdog import current_watchdog  # noqa: E402
+from lightning_varuna.failstop.job_watchdog import current_watchdog  # noqa: E402
 
 WATCHED = "blocks.1.mlp.0.weight"
 """A parameter whose optimizer state the resume scenarios record."""

@@ -104,6 +104,11 @@ class EventHooks:
         self._update()
         return recorder
 
+    @property
+    def recorders(self) -> tuple[Recorder, ...]:
+        """The recorders, in the order they were added."""
+        return tuple(self._recorders)
+
     def remove(self, recorder: Recorder) -> None:
         """Removes ``recorder``."""
         self._recorders.remove(recorder)

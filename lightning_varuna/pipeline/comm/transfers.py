@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_varuna.failstop.abandon import PeersLost, surviving
 from lightning_varuna.failstop.failures import PipelineError, peer_error
+from lightning_varuna.failstop.watchdog import SETTLE_S, Watchdog
 from lightning_varuna.pipeline.comm.events import Event, EventHooks, EventKind, PostedOp
 from lightning_varuna.pipeline.scheduling.lowering import Message
 from lightning_varuna.pipeline.topology import Topology
@@ -223,6 +225,21 @@ class _Watcher:
             item.done.set()
 
 
+def _wait_unless_lost(transfer: Transfer, seconds: float, what: str, watchdog: Watchdog) -> None:
+    """Waits for a watched gloo transfer (its helper thread waits inside gloo), giving up once a peer died."""
+    assert transfer.done is not None  # a survivor's gloo transfers are all watched (isend, irecv)
+    deadline = time.monotonic() + seconds
+    pause = 5e-5
+    while not transfer.done.wait(pause):
+        if watchdog.lost.is_set():
+            raise PeersLost(watchdog.dead, f"{what} from/to rank {transfer.peer}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Timed out after {seconds:g}s waiting for the transfer")
+        pause = min(2 * pause, 0.005)
+    if transfer.error is not None:
+        raise transfer.error
+
+
 class P2P:
     """Asynchronous sends and receives over links, each wait bounded by a timeout.
 
@@ -271,7 +288,7 @@ class P2P:
                 ready.synchronize()
             return dist.isend(wire, dst=dst, group=group)
 
-        if watch and link.gloo:
+        if (watch or surviving() is not None) and link.gloo:  # a survivor never waits inside gloo itself
             transfer.post = post
             self._watcher(link).watch(transfer)
             return transfer
@@ -291,7 +308,7 @@ class P2P:
             transfer.work = dist.irecv(transfer.wire, src=link.src, group=link.group)
         except Exception as err:  # noqa: BLE001 - a peer that is already gone fails here, not in wait
             raise self._error(f"receiving {message!r} from rank {link.src}", err) from err
-        if watch and link.gloo:
+        if (watch or surviving() is not None) and link.gloo:
             self._watcher(link).watch(transfer)
         return transfer
 
@@ -331,8 +348,11 @@ class P2P:
             emit(Event(EventKind.DONE, now, op=transfer.op))
 
     def _settle(self, transfer: Transfer, what: str) -> None:
+        watchdog = surviving()
         try:
-            if transfer.done is not None:
+            if watchdog is not None and transfer.link.gloo:
+                _wait_unless_lost(transfer, self.timeout.total_seconds() + _WATCH_MARGIN_S, what, watchdog)
+            elif transfer.done is not None:
                 seconds = self.timeout.total_seconds() + _WATCH_MARGIN_S  # the helper's own wait fails first
                 if not transfer.done.wait(seconds):
                     raise TimeoutError(f"Timed out after {seconds:g}s waiting for the transfer")
@@ -342,7 +362,11 @@ class P2P:
                 transfer.work.wait(timeout=self.timeout)
             else:
                 transfer.work.wait()
+        except PeersLost:
+            raise
         except Exception as err:  # noqa: BLE001 - re-raised with the peer's own error, when known
+            if watchdog is not None and watchdog.lost.wait(SETTLE_S):  # the peer's death explains it
+                raise PeersLost(watchdog.dead, f"{what} from/to rank {transfer.peer}") from err
             raise self._error(f"{what} from/to rank {transfer.peer}", err) from err
         if transfer.wire is not transfer.tensor and transfer.kind == "recv":
             assert self.staging is not None

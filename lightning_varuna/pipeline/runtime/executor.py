@@ -105,6 +105,10 @@ class StageExecutor:
             self._pool[key] = buffer
         return buffer
 
+    def forget_links(self) -> None:
+        """Drops the lowered message orders (they name peer ranks): after the process groups were made again."""
+        self._links.clear()
+
     def links(self, schedule: Schedule, summary: bool) -> StageLinks | RankLinks:
         """This rank's part of the message order of ``schedule`` (lowered once per schedule)."""
         key = (id(schedule), summary)
