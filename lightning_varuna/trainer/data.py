@@ -75,6 +75,9 @@ class ElasticBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self._epoch_of = epoch_of
         self._resume: tuple[int, int] | None = None
+        self.next_batch = (0, 0)
+        """``(epoch, index)`` of the next global batch this sampler hands out."""
+        self._order_cache: tuple[int, list[int]] | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -114,12 +117,39 @@ class ElasticBatchSampler(Sampler[list[int]]):
                 # multiple of D); otherwise up to D - 1 samples are read again.
                 start = samples - samples % self.num_replicas
         order = self._order(epoch)
+        self._order_cache = (epoch, order)
         step = self.global_batch_size
         for begin in range(start, len(order), step):
+            # the layout is read at every batch: in-place recovery changes it mid-epoch (see relayout)
             batch = order[begin + self.rank : begin + step : self.num_replicas]
             if not batch or (self.drop_last_batch and len(batch) < self.batch_size):
                 return
+            self.next_batch = (epoch, begin // step + 1)
             yield batch
+
+    def relayout(self, num_replicas: int, rank: int) -> tuple[int, int]:
+        """Splits the same global batches over ``num_replicas`` from the next batch on (in-place recovery).
+
+        Returns:
+            ``(epoch, index)``: the batches before ``index`` of ``epoch`` were handed out under the old layout (some
+            may not have been trained yet: a data loader fetches ahead); :meth:`batch_indices` gives their samples
+            under the new one.
+
+        Raises:
+            ValueError: If the global batch does not split evenly over ``num_replicas``.
+        """
+        step = self.global_batch_size
+        if step % num_replicas:
+            raise ValueError(f"the global batch of {step} samples does not split evenly over {num_replicas} replicas")
+        self.num_replicas, self.rank, self.batch_size = num_replicas, rank, step // num_replicas
+        return self.next_batch
+
+    def batch_indices(self, epoch: int, index: int) -> list[int]:
+        """This replica's samples of the ``index``-th global batch of ``epoch``, under the current layout."""
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            self._order_cache = (epoch, self._order(epoch))
+        step = self.global_batch_size
+        return self._order_cache[1][index * step + self.rank : (index + 1) * step : self.num_replicas]
 
     def _order(self, epoch: int) -> list[int]:
         if self.shuffle:

@@ -42,6 +42,17 @@ class PipelinePrecision(Precision):
     """
 
     global_grad_norm: Callable[[], Tensor] | None = None
+    before_update: Callable[[], None] | None = None
+    """Called once the closure and the clipping are done, just before the optimizer updates the parameters (the
+    in-place recovery's commit); None: nothing."""
+
+    @override
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        # private hook of Lightning's Precision (2.5-2.6 tested): every plugin calls it between the closure (with
+        # on_before_optimizer_step and clipping) and the update, which no public hook separates
+        super()._after_closure(model, optimizer)
+        if self.before_update is not None:
+            self.before_update()
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

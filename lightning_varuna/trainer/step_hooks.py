@@ -46,9 +46,16 @@ class StepRunner:
         self.topology = topology
         self.precision = precision
         self.device = engine.device
-        self.broadcaster = LogBroadcaster(topology.pipe_group, topology.pipe_src_rank, topology.is_last, self.device,
-                                          module)
+        self.broadcaster = self._broadcaster()
         self.module_names = {id(m): name for name, m in module.named_modules()}
+
+    def _broadcaster(self) -> LogBroadcaster:
+        topology = self.topology
+        return LogBroadcaster(topology.pipe_group, topology.pipe_src_rank, topology.is_last, self.device, self.module)
+
+    def regroup(self) -> None:
+        """Takes the pipeline group the topology has now (after in-place recovery made the groups again)."""
+        self.broadcaster = self._broadcaster()
 
     def run(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], loss_scale: float = 1.0,
             start_sync: bool = False, accumulated: Mapping[torch.nn.Parameter, Tensor] | None = None) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal, cast
@@ -33,7 +33,7 @@ from lightning_varuna.failstop.failures import report_failure, waiting_on_peers
 from lightning_varuna.pipeline import config as engine_config  # the options' types, written once there
 from lightning_varuna.pipeline.comm.sharded_step import ShardedStep
 from lightning_varuna.pipeline.engine import PipelineEngine
-from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors, parameters_on_meta
+from lightning_varuna.pipeline.model.meta_init import has_meta_tensors, move_real_tensors
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 from lightning_varuna.trainer.batch_gradients import window_position
 from lightning_varuna.trainer.callbacks import (
@@ -61,6 +61,7 @@ from lightning_varuna.trainer.processes import (
     watch_peers,
 )
 from lightning_varuna.trainer.recovery.checkpoint_hooks import CheckpointHooks, StrategyCheckpoints
+from lightning_varuna.trainer.recovery.in_place import InPlaceRecovery, as_restart, check_recovery_options
 from lightning_varuna.trainer.recovery.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.trainer.recovery.resume import choose_last
 
@@ -172,6 +173,11 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         stages_per_rank: Model chunks per rank (``"interleaved"``, ``"zero-bubble"``; 2 for ``"zero-bubble-v"``):
             the model is cut into P x this many stages, rank ``r`` running ``r, r + P, ...`` (V-shaped: ``r, 2P-1-r``),
             which divides the pipeline's fill and drain by it; ``"auto"``: the planner chooses 1 or 2.
+        recovery: What a rank's death does: ``"restart"`` ends every rank and the launcher restarts from the newest
+            checkpoint; ``"in_place"``: the survivors go on in the same ``fit`` over the complete replicas left, on
+            the same trajectory (needs ``global_batch_size``, gloo, ``accumulate_grad_batches=1``; spot guide).
+        recovery_store: ``"host:port"`` of a store that outlives the training processes (``varuna-store``): every
+            rank joins it as a client, instead of rank 0 hosting the job's store.
         loss_weighting: A micro-batch's loss weighs by its share of the batch's samples (``"samples"``), of its labels
             other than -100 (``"tokens"``; ``"shifted_tokens"``: of ``labels[..., 1:]``, for ``*ForCausalLM``), or
             of the count a function of the micro-batch returns: exact for a mean over tokens (user guide section 2).
@@ -216,12 +222,15 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         stages_per_rank: engine_config.StagesPerRank = 1,
         loss_weighting: engine_config.LossWeighting = "samples",
         recompute_policy: Callable[..., Any] | list[Any] | None = None,
+        recovery: Literal["restart", "in_place"] = "restart",
+        recovery_store: str | None = None,
     ) -> None:
         timeout = timeout if timeout is not None else timedelta(seconds=p2p_timeout)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
                          process_group_backend, timeout, pipeline_parallel_size=pipeline_parallel_size,
                          global_batch_size=global_batch_size)
         check_strategy_options(boundary_dtype, global_batch_size)  # with EngineConfig: before any process starts
+        check_recovery_options(recovery, recovery_store, global_batch_size, zero_stage)
         self.config = engine_config.EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, recompute_policy=recompute_policy,
@@ -248,6 +257,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         self._summaries: list[tuple[Any, FrozenSummary]] | None = None
         self._forget_cleanup: Callable[[], None] | None = None
         self._sharded_steps: dict[Optimizer, ShardedStep] = {}
+        self.recovery, self.recovery_store = recovery, recovery_store
+        self._in_place: InPlaceRecovery | None = None
+        self.train_loader: Any = None  # as process_dataloader made it: in-place recovery splits it anew
 
     @classmethod
     @override
@@ -311,7 +323,18 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             self._sharded_steps = {o: z for o in self.optimizers if (z := self.engine.shard_optimizer(o)) is not None}
             self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device, self.topology)
             self._preemption.attach()
+            if self.recovery == "in_place":
+                self._in_place = InPlaceRecovery(self, self._timeout.total_seconds())
+                self._in_place.arm(trainer, precision, self._preemption)
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
+
+    def regroup(self, generation: int, rank: int, world_size: int) -> None:
+        """Takes a new world after in-place recovery: ranks, the pipeline's groups, and what holds them."""
+        assert self.engine is not None and self._pipeline is not None
+        self.engine.regroup(generation)
+        self.adopt_ranks(rank, world_size)
+        self._pipeline.steps.regroup()
+        self._pipeline.hook_logs.regroup()
 
     def _setup_pipeline(self, trainer: Trainer) -> None:
         if self.engine is not None:  # the module stays partitioned for this strategy's later trainer calls
@@ -334,36 +357,9 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         topo = self.topology
         if self.global_batch_size is not None:
             check_global_batch(self.global_batch_size, topo.data_size)
-        return resumable_training_loader(dataloader, trainer.fit_loop, topo.data_size, topo.replica,
-                                         self.global_batch_size)
-
-    @override
-    def model_to_device(self) -> None:
-        """Moves the model to this process's device (parameters on the meta device stay there until setup)."""
-        assert self.model is not None
-        if has_meta_tensors(self.model):
-            move_real_tensors(self.model, self.root_device)
-        else:
-            self.model.to(self.root_device)
-
-    @contextlib.contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Tensors created inside are on this process's device; with ``empty_init=True``, parameters on ``meta``.
-
-        ``Trainer.init_module(empty_init=True)`` thus builds parameters that take no memory (each stage materializes
-        its own at setup) and real buffers; a plain ``Trainer.init_module()`` builds real parameters.
-        """
-        meta = parameters_on_meta() if empty_init else contextlib.nullcontext()
-        with meta, self.root_device, self.precision_plugin.tensor_init_context():
-            yield
-
-    @contextlib.contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Inside ``configure_model``: parameters on the meta device (each stage materializes its own), real buffers."""
-        with parameters_on_meta():
-            yield
+        self.train_loader = resumable_training_loader(dataloader, trainer.fit_loop, topo.data_size, topo.replica,
+                                                      self.global_batch_size)
+        return self.train_loader
 
     # -- steps --------------------------------------------------------------------------------------------
     def _run_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
@@ -388,6 +384,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         assert self._pipeline is not None
         gradients = self._pipeline.gradients
         first, final, drop_stale = window_position(trainer)
+        if self._in_place is not None and args:  # a batch fetched before in-place recovery is read again
+            args = (self._in_place.batch(args[0], trainer.fit_loop), *args[1:])
         accumulated = gradients.set_aside(first, final, drop_stale)
         loss = self._run_step("training_step", args, kwargs, loss_scale=1.0 / trainer.accumulate_grad_batches,
                               start_sync=final, accumulated=accumulated)
@@ -437,18 +435,23 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         pipeline = self._pipeline
         assert pipeline is not None
         synced = 0.0
-        with pipeline.hook_logs.around_step(self.attached_module) as capture_hook_logs:
 
-            def closure_then_sync() -> Any:
-                nonlocal synced
-                result = closure()
-                if pipeline.gradients.window_has_gradients:  # else every batch of the window was skipped
-                    waiting_on_peers(pipeline.topology, "syncing gradients", pipeline.engine.sync_gradients)
-                capture_hook_logs()  # the on_before_optimizer_step hooks run next
-                synced = time.perf_counter()
-                return None if pipeline.gradients.skipped else result  # None: the precision plugin skips the step
+        def closure_then_sync() -> Any:
+            nonlocal synced
+            result = closure()
+            if pipeline.gradients.window_has_gradients:  # else every batch of the window was skipped
+                waiting_on_peers(pipeline.topology, "syncing gradients", pipeline.engine.sync_gradients)
+            capture_hook_logs()  # the on_before_optimizer_step hooks run next
+            synced = time.perf_counter()
+            return None if pipeline.gradients.skipped else result  # None: the precision plugin skips the step
 
-            output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        def update() -> Any:
+            return super(VarunaStrategy, self).optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+        recovery = self._in_place
+        with recovery.after_update() if recovery is not None else contextlib.nullcontext():
+            with pipeline.hook_logs.around_step(self.attached_module) as capture_hook_logs:
+                output = update() if recovery is None else recovery.step(update, optimizer, pipeline.hook_logs)
         if pipeline.timeline is not None:
             pipeline.timeline.optimizer_step(synced, time.perf_counter())
             pipeline.timeline.log_metrics(self.attached_module.trainer)
@@ -469,6 +472,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Reports the error to the other ranks (their watchdogs end them; they quote it if they lose contact)."""
+        exception = as_restart(exception)  # a death outside the steps that in-place recovery settles
         if is_initialized() and not isinstance(exception, Preempted):
             report_failure(exception)
 

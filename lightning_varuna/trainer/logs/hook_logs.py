@@ -69,6 +69,18 @@ class OptimizerHookLogs:
         self.device = device
         self.sharded = sharded
         self._merger: HookLogMerger | None = None
+        self._abandon: Callable[[], None] | None = None
+        self.skip_merge = False
+        """Skip the next merge (once): set by in-place recovery for a step whose update it applied itself."""
+
+    def abandon_attempt(self) -> None:
+        """Forgets what this step's hooks logged so far: the step is trained again (in-place recovery)."""
+        if self._abandon is not None:
+            self._abandon()
+
+    def regroup(self) -> None:
+        """Takes the groups the topology has now (after in-place recovery made them again)."""
+        self._merger = None
 
     @contextlib.contextmanager
     def around_step(self, module: LightningModule) -> Iterator[Callable[[], None]]:
@@ -89,7 +101,20 @@ class OptimizerHookLogs:
                     hooks.enter_context(capture.capturing())
                     capturing = True
 
-            yield start_capture
+            def abandon() -> None:
+                nonlocal capturing
+                hooks.close()  # the step's own capture (its training_step) must not run inside this one
+                capture.records.clear()
+                capturing = False
+
+            self._abandon = abandon
+            try:
+                yield start_capture
+            finally:
+                self._abandon = None
+        if self.skip_merge:  # after in-place recovery: some pipeline peers may have merged this step already
+            self.skip_merge = False
+            return
         if self._merger is None:
             self._merger = HookLogMerger(self.topology.pipe_group, self.topology.pipeline_size, self.device,
                                          self.topology.data_group if self.sharded else None)

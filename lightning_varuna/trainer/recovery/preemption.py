@@ -18,6 +18,7 @@ import subprocess
 import threading
 import urllib.request
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -29,7 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_varuna.failstop.failures import check_job, waiting_on_peers
-from lightning_varuna.failstop.watchdog import current_watchdog
+from lightning_varuna.failstop.job_watchdog import current_watchdog
 from lightning_varuna.pipeline.topology import Topology
 from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 from lightning_varuna.trainer.patches import InstancePatches, take_over_sigterm
@@ -254,6 +255,10 @@ class PreemptionGuard:
         topology: The process grid (names this rank in errors).
     """
 
+    agreed_by: Callable[[], int] | None = None
+    """Where the agreed warning comes from when another collective already carries it (in-place recovery's commit);
+    None: the agreement's own all-reduce at every batch's start."""
+
     def __init__(self, trainer: Trainer, notice: PreemptionNotice | None, device: torch.device,
                  topology: Topology | None = None) -> None:
         self.trainer = trainer
@@ -308,6 +313,9 @@ class PreemptionGuard:
 
     def agree(self) -> None:
         """At a step boundary, on every rank: stops the job if any rank has been warned."""
+        if self.agreed_by is not None:  # agreed already, by the collective that ended the last step
+            self._decide(self.agreed_by())
+            return
         flag = torch.tensor([self.watch.kind], dtype=torch.int64, device=self.device)
         if self.trainer.world_size > 1:
             # a rank already known to be dead or failed can neither agree nor help write a checkpoint
@@ -317,7 +325,9 @@ class PreemptionGuard:
                                  lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX))
             else:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        kind = int(flag.item())
+        self._decide(int(flag.item()))
+
+    def _decide(self, kind: int) -> None:
         # the partial gradient sums of an accumulation window are not in checkpoints: stop where one begins (the
         # warned rank keeps its flag, so the agreement repeats at every batch until then)
         accumulate = self.trainer.accumulate_grad_batches
