@@ -42,6 +42,9 @@ LR = 1e-2
 STEPS = 8
 BATCH = 8  # global batch per step; the data set holds STEPS batches
 ROUTER_COEF = 0.5  # of the mixtures of experts trained with their router loss
+# their weights: the references' least top-k router logit gap is 6.2e-5 with 4 micro-batches (D=1 and 2 x 2) and
+# 2.1e-5 with 8; seed 0 leaves 4.9e-6 with 2 x 2 (a near tie), seeds 1-8 each below 1e-5 somewhere but 6
+ROUTER_SEED = 9
 
 _NO_DROPOUT = {"attention_dropout": 0.0, "hidden_dropout": 0.0}
 
@@ -127,12 +130,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mixtral_router", _hf("MixtralConfig", "MixtralForCausalLM", **_ROUTER, num_local_experts=4,
                                  sliding_window=None),
            "model.model.layers", "causal", ties=False, notes="MoE with the router loss: the model's own `loss`",
-           extra={"router_loss": "model"}),
+           extra={"router_loss": "model"}, seed=ROUTER_SEED),
     Family("mixtral_router_step", _hf("MixtralConfig", "MixtralForCausalLM", **_ROUTER, num_local_experts=4,
                                       sliding_window=None),
            "model.model.layers", "causal", ties=False,
            notes="MoE with the router loss: the step adds `router_aux_loss_coef * out.aux_loss` itself",
-           extra={"router_loss": "step"}),
+           extra={"router_loss": "step"}, seed=ROUTER_SEED),
     Family("mixtral_eager", _hf("MixtralConfig", "MixtralForCausalLM", **_MOE, num_local_experts=4,
                                 sliding_window=None, experts_implementation="eager"),
            "model.model.layers", "causal", ties=False, notes="MoE: 4 experts, top-2, eager experts loop"),

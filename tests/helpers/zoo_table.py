@@ -34,6 +34,8 @@ TITLES = {
     "mixtral_deep": "Mixtral, 8 blocks (`MixtralForCausalLM`), MoE",
     "mixtral_eager": "Mixtral, eager experts (`experts_implementation`)",
     "qwen3_moe": "Qwen3-MoE (`Qwen3MoeForCausalLM`)", "olmoe": "OLMoE (`OlmoeForCausalLM`)",
+    "mixtral_router": "Mixtral with the router loss, the model's own `loss`",
+    "mixtral_router_step": "Mixtral with the router loss, added by the step (`out.aux_loss`)",
 }
 
 
