@@ -347,8 +347,7 @@ class StageStep:
         try:
             with forward_handler(handler), torch.set_grad_enabled(with_grad), (
                     self.sides.forward(k, recomputing, executor.segment, lambda: handler.segment, receive)
-                    if self.sides is not None else nullcontext()
-            ), ops:
+                    if self.sides is not None else nullcontext()), ops:
                 try:
                     out = self.step(k)
                 except StageOutputReady:
