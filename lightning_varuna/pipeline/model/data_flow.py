@@ -453,7 +453,7 @@ def producer_ancestors(values: Iterable[SideValue]) -> set[str]:
     A stage that gives a value at its producer's output (:attr:`SideValue.step_reads`) runs these modules' code, so
     that the producer is called there; it stands in for their other submodules one by one.
     """
-    names = set()
+    names: set[str] = set()
     for value in values:
         parts = value.producer.module.split(".")
         names.update(".".join(parts[:end]) for end in range(1, len(parts)))
