@@ -45,6 +45,8 @@ ROUTER_COEF = 0.5  # of the mixtures of experts trained with their router loss
 # their weights: the references' least top-k router logit gap is 6.2e-5 with 4 micro-batches (D=1 and 2 x 2) and
 # 2.1e-5 with 8; seed 0 leaves 4.9e-6 with 2 x 2 (a near tie), seeds 1-8 each below 1e-5 somewhere but 6
 ROUTER_SEED = 9
+QWEN3_MOE_ROUTER_SEED = 0  # least gaps 6.8e-5 (4 micro-batches) and 2.3e-5 (2 x 2)
+OLMOE_ROUTER_SEED = 3  # 1.9e-5 in both; seed 0 leaves 5.9e-6 with 2 x 2
 
 _NO_DROPOUT = {"attention_dropout": 0.0, "hidden_dropout": 0.0}
 
@@ -144,6 +146,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "model.model.layers", "causal", ties=False, notes="MoE: 4 experts, top-2"),
     Family("olmoe", _hf("OlmoeConfig", "OlmoeForCausalLM", **_MOE, num_experts=4), "model.model.layers", "causal",
            ties=False, notes="MoE: 4 experts, top-2"),
+    Family("qwen3_moe_router", _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_ROUTER, head_dim=8, num_experts=4,
+                                   moe_intermediate_size=FFN, norm_topk_prob=True),
+           "model.model.layers", "causal", ties=False, notes="MoE with the router loss: the model's own `loss`",
+           extra={"router_loss": "model"}, seed=QWEN3_MOE_ROUTER_SEED),
+    Family("olmoe_router", _hf("OlmoeConfig", "OlmoeForCausalLM", **_ROUTER, num_experts=4), "model.model.layers",
+           "causal", ties=False, notes="MoE with the router loss: the model's own `loss`",
+           extra={"router_loss": "model"}, seed=OLMOE_ROUTER_SEED),
     Family("qwen3", _hf("Qwen3Config", "Qwen3ForCausalLM", **_DECODER, head_dim=8), "model.model.layers", "causal",
            ties=False),
     Family("gemma", _hf("GemmaConfig", "GemmaForCausalLM", **_DECODER, head_dim=8,

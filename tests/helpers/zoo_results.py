@@ -95,7 +95,7 @@ DESCRIPTIONS = {
     "zero-bubble-v-p2d2": "P=2 x D=2, `schedule=\"zero-bubble-v\"`, two stages per rank",
     "no-recompute-p2d2": "P=2 x D=2, `recompute=False`",
 }
-ROUTER = ("mixtral_router", "mixtral_router_step")
+ROUTER = ("mixtral_router", "mixtral_router_step", "qwen3_moe_router", "olmoe_router")
 """The mixtures of experts trained with their router loss (the model's own loss, and a step that adds it)."""
 ROUTER_CONFIGS = ("p2", "p4", "p2d2", "1f1b-p2", "zero-bubble-p2", "interleaved-p2", "zero-bubble-v-p2", "1f1b-p4",
                   "zero-bubble-p4", "1f1b-p2d2", "interleaved-p2d2", "zero-bubble-v-p2d2")
@@ -109,7 +109,7 @@ CI_CONFIGS = {"p2": None, "compiled-p2": ("llama",)}
 """What CI runs: each configuration for these families (``None``: every family); the rest with ``VARUNA_ZOO=full``."""
 
 
-ON_DEMAND_FAMILIES = ("mixtral_deep", "mixtral_eager", "qwen3_moe", "olmoe")
+ON_DEMAND_FAMILIES = ("mixtral_deep", "mixtral_eager", "qwen3_moe", "olmoe", "qwen3_moe_router", "olmoe_router")
 """Families CI leaves out (the same experts code as Mixtral, whose P=2 CI runs): they run with the full matrix."""
 
 
