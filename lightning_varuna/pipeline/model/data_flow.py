@@ -382,6 +382,9 @@ class DataFlow:
             used = f"read by {consumer.module}" if consumer is not None else (
                 f"read by {function}() in {self._consumer()}, not as an argument of a module call in segment"
                 f" {segment}")
+            handled = self._handled.get(value) if producer is not None and consumer is None else None
+            if handled is not None:  # else it would be given at its producer's output on the reading stage
+                used += f", and {handled} takes or gives it too"
             self.untransportable.setdefault(key, f"{made}, {used}")
             return
         seen.setdefault(producer, Reads(set(), set(), value)).consumers.add(consumer)

@@ -189,7 +189,7 @@ class MadeByTheStep(Model):
     ("model", "why"),
     [
         (lambda: ReadByTheStep(Learned()), r"made by side, read by mul\(\) in the step's own code, not as an argument"
-                                           r" of a module call in segment 1"),
+                                           r" of a module call in segment 1, and blocks\.0 takes or gives it too"),
         (MadeByTheStep, r"made by the step's own code outside any module's output, read by blocks\.1"),
     ],
     ids=["read-outside-a-module-call", "made-outside-a-module-call"],
