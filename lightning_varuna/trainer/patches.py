@@ -201,10 +201,12 @@ PATCHES: tuple[Patch, ...] = (
           " removed at the strategy's teardown"),
     Patch(22, "forward pre-hooks and forward hooks on the user's modules that make or use side values", (
               ("pipeline/runtime/side_value_hooks.py", "register_forward_pre_hook(_substitute(slot),"),
-              ("pipeline/runtime/side_value_hooks.py", "register_forward_hook(_capture(slot), prepend=True)")),
+              ("pipeline/runtime/side_value_hooks.py", "register_forward_hook(_capture(slot), prepend=True)"),
+              ("pipeline/runtime/side_value_hooks.py", "register_forward_hook(_give(slot), prepend=True)")),
           "A value a later stage uses other than through a cut point (T5's position bias) is captured where it is"
-          " made and put in place of the argument where it is used (pipeline.runtime.side_value_hooks); the hooks"
-          " act only while a stage's forward runs, and the compiler traces them.", _TORCH,
+          " made and put in place of the argument where it is used (pipeline.runtime.side_value_hooks), or, read by"
+          " the step's code (router logits), in place of its stood-in producer's output on the reading stage; the"
+          " hooks act only while a stage's forward runs, and the compiler traces them.", _TORCH,
           "the hooks are removed " + _ENGINE_TEARDOWN),
     Patch(23, "the user's module on stages whose step never creates a metric the last stage's step creates on first"
           " use: a reset copy of that metric registered at the same path", (

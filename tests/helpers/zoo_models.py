@@ -41,6 +41,12 @@ CLASSES = 10
 LR = 1e-2
 STEPS = 8
 BATCH = 8  # global batch per step; the data set holds STEPS batches
+ROUTER_COEF = 0.5  # of the mixtures of experts trained with their router loss
+# their weights: the references' least top-k router logit gap is 6.2e-5 with 4 micro-batches (D=1 and 2 x 2) and
+# 2.1e-5 with 8; seed 0 leaves 4.9e-6 with 2 x 2 (a near tie), seeds 1-8 each below 1e-5 somewhere but 6
+ROUTER_SEED = 9
+QWEN3_MOE_ROUTER_SEED = 0  # least gaps 6.8e-5 (4 micro-batches) and 2.3e-5 (2 x 2)
+OLMOE_ROUTER_SEED = 3  # 1.9e-5 in both; seed 0 leaves 5.9e-6 with 2 x 2
 
 _NO_DROPOUT = {"attention_dropout": 0.0, "hidden_dropout": 0.0}
 
@@ -78,6 +84,9 @@ _DECODER = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=FFN, num_
 # mixture-of-experts: 4 experts, top-2, no router loss (output_router_logits=False, the default); transformers'
 # default experts path (grouped_mm), or with experts_implementation="eager" its loop over the experts hit (nonzero)
 _MOE = dict(_DECODER, num_experts_per_tok=2, output_router_logits=False, router_jitter_noise=0.0)
+
+# the same with the router loss (the model's loss adds router_aux_loss_coef * aux_loss)
+_ROUTER = dict(_MOE, output_router_logits=True, router_aux_loss_coef=ROUTER_COEF)
 
 _T5 = _hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=FFN,
           num_layers=LAYERS, num_decoder_layers=2, num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0,
@@ -118,6 +127,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
                                num_local_experts=4, sliding_window=None),
            "model.model.layers", "causal", ties=False, notes="MoE: 8 blocks, 4 experts, top-2, experts by grouped_mm",
            seed=3),  # seed 0 routes with a near tie (logit gap 3.7e-7); 3 leaves 3.0e-5
+    # the router loss (output_router_logits=True): every layer's router logits are read by the loss code on the last
+    # stage; its coefficient large enough that a router gradient left out or wrong fails the gradient comparison
+    Family("mixtral_router", _hf("MixtralConfig", "MixtralForCausalLM", **_ROUTER, num_local_experts=4,
+                                 sliding_window=None),
+           "model.model.layers", "causal", ties=False, notes="MoE with the router loss: the model's own `loss`",
+           extra={"router_loss": "model"}, seed=ROUTER_SEED),
+    Family("mixtral_router_step", _hf("MixtralConfig", "MixtralForCausalLM", **_ROUTER, num_local_experts=4,
+                                      sliding_window=None),
+           "model.model.layers", "causal", ties=False,
+           notes="MoE with the router loss: the step adds `router_aux_loss_coef * out.aux_loss` itself",
+           extra={"router_loss": "step"}, seed=ROUTER_SEED),
     Family("mixtral_eager", _hf("MixtralConfig", "MixtralForCausalLM", **_MOE, num_local_experts=4,
                                 sliding_window=None, experts_implementation="eager"),
            "model.model.layers", "causal", ties=False, notes="MoE: 4 experts, top-2, eager experts loop"),
@@ -126,6 +146,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "model.model.layers", "causal", ties=False, notes="MoE: 4 experts, top-2"),
     Family("olmoe", _hf("OlmoeConfig", "OlmoeForCausalLM", **_MOE, num_experts=4), "model.model.layers", "causal",
            ties=False, notes="MoE: 4 experts, top-2"),
+    Family("qwen3_moe_router", _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **_ROUTER, head_dim=8, num_experts=4,
+                                   moe_intermediate_size=FFN, norm_topk_prob=True),
+           "model.model.layers", "causal", ties=False, notes="MoE with the router loss: the model's own `loss`",
+           extra={"router_loss": "model"}, seed=QWEN3_MOE_ROUTER_SEED),
+    Family("olmoe_router", _hf("OlmoeConfig", "OlmoeForCausalLM", **_ROUTER, num_experts=4), "model.model.layers",
+           "causal", ties=False, notes="MoE with the router loss: the model's own `loss`",
+           extra={"router_loss": "model"}, seed=OLMOE_ROUTER_SEED),
     Family("qwen3", _hf("Qwen3Config", "Qwen3ForCausalLM", **_DECODER, head_dim=8), "model.model.layers", "causal",
            ties=False),
     Family("gemma", _hf("GemmaConfig", "GemmaForCausalLM", **_DECODER, head_dim=8,
@@ -259,6 +286,9 @@ class ZooModule(pl.LightningModule):
         self.family = FAMILIES[family]
         self.model: nn.Module | None = None
         self.compile_backend = compile_backend  # of a model built in configure_model: its blocks compiled there
+        self.split: list[Tensor] | None = None
+        """The reference of a loss that is not a mean over samples (the router loss): each batch's micro-batches
+        (sample indices) as the pipelined run splits it, their losses weighted by size (see :meth:`training_step`)."""
         if build_in == "init":
             self.model = with_variant(build(self.family), family, variant)
 
@@ -271,8 +301,16 @@ class ZooModule(pl.LightningModule):
                         block.compile(backend=self.compile_backend)
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
+        if self.split is None:
+            loss, router = self._losses(batch)
+        else:  # as gradient accumulation over the same micro-batches computes
+            parts = [(len(index) / len(batch[0]), self._losses([t[index] for t in batch])) for index in self.split]
+            loss = sum(weight * part_loss for weight, (part_loss, _) in parts)
+            router = sum(weight * part_router for weight, (_, part_router) in parts) if parts[0][1][1] is not None \
+                else None
         self.log("train_loss", loss, sync_dist=True)  # under D > 1 the mean over the replicas, as the plain run
+        if router is not None:
+            self.log("router_loss", router, sync_dist=True)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -286,6 +324,20 @@ class ZooModule(pl.LightningModule):
         if kind == "litgpt":
             return self.model(batch[0][:, :-1])
         return self.model(input_ids=batch[0]).logits
+
+    def _losses(self, batch) -> tuple[Tensor, Tensor | None]:
+        """The step's loss, and the router loss where the family trains with one (``extra["router_loss"]``)."""
+        router_loss = self.family.extra.get("router_loss")
+        if router_loss is None:
+            return self._loss(batch), None
+        (ids,) = batch
+        if router_loss == "model":  # the model's own loss: its cross-entropy plus router_aux_loss_coef * aux_loss
+            out = self.model(input_ids=ids, labels=ids)
+            return out.loss, out.aux_loss
+        out = self.model(input_ids=ids)  # no labels: the step adds the router loss itself
+        logits = out.logits[:, :-1].float()
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        return loss + self.model.config.router_aux_loss_coef * out.aux_loss, out.aux_loss
 
     def _loss(self, batch) -> Tensor:
         kind = self.family.kind

@@ -95,12 +95,31 @@ DESCRIPTIONS = {
     "zero-bubble-v-p2d2": "P=2 x D=2, `schedule=\"zero-bubble-v\"`, two stages per rank",
     "no-recompute-p2d2": "P=2 x D=2, `recompute=False`",
 }
+ROUTER = ("mixtral_router", "mixtral_router_step", "qwen3_moe_router", "olmoe_router")
+"""The mixtures of experts trained with their router loss (the model's own loss, and a step that adds it)."""
+ROUTER_CONFIGS = ("p2", "p4", "p2d2", "1f1b-p2", "zero-bubble-p2", "interleaved-p2", "zero-bubble-v-p2", "1f1b-p4",
+                  "zero-bubble-p4", "1f1b-p2d2", "interleaved-p2d2", "zero-bubble-v-p2d2")
+"""What they run: the layouts and every schedule (the plain run's router loss is not a mean over samples, so each
+compares with the plain run of the same micro-batches, :func:`reference_of`)."""
+SPLITS = {"p2d2": "2x2", **{f"{name}-p2d2": "2x2" for name in ("1f1b", "zero-bubble", "interleaved",
+                                                               "zero-bubble-v", "no-recompute")},
+          "zero-bubble-v-p4": "8"}
+"""The micro-batches of a configuration, as ``tests/jobs/zoo.py``'s ``ref-splitS`` names them (default ``"4"``)."""
 CI_CONFIGS = {"p2": None, "compiled-p2": ("llama",)}
 """What CI runs: each configuration for these families (``None``: every family); the rest with ``VARUNA_ZOO=full``."""
 
 
-ON_DEMAND_FAMILIES = ("mixtral_deep", "mixtral_eager", "qwen3_moe", "olmoe")
+ON_DEMAND_FAMILIES = ("mixtral_deep", "mixtral_eager", "qwen3_moe", "olmoe", "qwen3_moe_router", "olmoe_router")
 """Families CI leaves out (the same experts code as Mixtral, whose P=2 CI runs): they run with the full matrix."""
+
+
+def reference_of(family: str, config: str) -> str:
+    """The plain run a family's configuration is compared with: for a loss that is not a mean over samples (the
+    router loss), the plain run of the same micro-batches (each one's loss weighted by its size)."""
+    reference = CONFIGS[config][1]
+    if family in ROUTER and reference == "ref":
+        return f"ref-split{SPLITS.get(config, '4')}"
+    return reference
 
 
 def in_ci(family: str, config: str) -> bool:
@@ -111,6 +130,8 @@ def in_ci(family: str, config: str) -> bool:
 
 def applies(family: str, config: str) -> bool:
     """Whether the configuration is run for the family (see :data:`ONLY`)."""
+    if family in ROUTER:
+        return config in ROUTER_CONFIGS
     return family in ONLY.get(config, (family,))
 STEPS = 8
 
@@ -166,7 +187,8 @@ there. The families' seeds give at least 2.5e-5 (bf16-mixed, compared by losses 
 
 def judge(out: Path, family: str, config: str) -> Verdict:
     """Compares every rank's losses (all steps) and step-1 gradients (per parameter) with the reference run's."""
-    processes, reference_name, loss_tolerance, grad_tolerance = CONFIGS[config]
+    processes, _, loss_tolerance, grad_tolerance = CONFIGS[config]
+    reference_name = reference_of(family, config)
     reference = _load(out / f"{family}.{reference_name}.rank0.json")
     if reference is None or "error" in reference:
         return Verdict(False, [f"reference failed: {error_of(out, family, reference_name) or 'no result'}"])
@@ -185,11 +207,16 @@ def judge(out: Path, family: str, config: str) -> Verdict:
             continue
         if len(run["losses"]) != len(reference["losses"]) or len(run["losses"]) != STEPS:
             verdict.problems.append(f"rank {rank}: {len(run['losses'])} losses, reference {len(reference['losses'])}")
-        for step, (got, want) in enumerate(zip(run["losses"], reference["losses"])):
-            diff = abs(got - want)
-            verdict.loss_diff = max(verdict.loss_diff, diff)
-            if diff > loss_tolerance:
-                verdict.problems.append(f"rank {rank} step {step}: loss {got:.6f} != {want:.6f} (diff {diff:.2e})")
+        if len(run.get("router_losses", [])) != len(reference.get("router_losses", [])):
+            verdict.problems.append(f"rank {rank}: {len(run.get('router_losses', []))} router losses logged,"
+                                    f" reference {len(reference.get('router_losses', []))}")
+        for name in ("losses", "router_losses"):
+            for step, (got, want) in enumerate(zip(run.get(name, []), reference.get(name, []))):
+                diff = abs(got - want)
+                verdict.loss_diff = max(verdict.loss_diff, diff)
+                if diff > loss_tolerance:
+                    verdict.problems.append(f"rank {rank} step {step}: {name[:-2]} {got:.6f} != {want:.6f}"
+                                            f" (diff {diff:.2e})")
         for param, grad in run["grads"].items():
             verdict.stages.setdefault(param, run["stage"])
             want = reference["grads"].get(param)

@@ -34,6 +34,9 @@ TITLES = {
     "mixtral_deep": "Mixtral, 8 blocks (`MixtralForCausalLM`), MoE",
     "mixtral_eager": "Mixtral, eager experts (`experts_implementation`)",
     "qwen3_moe": "Qwen3-MoE (`Qwen3MoeForCausalLM`)", "olmoe": "OLMoE (`OlmoeForCausalLM`)",
+    "mixtral_router": "Mixtral with the router loss, the model's own `loss`",
+    "mixtral_router_step": "Mixtral with the router loss, added by the step (`out.aux_loss`)",
+    "qwen3_moe_router": "Qwen3-MoE with the router loss", "olmoe_router": "OLMoE with the router loss",
 }
 
 

@@ -42,6 +42,22 @@ from spec import job_command_line  # noqa: E402
 
 import lightning_varuna  # noqa: E402
 
+SPLITS = {"4": (4, 1), "8": (8, 1), "2x2": (2, 2)}
+"""The plain references of a loss that is not a mean over samples (``ref-splitS``): the micro-batches the pipelined
+runs split each batch into, ``(micro-batches per replica, replicas)``."""
+
+
+def split_of(micro: int, replicas: int) -> list[torch.Tensor]:
+    """The samples of each micro-batch of a batch of the plain run, as the pipelined runs split it.
+
+    Replica ``r`` reads every ``replicas``-th sample of the global batch from the ``r``-th (``ElasticBatchSampler``),
+    and cuts its batch into ``micro`` contiguous parts (``split_batch``).
+    """
+    per_replica = BATCH // replicas
+    size = per_replica // micro
+    return [torch.arange(r, BATCH, replicas)[j * size:(j + 1) * size] for r in range(replicas) for j in range(micro)]
+
+
 # configuration -> (P, micro-batches, batch per replica, precision, built in, compiler backend of the blocks)
 CONFIGS = {
     "p2": (2, 4, BATCH, "32-true", "init", None),
@@ -58,6 +74,7 @@ CONFIGS = {
     "compiled-bf16-p2": (2, 4, BATCH, "bf16-mixed", "init", "aot_eager"),
     "ref-compiled-bf16": (1, 1, BATCH, "bf16-mixed", "init", "aot_eager"),
     "ref": (1, 1, BATCH, "32-true", "init", None),
+    **{f"ref-split{split}": (1, 1, BATCH, "32-true", "init", None) for split in SPLITS},
     "ref-bf16": (1, 1, BATCH, "bf16-mixed", "init", None),
     "ref-compiled": (1, 1, BATCH, "32-true", "init", "aot_eager"),
     "ref-inductor": (1, 1, BATCH, "32-true", "init", "inductor"),
@@ -115,6 +132,7 @@ HANG_S = 240  # a spec that takes longer dumps its stacks and ends the process
 class Recorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.router_losses: list[float] = []
         self.grads: dict[str, list[float]] = {}
         self.compiled_calls: list[int] = []
         self.compiled_modules = None  # () -> the compiled modules whose calls are counted (set with a backend)
@@ -135,6 +153,8 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "router_loss" in trainer.callback_metrics:
+            self.router_losses.append(float(trainer.callback_metrics["router_loss"]))
         if trainer.global_step == 1:
             self.graphs_after_first_step = counters["stats"]["unique_graphs"]
 
@@ -211,6 +231,8 @@ def run(out: Path, spec: str) -> None:
     )
     # a model built in configure_model compiles its blocks there (ZooModule); the others are compiled here
     model = ZooModule(family_name, build_in, variant, compile_backend=backend)
+    if config.startswith("ref-split"):
+        model.split = split_of(*SPLITS[config.removeprefix("ref-split")])
     margins = watch_routers(model) if build_in == "init" else []
     scope = COMPILE_SCOPES.get(config, "blocks")
     if backend is not None:
@@ -227,6 +249,8 @@ def run(out: Path, spec: str) -> None:
     start = time.monotonic()
     trainer.fit(model, DataLoader(data, batch_size=batch, sampler=sampler))
     result = {"losses": recorder.losses, "grads": recorder.grads, "seconds": time.monotonic() - start}
+    if recorder.router_losses:
+        result["router_losses"] = recorder.router_losses
     if margins and reference:
         result["router_margin"] = min(margins)
     if backend is not None:

@@ -453,7 +453,8 @@ def test_skip_connection_across_stages() -> None:
     assert set(result.crossings) == {(0, 1)}
     message = (
         r"A tensor \(\(2, 4\) torch\.float32\) computed from parameters in segment 0 \(made by layers\.0, read by"
-        r" add\(\) in the step's own code, not as an argument of a module call in segment 1\) is used in segment 1"
+        r" add\(\) in the step's own code, not as an argument of a module call in segment 1, and cuts\.0 takes or gives"
+        r" it too\) is used in segment 1"
         r" without passing through a CutPoint, so segments 0 to 1 must stay on one stage: on a later stage it would"
         r" be zeros\. The model can be split into at most 2 stage\(s\), not pipeline_parallel_size=3\."
     )

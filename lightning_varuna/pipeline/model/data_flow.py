@@ -21,16 +21,22 @@ where it is made and put where it is used: it is an element of the output of a m
 (its *producer*, the innermost such call), and every use of it in a later segment lies inside a module call of that
 segment that takes it as an argument (its *consumers*, the outermost such calls). The stage holding the producer
 captures it there with a forward hook; a stage holding consumers puts the received value in place of the argument
-with a forward pre-hook (:mod:`~lightning_varuna.pipeline.runtime.side_values`). Any other crossing is an error when
-it spans two stages (:func:`~lightning_varuna.pipeline.model.partition.make_partition`), never a silently different
-computation.
+with a forward pre-hook (:mod:`~lightning_varuna.pipeline.runtime.side_values`).
+
+A producer's output that the step's own code reads in a later segment outside any module call (the loss code of a
+mixture of experts reading every layer's router logits, which transformers collects with forward hooks on the
+routers) is a side value too, when no other module call takes it as an argument or gives it out: the stages whose
+segments read it give it as the producer call's output there (the producer stood in, its ancestors' code run), so
+whatever Python path took it from that call to the reader (a hook, a returned tuple) hands over the received value.
+Any other crossing is an error when it spans two stages
+(:func:`~lightning_varuna.pipeline.model.partition.make_partition`), never a silently different computation.
 
 Reading a tensor's shape, dtype or device is not a use of its values: stand-ins have the right shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload
 
@@ -39,7 +45,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["CallSite", "Crossings", "DataFlow", "SideValue"]
+__all__ = ["CallSite", "Crossings", "DataFlow", "Reads", "SideValue", "producer_ancestors"]
 
 RANDOM_OPS = frozenset({
     "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
@@ -135,11 +141,27 @@ class SideValue:
     batch_dim: int | None
     """Which dimension scales with the batch (None: none)."""
     what: str
+    step_reads: tuple[int, ...] = ()
+    """The later segments whose code reads it outside module calls' arguments: a stage running one gives it as the
+    producer's output (see the module docstring)."""
 
     @property
     def last_segment(self) -> int:
         """The last segment that uses it."""
-        return max(c.segment for c in self.consumers)
+        return max([*(c.segment for c in self.consumers), *self.step_reads])
+
+
+@dataclass
+class Reads:
+    """How later segments read one producer's value.
+
+    The module calls that take it, the segments whose code reads it outside module calls
+    (:attr:`SideValue.step_reads`), and the value itself.
+    """
+
+    consumers: set[CallSite]
+    step_reads: set[int]
+    value: Tensor
 
 
 @dataclass
@@ -193,13 +215,16 @@ class DataFlow:
         self._produced: _TensorTable[CallSite] = _weak_table()
         """Tensor -> the innermost module call (within one segment) whose output holds it, as a :class:`CallSite`."""
         self._made_by: _TensorTable[str] = _weak_table()
+        self._handled: _TensorTable[str] = _weak_table()
+        """A module call's output -> the first other call that took it as an argument or gave it out (not its
+        producer's ancestors): a later stage stands that call in, so the step's reads of it cannot be given at the
+        producer's output."""
         """Tensor computed from parameters -> the innermost module call running when it was made (for errors)."""
         self._starts: dict[tuple[str, int], int] = {}
         self._ends: dict[tuple[str, int], int] = {}
         self._calls: list[_Call] = []
         self._pending: list[tuple[tuple[int, int], Tensor, frozenset[str] | None]] = []
-        self.transported: dict[tuple[int, int, frozenset[str] | None], dict[CallSite, tuple[set[CallSite], Tensor]]
-                               | None] = {}
+        self.transported: dict[tuple[int, int, frozenset[str] | None], dict[CallSite, Reads] | None] = {}
         """Per crossing ``(from, to, modules or None for parameters)``: the side values read across it, by producer,
         with their consumers and a tensor (None: a value read across it cannot be transported)."""
         self.untransportable: dict[tuple[int, int, frozenset[str] | None], str] = {}
@@ -221,8 +246,17 @@ class DataFlow:
         """The arguments of the module call that just started (from a forward pre-hook that sees keywords)."""
         call = self._calls[-1] if self._calls else None
         if call is not None and call.name == self.names.get(id(module)):
-            call.arguments = {id(leaf): index for index, leaf in enumerate(tree_leaves((args, kwargs)))
-                              if isinstance(leaf, Tensor)}
+            leaves = list(tree_leaves((args, kwargs)))
+            call.arguments = {id(leaf): index for index, leaf in enumerate(leaves) if isinstance(leaf, Tensor)}
+            self._handle(call.name, leaves)
+
+    def _handle(self, name: str, leaves: list[Any]) -> None:
+        """Marks module outputs among ``leaves`` that the call of ``name`` takes or gives (see :attr:`_handled`)."""
+        for leaf in leaves:
+            if isinstance(leaf, Tensor) and leaf not in self._handled:
+                producer = self._produced.get(leaf)
+                if producer is not None and not _within(producer.module, name):
+                    self._handled[leaf] = name
 
     def exit(self, module: nn.Module, output: object) -> None:
         """A module call ends: its output is labelled with the module if the call stayed in one segment."""
@@ -236,6 +270,7 @@ class DataFlow:
         ended = self._ends.get((name, segment), 0)
         self._ends[(name, segment)] = ended + 1
         all_leaves = tree_leaves(output)
+        self._handle(name, all_leaves)
         for index, leaf in enumerate(all_leaves):
             if isinstance(leaf, Tensor) and leaf not in self._produced:  # inner calls end first: the innermost wins
                 self._produced[leaf] = CallSite(name, segment, ended, index)
@@ -336,6 +371,10 @@ class DataFlow:
         producer = self._produced.get(value)
         consumer = next((CallSite(call.name, segment, call.call, call.arguments[id(value)]) for call in self._calls
                          if call.segment == segment and call.arguments and id(value) in call.arguments), None)
+        if producer is not None and consumer is None and value not in self._handled:
+            # read by the step's own code: given as the producer's output on the reading stages
+            seen.setdefault(producer, Reads(set(), set(), value)).step_reads.add(segment)
+            return
         if producer is None or consumer is None:
             self.transported[key] = None
             made = f"made by {producer.module}" if producer is not None else (
@@ -343,10 +382,12 @@ class DataFlow:
             used = f"read by {consumer.module}" if consumer is not None else (
                 f"read by {function}() in {self._consumer()}, not as an argument of a module call in segment"
                 f" {segment}")
+            handled = self._handled.get(value) if producer is not None and consumer is None else None
+            if handled is not None:  # else it would be given at its producer's output on the reading stage
+                used += f", and {handled} takes or gives it too"
             self.untransportable.setdefault(key, f"{made}, {used}")
             return
-        consumers, _ = seen.setdefault(producer, (set(), value))
-        consumers.add(consumer)
+        seen.setdefault(producer, Reads(set(), set(), value)).consumers.add(consumer)
 
     def _consumer(self) -> str:
         for call in reversed(self._calls):
@@ -398,13 +439,33 @@ class DataFlow:
                 )
         return recomputed, unsplittable
 
-    def side_values(self) -> dict[CallSite, tuple[set[CallSite], Tensor]]:
-        """The side values of the crossings :meth:`recomputed` found carried, by producer (consumers, a tensor)."""
-        merged: dict[CallSite, tuple[set[CallSite], Tensor]] = {}
+    def side_values(self) -> dict[CallSite, Reads]:
+        """The side values of the crossings :meth:`recomputed` found carried, by producer."""
+        merged: dict[CallSite, Reads] = {}
         for key in getattr(self, "carried", ()):
-            for producer, (consumers, value) in (self.transported[key] or {}).items():
-                merged.setdefault(producer, (set(), value))[0].update(consumers)
+            for producer, reads in (self.transported[key] or {}).items():
+                into = merged.setdefault(producer, Reads(set(), set(), reads.value))
+                into.consumers |= reads.consumers
+                into.step_reads |= reads.step_reads
         return merged
+
+
+def producer_ancestors(values: Iterable[SideValue]) -> set[str]:
+    """The modules within which the producers of ``values`` are called (not the root, not the producers).
+
+    A stage that gives a value at its producer's output (:attr:`SideValue.step_reads`) runs these modules' code, so
+    that the producer is called there; it stands in for their other submodules one by one.
+    """
+    names: set[str] = set()
+    for value in values:
+        parts = value.producer.module.split(".")
+        names.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    return names
+
+
+def _within(name: str, caller: str) -> bool:
+    """Whether module ``name`` is ``caller`` or inside it (a call of ``caller`` runs ``name``'s)."""
+    return not caller or name == caller or name.startswith(caller + ".")
 
 
 def _outermost(names: frozenset[str]) -> list[str]:

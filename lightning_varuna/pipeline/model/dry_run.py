@@ -41,7 +41,7 @@ from lightning_varuna.pipeline.model.call_shapes import (
     shape_rules,
 )
 from lightning_varuna.pipeline.model.cut import CutPoint, CutPointError, forward_handler
-from lightning_varuna.pipeline.model.data_flow import DataFlow, SideValue
+from lightning_varuna.pipeline.model.data_flow import DataFlow, SideValue, producer_ancestors
 from lightning_varuna.pipeline.model.segment_costs import CostCounter, SegmentCost, fit_costs
 
 __all__ = ["CutInfo", "PartitionError", "TIMED_RUNS", "Trace", "time_segments", "trace_step"]
@@ -258,28 +258,41 @@ def _side_values(one: DataFlow, two: DataFlow) -> list[SideValue]:
     small, large = one.side_values(), two.side_values()
     values = []
     for producer in sorted(large):
-        consumers, tensor = large[producer]
+        reads = large[producer]
         seen = small.get(producer)
-        if seen is None or seen[0] != consumers:
+        if seen is None or (seen.consumers, seen.step_reads) != (reads.consumers, reads.step_reads):
             raise PartitionError(
                 f"The output of {producer.module} is used by later segments differently with a batch of 1 and of 2"
                 " (other module calls, or only once): the model's data flow must not depend on the batch size."
             )
-        name = f"the output of {producer.module}"
+        tensor = reads.value
+        users = sorted({c.module for c in reads.consumers})
+        if reads.step_reads:
+            users.append(f"the step's code in segment(s) {', '.join(map(str, sorted(reads.step_reads)))}")
         values.append(SideValue(
-            producer=producer, consumers=tuple(sorted(consumers)), shape=tuple(tensor.shape), dtype=tensor.dtype,
-            batch_dim=_batch_dim(seen[1], tensor, name),
+            producer=producer, consumers=tuple(sorted(reads.consumers)), shape=tuple(tensor.shape),
+            dtype=tensor.dtype, batch_dim=_batch_dim(seen.value, tensor, f"the output of {producer.module}"),
             what=f"A tensor ({tuple(tensor.shape)} {tensor.dtype}) made by {producer.module} in segment"
-                 f" {producer.segment} and used by {', '.join(sorted({c.module for c in consumers}))}",
+                 f" {producer.segment} and used by {', '.join(users)}",
+            step_reads=tuple(sorted(reads.step_reads)),
         ))
     return values
 
 
-def _stand_in_roots(module_segments: dict[str, set[int]], recomputed: set[str]) -> list[str]:
-    """The modules that get a stand-in on some stage: those within one segment per call, no ancestor of which is."""
+def _stand_in_roots(module_segments: dict[str, set[int]], recomputed: set[str], values: list[SideValue]) -> set[str]:
+    """The modules that get a stand-in on some stage.
+
+    Those within one segment per call, no ancestor of which is; and on a stage that gives a value at its producer's
+    output, those within its producer's ancestors.
+    """
     candidates = {name for name in module_segments if name and name not in recomputed}
-    return [name for name in candidates
-            if not any(".".join(name.split(".")[:end]) in candidates for end in range(1, name.count(".") + 1))]
+
+    def roots(names: set[str]) -> set[str]:
+        return {name for name in names
+                if not any(".".join(name.split(".")[:end]) in names for end in range(1, name.count(".") + 1))}
+
+    run = producer_ancestors(v for v in values if v.step_reads)
+    return roots(candidates) | (roots(candidates - run) if run else set())
 
 
 def time_segments(timed_step: Callable[[], object]) -> list[float]:
@@ -349,6 +362,7 @@ def trace_step(
     one.flow.unclean = two.flow.unclean
     recomputed, crossings = two.flow.recomputed(module_segments)
     one.flow.recomputed(module_segments)
+    side_values = _side_values(one.flow, two.flow)
     trace = Trace(
         param_bytes={name: p.numel() * p.element_size() for name, p in params.items()},
         cuts=cuts,
@@ -358,10 +372,10 @@ def trace_step(
         crossings=crossings,
         recomputed=recomputed,
         spanning=two.spanning | one.spanning,
-        side_values=_side_values(one.flow, two.flow),
+        side_values=side_values,
         segment_seconds=seconds,
         not_on_meta=one.not_on_meta | two.not_on_meta,
-        call_shapes={name: rules for name in _stand_in_roots(module_segments, recomputed)
+        call_shapes={name: rules for name in _stand_in_roots(module_segments, recomputed, side_values)
                      if (rules := shape_rules(one.calls.get(name, []), two.calls.get(name, [])))},
         skipped=not cuts and one.returned_nothing,
         costs=fit_costs(one.costs, two.costs, two.param_segments, params, len(cuts) + 1),

@@ -39,11 +39,13 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_varuna.pipeline.model.call_shapes import PLAIN, ShapeRule
 from lightning_varuna.pipeline.model.cut import never_compiled, zero_like_shape
+from lightning_varuna.pipeline.model.data_flow import SideValue, producer_ancestors
 from lightning_varuna.pipeline.model.dry_run import Trace
 from lightning_varuna.pipeline.model.partition import Partition
 
 __all__ = [
-    "StandIn", "UnseenCallError", "apply_partition", "free_parameter", "guard_unseen_calls", "install_stand_in",
+    "StandIn", "UnseenCallError", "apply_partition", "free_parameter", "given_at_producers", "guard_unseen_calls",
+    "install_stand_in",
     "remove_stand_ins", "stand_in_candidates",
 ]
 
@@ -279,6 +281,7 @@ def apply_partition(
         if name not in keep:
             free_parameter(root, name, device)
     candidates = stand_in_candidates(partition.trace, partition.stages[stages[-1]].segments.start)
+    candidates -= producer_ancestors(given_at_producers(partition, rank))
     stand_ins = []
     for name in _outermost(candidates):
         module = root.get_submodule(name)
@@ -287,6 +290,20 @@ def apply_partition(
         install_stand_in(stand_in)
         stand_ins.append(stand_in)
     return stand_ins
+
+
+def given_at_producers(partition: Partition, rank: int) -> list[SideValue]:
+    """The side values a stage of ``rank`` reads in its step's code and gets at their producers' outputs.
+
+    The rank runs their producers' ancestors (so that the producer is called where the step's code expects it), and
+    stands in for the producer and the rest one by one (:attr:`SideValue.step_reads`).
+    """
+    given = []
+    for s in partition.rank_stages(rank):
+        segments = partition.stages[s].segments
+        given += [v for v in partition.trace.side_values
+                  if v.producer.segment < segments.start and any(r in segments for r in v.step_reads)]
+    return list(dict.fromkeys(given))
 
 
 class UnseenCallError(RuntimeError):

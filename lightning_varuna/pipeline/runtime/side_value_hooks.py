@@ -2,7 +2,10 @@
 
 A producer's forward hook captures a side value from the module call's output; a consumer's forward pre-hook puts
 the value the stage has for it (received, or a leaf of the stage's own value with recompute by degree) in place of
-the call's argument (:mod:`~lightning_varuna.pipeline.runtime.side_values`).
+the call's argument (:mod:`~lightning_varuna.pipeline.runtime.side_values`). A value the step's code reads outside
+module calls is given at its producer instead: on a stage that reads it, a forward hook puts the received value in
+place of the leaf of the (stood-in) producer's output, ahead of the model's own hooks (transformers collects router
+logits with forward hooks on the routers).
 
 Which call of a module, in which segment, takes or gives which value is Python bookkeeping that changes with every
 segment and micro-batch. It runs uncompiled at the segment boundaries only: when a stage's forward starts and at
@@ -44,6 +47,11 @@ class ForwardSides(Protocol):
         ...
 
     @property
+    def reached(self) -> Callable[[], int]:
+        """The segment the forward is in, stood in for or not (the cut points it passed)."""
+        ...
+
+    @property
     def captured(self) -> dict[SideValue, Tensor]:
         """The values the stage's producers gave."""
         ...
@@ -75,6 +83,7 @@ class SideValueHooks:
     def __init__(self, root: nn.Module, chunks: Sequence[Chunk]) -> None:
         consumers: dict[str, dict[tuple[int, int], list[tuple[int, SideValue]]]] = {}
         producers: dict[str, dict[tuple[int, int], list[tuple[int, SideValue]]]] = {}
+        givers: dict[str, dict[tuple[int, int], list[tuple[int, SideValue]]]] = {}
         for chunk in chunks:
             last = chunk.last_cut if chunk.last_cut is not None else float("inf")
             kept_from = chunk.grad_from if chunk.grad_from is not None else last
@@ -83,29 +92,30 @@ class SideValueHooks:
                 for c in value.consumers:
                     if start <= c.segment <= last:
                         consumers.setdefault(c.module, {}).setdefault((c.segment, c.call), []).append((c.leaf, value))
+            for value in chunk.sides_in:
+                p = value.producer
+                if any(chunk.first_segment <= r <= last for r in value.step_reads):
+                    givers.setdefault(p.module, {}).setdefault((p.segment, p.call), []).append((p.leaf, value))
             for value in dict.fromkeys((*chunk.sides_out, *chunk.sides_kept)):
                 p = value.producer
                 if value not in chunk.sides_in:
                     producers.setdefault(p.module, {}).setdefault((p.segment, p.call), []).append((p.leaf, value))
         self.segments: dict[int, list[tuple[_Slot, bool, _Calls]]] = {}
         """Per segment: each hooked module's slot, whether it is a producer, and what its calls do there."""
+        self.given: dict[int, list[tuple[_Slot, bool, _Calls]]] = {}
+        """Per segment a stage stands in for: the producers whose outputs it gives (:attr:`SideValue.step_reads`)."""
         self.slots: list[_Slot] = []
         self.handles: list[RemovableHandle] = []
-        for producing, tables in ((False, consumers), (True, producers)):
+        for role, tables in (("consumer", consumers), ("producer", producers), ("giver", givers)):
             for name, table in tables.items():
                 slot = _Slot()
                 self.slots.append(slot)
+                into = self.given if role == "giver" else self.segments
                 for segment in sorted({s for s, _ in table}):
                     calls = [table.get((segment, call), []) for call in range(1 + max(c for s, c in table
                                                                                       if s == segment))]
-                    self.segments.setdefault(segment, []).append((slot, producing, calls))
-                module = root.get_submodule(name)
-                # a producer's hook first: a cut_at hook on the same module may end the stage's forward
-                if producing:
-                    handle = module.register_forward_hook(_capture(slot), prepend=True)
-                else:
-                    handle = module.register_forward_pre_hook(_substitute(slot), with_kwargs=True)
-                self.handles.append(handle)
+                    into.setdefault(segment, []).append((slot, role == "producer", calls))
+                self.handles.append(_register(root.get_submodule(name), role, slot))
         _installed.append(self)
 
     def remove(self) -> None:
@@ -115,6 +125,16 @@ class SideValueHooks:
         self.handles = []
         if self in _installed:
             _installed.remove(self)
+
+
+def _register(module: nn.Module, role: str, slot: _Slot) -> RemovableHandle:
+    # a producer's or giver's hook first: a cut_at hook on the same module may end the stage's forward, and the
+    # model's own hooks (transformers' output capture) must see the given value
+    if role == "producer":
+        return module.register_forward_hook(_capture(slot), prepend=True)
+    if role == "giver":
+        return module.register_forward_hook(_give(slot), prepend=True)
+    return module.register_forward_pre_hook(_substitute(slot), with_kwargs=True)
 
 
 _installed: list[SideValueHooks] = []
@@ -132,6 +152,9 @@ class _Segments:
         forward = self.forward
         segment = forward.segment()
         self.running = [entry for hooks in _installed for entry in hooks.segments.get(segment, ())]
+        if segment == -1:  # stood in for: the producers whose outputs this stage gives
+            reached = forward.reached()
+            self.running += [entry for hooks in _installed for entry in hooks.given.get(reached, ())]
         for slot, producing, calls in self.running:
             if producing:
                 slot.calls[:] = [tuple(leaf for leaf, _ in targets) for targets in calls]
@@ -184,6 +207,21 @@ def _substitute(slot: _Slot) -> Callable[..., object]:
         for leaf, tensor in replacements:
             leaves[leaf] = tensor
         return cast(_CallArgs, tree_unflatten(leaves, spec))  # the tree flattened above
+
+    return hook
+
+
+def _give(slot: _Slot) -> Callable[..., object]:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> object:
+        if not slot.calls:
+            return None
+        replacements = slot.calls.pop(0)
+        if not replacements:
+            return None
+        leaves, spec = tree_flatten(output)
+        for leaf, tensor in replacements:
+            leaves[leaf] = tensor
+        return tree_unflatten(leaves, spec)
 
     return hook
 

@@ -12,7 +12,9 @@ of a module call's output (its *producer*) and is used in later segments only as
   each piece aligned), their shapes and dtypes agreed in the step's header, ``boundary_dtype`` applied to floating
   ones as to the activation;
 - a received side value is a leaf that requires grad like the activation; a forward pre-hook puts it in place of
-  the argument of each consumer on the stage (where the stood-in producer gave zeros);
+  the argument of each consumer on the stage (where the stood-in producer gave zeros); a value the step's code
+  reads outside module calls (a mixture of experts' router logits, read by its loss) is put in place of the
+  stood-in producer's output instead, by a forward hook that runs before the model's own;
 - the backward runs autograd over the stage's output and the side values it sent, with the gradients received
   for them (one message with the activation's), and sends back the gradients of its received leaves. A value
   captured again by a recompute is differentiated there; with recompute by degree, in the recomputed part's
@@ -111,8 +113,14 @@ def side_values_kept(values: Sequence[SideValue], segments: range, grad_from: in
     """
     if grad_from is None:
         return ()
-    return tuple(v for v in values if segments.start <= v.producer.segment <= grad_from
-                 and any(grad_from < c.segment < segments.stop for c in v.consumers))
+    kept = tuple(v for v in values if segments.start <= v.producer.segment <= grad_from
+                 and any(grad_from < c < segments.stop for c in (*(c.segment for c in v.consumers), *v.step_reads)))
+    read_by_step = [v.what for v in kept if v.step_reads]
+    if read_by_step:
+        # the kept part would read the value made without autograd: its gradient would be lost
+        raise PipelineError(f"Recompute by degree cannot keep a value the step's code reads outside module calls"
+                            f" on the stage that makes it: {read_by_step[0]}. Use recompute=True or False.")
+    return kept
 
 
 def _encode(tensor: Tensor) -> list[int]:
@@ -134,7 +142,10 @@ class _Forward:
     sides: StageSides
     k: int
     segment: Callable[[], int]
+    reached: Callable[[], int]
     recomputing: bool
+    receive: Callable[[], object] | None
+    """Waits for the stage's input (a value given at a stood-in producer is needed before the first cut point)."""
     captured: dict[SideValue, Tensor] = field(default_factory=dict)
     substitutes: dict[SideValue, Tensor] | None = None
     kept: dict[SideValue, Tensor] = field(default_factory=dict)
@@ -144,6 +155,8 @@ class _Forward:
         """What a consumer takes in place of ``value`` on this stage (None: the value as the model made it)."""
         sides = self.sides
         if value in sides.ins:
+            if not sides.received[self.k] and self.receive is not None:
+                self.receive()
             if self.substitutes is None:
                 self.substitutes = sides.substitutes(self.k)
             return self.substitutes.get(value)
@@ -199,9 +212,15 @@ class StageSides:
 
     # -- forward --------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def forward(self, k: int, recomputing: bool, segment: Callable[[], int]) -> Iterator[None]:
-        """Inside the block, this stage's hooks act for micro-batch ``k``."""
-        forward = _Forward(self, k, segment, recomputing)
+    def forward(self, k: int, recomputing: bool, segment: Callable[[], int], reached: Callable[[], int],
+                receive: Callable[[], object] | None = None) -> Iterator[None]:
+        """Inside the block, this stage's hooks act for micro-batch ``k``.
+
+        ``segment`` returns the segment the forward runs for real in (-1 where it stands in), ``reached`` the one it
+        is in either way (where a value read by the step's code is given at its producer's output, before the
+        stage's first cut point: ``receive`` waits for the message that holds it).
+        """
+        forward = _Forward(self, k, segment, reached, recomputing, receive)
         try:
             with acting_for(forward):
                 yield

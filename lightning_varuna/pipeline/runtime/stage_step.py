@@ -337,7 +337,7 @@ class StageStep:
         selective recompute's outputs, kept by a forward and taken by its recompute (from the stage's input on).
         """
         executor = self.executor
-        fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
+        receive = fetch = (lambda: self._forward_input(k, with_grad)) if self.prev is not None else None
         ops, fetch = stage_ops(saved, recomputing, self.stage, k, fetch)
         chunk = self.chunk
         partial = self.grad_from is not None
@@ -346,8 +346,8 @@ class StageStep:
         executor.current = handler
         try:
             with forward_handler(handler), torch.set_grad_enabled(with_grad), (
-                    self.sides.forward(k, recomputing, executor.segment) if self.sides is not None else nullcontext()
-            ), ops:
+                    self.sides.forward(k, recomputing, executor.segment, lambda: handler.segment, receive)
+                    if self.sides is not None else nullcontext()), ops:
                 try:
                     out = self.step(k)
                 except StageOutputReady:

@@ -189,7 +189,7 @@ class MadeByTheStep(Model):
     ("model", "why"),
     [
         (lambda: ReadByTheStep(Learned()), r"made by side, read by mul\(\) in the step's own code, not as an argument"
-                                           r" of a module call in segment 1"),
+                                           r" of a module call in segment 1, and blocks\.0 takes or gives it too"),
         (MadeByTheStep, r"made by the step's own code outside any module's output, read by blocks\.1"),
     ],
     ids=["read-outside-a-module-call", "made-outside-a-module-call"],
@@ -230,3 +230,84 @@ def test_recompute_by_degree_keeps_a_side_value_that_its_stage_makes_in_the_reco
     assert side_values_kept(result.side_values, range(1, 3), 1) == ()
     # the planner's rule is the engine's: both refuse only what crosses the recomputed part's end unsplittably
     assert recomputed_segments([range(0, 2), range(2, 3)], 1, tuple(result.crossings)) == [range(0, 1), range(2, 2)]
+
+
+# -- values the step's code reads outside module calls (a mixture of experts' router logits) ----------------------
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, WIDTH))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logits = x @ self.weight.t()
+        return logits, logits.argmax(-1)
+
+
+class RoutedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.router = Router()
+
+    def forward(self, x: Tensor) -> Tensor:
+        _, chosen = self.router(x)  # the logits are dropped here: only a hook keeps them (as transformers' do)
+        return self.linear(x) * (1 + chosen[:, None])
+
+
+class Routed(nn.Module):
+    """Blocks whose routers' logits a forward hook collects, read by the loss after the last block."""
+
+    def __init__(self, n: int = 3, hand_over: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(RoutedBlock() for _ in range(n))
+        self.cuts = nn.ModuleList(CutPoint() for _ in range(n - 1))
+        self.probe = nn.Identity()
+        self.hand_over = hand_over
+        self.collected: list[Tensor] = []
+        for block in self.blocks:
+            block.router.register_forward_hook(lambda module, args, out: self.collected.append(out[0]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.collected = []
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.hand_over and i == 0:
+                self.probe(self.collected[0])  # another module takes the first router's logits
+            if i < len(self.cuts):
+                h = self.cuts[i](h)
+        logits, self.collected = torch.cat(self.collected), []  # kept no longer than the forward
+        return h.pow(2).mean() + logits.softmax(-1).pow(2).mean()
+
+
+def test_a_value_the_step_reads_outside_module_calls_is_given_at_its_producer_on_the_reading_stage() -> None:
+    model = Routed()
+    result = trace(model)
+    values = {v.producer.module: v for v in result.side_values}
+    assert set(values) == {"blocks.0.router", "blocks.1.router"}  # blocks.2's is read in its own segment
+    assert all(v.consumers == () and v.step_reads == (2,) and v.batch_dim == 0 for v in values.values())
+    assert "used by the step's code in segment(s) 2" in values["blocks.0.router"].what
+    plan = make_partition(result, 3)
+    assert "blocks.0.router (stage 0) to stage 2; blocks.1.router (stage 1) to stage 2" in plan.table()
+    for stage, whole in ((1, {"embed", "blocks.0"}), (2, {"embed", "blocks.0.linear", "blocks.0.router",
+                                                          "blocks.1.linear", "blocks.1.router"})):
+        copy = copy_module(model)
+        stand_ins = apply_partition(copy, plan, stage, lambda: 0, torch.device("cpu"))
+        try:  # the reading stage runs the blocks' own code, so that their routers are called (and hooked) there
+            names = {name for name, module in copy.named_modules() if any(s.module is module for s in stand_ins)}
+            assert names == whole
+        finally:
+            remove_stand_ins(stand_ins)
+    # its rules give the stood-in routers' shapes without running them
+    assert {"blocks.0.router", "blocks.0.linear", "blocks"} - set(result.call_shapes) == {"blocks"}
+
+
+def test_a_value_the_step_reads_that_another_module_also_takes_is_refused() -> None:
+    """That module may keep it (a stage standing it in would read a stale value): refused, never silently wrong."""
+    result = trace(Routed(hand_over=True))
+    assert {v.producer.module for v in result.side_values} == {"blocks.1.router"}
+    with pytest.raises(PartitionError, match=r"made by blocks\.0\.router, read by .* not as an argument of a module"
+                                             r" call in segment 2"):
+        make_partition(result, 2)
