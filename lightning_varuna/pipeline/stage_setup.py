@@ -262,9 +262,6 @@ class StageSetup:
         """
         topo = self.topology
         assert topo is not None and self.executor is not None and self.partition is not None
-        if self.config.zero_stage == 1 and topo.data_size > 1:
-            raise RuntimeError("A sharded optimizer (zero_stage=1) cannot recover in place: a lost replica's shard of"
-                               " the optimizer state has no other copy.")
         topo.remake()
         self.executor.p2p.close(join=False)
         self.executor.p2p = self._p2p()

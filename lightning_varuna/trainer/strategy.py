@@ -60,8 +60,8 @@ from lightning_varuna.trainer.processes import (
     stop_watching_peers,
     watch_peers,
 )
+from lightning_varuna.trainer.recovery import in_place
 from lightning_varuna.trainer.recovery.checkpoint_hooks import CheckpointHooks, StrategyCheckpoints
-from lightning_varuna.trainer.recovery.in_place import InPlaceRecovery, as_restart, check_recovery_options
 from lightning_varuna.trainer.recovery.preemption import Preempted, PreemptionGuard, PreemptionNotice
 from lightning_varuna.trainer.recovery.resume import choose_last
 
@@ -230,7 +230,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
                          process_group_backend, timeout, pipeline_parallel_size=pipeline_parallel_size,
                          global_batch_size=global_batch_size)
         check_strategy_options(boundary_dtype, global_batch_size)  # with EngineConfig: before any process starts
-        check_recovery_options(recovery, recovery_store, global_batch_size, zero_stage)
+        in_place.check_recovery_options(recovery, recovery_store, global_batch_size)
         self.config = engine_config.EngineConfig(
             pipeline_parallel_size=pipeline_parallel_size, num_microbatches=num_microbatches,
             microbatch_size=microbatch_size, schedule=schedule, recompute=recompute, recompute_policy=recompute_policy,
@@ -258,7 +258,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
         self._forget_cleanup: Callable[[], None] | None = None
         self._sharded_steps: dict[Optimizer, ShardedStep] = {}
         self.recovery, self.recovery_store = recovery, recovery_store
-        self._in_place: InPlaceRecovery | None = None
+        self._in_place: in_place.InPlaceRecovery | None = None
         self.train_loader: Any = None  # as process_dataloader made it: in-place recovery splits it anew
 
     @classmethod
@@ -323,8 +323,8 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
             self._sharded_steps = {o: z for o in self.optimizers if (z := self.engine.shard_optimizer(o)) is not None}
             self._preemption = PreemptionGuard(trainer, self.preemption_notice, self.root_device, self.topology)
             self._preemption.attach()
-            if self.recovery == "in_place":
-                self._in_place = InPlaceRecovery(self, self._timeout.total_seconds())
+            if self.recovery == "in_place" and in_place.in_place_possible(self.engine):
+                self._in_place = in_place.InPlaceRecovery(self, self._timeout.total_seconds())
                 self._in_place.arm(trainer, precision, self._preemption)
             self._checkpoints.start()  # the asynchronous writer's helper process starts while training does
 
@@ -472,7 +472,7 @@ class VarunaStrategy(CheckpointHooks, ProcessGroupStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Reports the error to the other ranks (their watchdogs end them; they quote it if they lose contact)."""
-        exception = as_restart(exception)  # a death outside the steps that in-place recovery settles
+        exception = in_place.as_restart(exception)  # a death outside the steps that in-place recovery settles
         if is_initialized() and not isinstance(exception, Preempted):
             report_failure(exception)
 

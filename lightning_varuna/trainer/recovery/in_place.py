@@ -37,18 +37,21 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_varuna.failstop.abandon import PeersLost
 from lightning_varuna.failstop.failures import PipelineError, waiting_on_peers
 from lightning_varuna.failstop.job_watchdog import current_watchdog, watch_job
 from lightning_varuna.failstop.survivors import Survivors, agree_on_survivors, form_new_world, job_store
 from lightning_varuna.pipeline.topology import Topology
+from lightning_varuna.pipeline.varuna_warning import VarunaWarning
 from lightning_varuna.trainer.data import ElasticBatchSampler, ResumableDataLoader
 from lightning_varuna.trainer.logs.hook_logs import OptimizerHookLogs
 from lightning_varuna.trainer.precision import PipelinePrecision
 from lightning_varuna.trainer.recovery.preemption import PreemptionGuard
 
-__all__ = ["InPlaceRecovery", "as_restart", "check_in_place", "check_recovery_options", "complete_replicas"]
+__all__ = ["InPlaceRecovery", "as_restart", "check_in_place", "check_recovery_options", "complete_replicas",
+           "in_place_possible"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,17 @@ RELEASED_EXIT_CODE = 0
 """Exit status of a survivor released because its replica lost a stage: it did nothing wrong."""
 
 
-def check_recovery_options(recovery: str, store: str | None, global_batch_size: int | None, zero_stage: int) -> None:
+def in_place_possible(engine: Any) -> bool:
+    """Whether deaths can be recovered from in place; if not (a sharded optimizer), says so once: they restart."""
+    if engine.shards_optimizer:
+        rank_zero_warn("VarunaStrategy(recovery='in_place') with zero_stage=1: a lost replica's shard of the optimizer"
+                       " state has no other copy, so a death ends every rank and the job restarts from the newest"
+                       " checkpoint, as with recovery='restart'.", category=VarunaWarning)
+        return False
+    return True
+
+
+def check_recovery_options(recovery: str, store: str | None, global_batch_size: int | None) -> None:
     """Refuses recovery options that cannot work, when the strategy is made (before any process starts)."""
     if recovery not in ("restart", "in_place"):
         raise ValueError(f"recovery={recovery!r}: use 'restart' or 'in_place'.")
@@ -67,9 +80,6 @@ def check_recovery_options(recovery: str, store: str | None, global_batch_size: 
     if global_batch_size is None:
         raise ValueError("recovery='in_place' needs global_batch_size: the replicas left then read the lost ones'"
                          " share of every batch, so the training follows the same trajectory.")
-    if zero_stage:
-        raise ValueError("recovery='in_place' does not work with zero_stage=1 yet (a lost replica's shard of the"
-                         " optimizer state has no other copy): use zero_stage=0 or recovery='restart'.")
 
 
 def check_in_place(trainer: Any, backend: str | None) -> None:
