@@ -148,7 +148,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(rank)
             self.cluster_environment.set_world_size(world_size)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # environments that read them again
+        for name, value in (("RANK", rank), ("WORLD_SIZE", world_size)):  # for environments that read them again;
+            if name in os.environ:  # never new ones: Lightning's launcher hands this environment to its ranks
+                os.environ[name] = str(value)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning keeps it on fn
 
     @override
