@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 from lightning_varuna.failstop.job_watchdog import current_watchdog
 from lightning_varuna.failstop.watchdog import SETTLE_S, Watchdog
 
-__all__ = ["PeersLost", "abandonable", "lost_peers", "surviving"]
+__all__ = ["PeersLost", "abandonable", "raise_if_a_death_explains", "surviving"]
 
 _T = TypeVar("_T")
 _POLL_S = 0.05
@@ -46,11 +46,13 @@ def surviving() -> Watchdog | None:
     return watchdog if watchdog is not None and watchdog.survive_deaths else None
 
 
-def lost_peers(what: str) -> None:
-    """Raises :class:`PeersLost` if a peer died (in-place recovery on), so that ``what`` is not started."""
-    watchdog = surviving()
-    if watchdog is not None and watchdog.lost.is_set():
-        raise PeersLost(watchdog.dead, what)
+def raise_if_a_death_explains(watchdog: Watchdog, what: str, error: BaseException) -> None:
+    """Raises :class:`PeersLost` if a peer's death explains ``error``.
+
+    The watchdog learns of the death within :data:`~.watchdog.SETTLE_S` of the closed connection that caused it.
+    """
+    if watchdog.lost.wait(SETTLE_S):
+        raise PeersLost(watchdog.dead, what) from error
 
 
 class _Helper:
@@ -83,8 +85,8 @@ _helper: dict[str, _Helper | None] = {"current": None}
 def abandonable(wait: Callable[[], _T], what: str, watchdog: Watchdog) -> _T:
     """Runs ``wait`` in a helper thread; gives it up with :class:`PeersLost` as soon as a peer died.
 
-    An error of the wait itself is re-raised, unless a peer's death explains it (the watchdog learns of the death
-    within :data:`~.watchdog.SETTLE_S` of the closed connection that caused it): then :class:`PeersLost`.
+    An error of the wait itself is re-raised, unless a peer's death explains it
+    (:func:`raise_if_a_death_explains`).
     """
     helper = _helper["current"] or _Helper()
     _helper["current"] = helper
@@ -96,6 +98,5 @@ def abandonable(wait: Callable[[], _T], what: str, watchdog: Watchdog) -> _T:
     ok, value = box[0]
     if ok:
         return cast(_T, value)
-    if watchdog.lost.wait(SETTLE_S):
-        raise PeersLost(watchdog.dead, what) from value
+    raise_if_a_death_explains(watchdog, what, value)
     raise value

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_varuna.failstop.abandon import PeersLost, surviving
+from lightning_varuna.failstop.abandon import PeersLost, raise_if_a_death_explains, surviving
 from lightning_varuna.failstop.failures import PipelineError, peer_error
-from lightning_varuna.failstop.watchdog import SETTLE_S, Watchdog
+from lightning_varuna.failstop.watchdog import Watchdog
 from lightning_varuna.pipeline.comm.events import Event, EventHooks, EventKind, PostedOp
 from lightning_varuna.pipeline.scheduling.lowering import Message
 from lightning_varuna.pipeline.topology import Topology
@@ -365,8 +365,8 @@ class P2P:
         except PeersLost:
             raise
         except Exception as err:  # noqa: BLE001 - re-raised with the peer's own error, when known
-            if watchdog is not None and watchdog.lost.wait(SETTLE_S):  # the peer's death explains it
-                raise PeersLost(watchdog.dead, f"{what} from/to rank {transfer.peer}") from err
+            if watchdog is not None:
+                raise_if_a_death_explains(watchdog, f"{what} from/to rank {transfer.peer}", err)
             raise self._error(f"{what} from/to rank {transfer.peer}", err) from err
         if transfer.wire is not transfer.tensor and transfer.kind == "recv":
             assert self.staging is not None
